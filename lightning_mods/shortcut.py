@@ -1,0 +1,182 @@
+"""The decayed identity shortcut schedule (SPEC section 1; "Residual Connections Harm
+Generative Representation Learning", section 3).
+
+A residual sub-layer normally computes ``x <- x + f(x)``. Here every sub-layer ``k`` of a
+network with ``K`` sub-layers computes ``x <- a_k * x + b_k * f(x)``:
+
+=================  ==========================================  =========
+kind               shortcut weight ``a_k``                      ``b_k``
+=================  ==========================================  =========
+``none``           1 (the standard residual network)            1
+``linear``         ``1 - k / (K - 1) * (1 - alpha_min)``        1
+``cosine``         ``alpha_min + (1 - alpha_min) * (1 + cos(pi k / (K-1))) / 2``  1
+``constant``       ``alpha_min``                                1
+``learnable``      a trainable scalar, initialised at 1         1
+``scaled_branch``  1                                            ``scale``
+``scaled_sum``     ``scale``                                    ``scale``
+=================  ==========================================  =========
+
+``scaled_branch`` is the ablation ``x + c f(x)`` and ``scaled_sum`` is ``c (x + f(x))``
+(``c = sqrt(1/2)`` in the paper). In a transformer block the attention and the MLP
+sub-layers are counted separately (``K = 2 * depth``); ``branches`` picks which of them are
+decayed, the others keep ``a_k = b_k = 1``. The linear schedule follows the authors' code:
+exactly ``alpha_min`` at the last sub-layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+Kind = Literal["none", "linear", "cosine", "constant", "learnable", "scaled_branch", "scaled_sum"]
+Branches = Literal["both", "attn", "mlp"]
+SubLayerType = Literal["attn", "mlp", "block"]
+
+KINDS: tuple[str, ...] = ("none", "linear", "cosine", "constant", "learnable", "scaled_branch", "scaled_sum")
+BRANCHES: tuple[str, ...] = ("both", "attn", "mlp")
+_SOLVABLE: tuple[str, ...] = ("linear", "cosine", "constant")
+
+
+def _check_unit_interval(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a finite number in [0, 1], got {value!r}")
+    return value
+
+
+def _check_depth(num_sublayers: int) -> int:
+    if isinstance(num_sublayers, bool) or not isinstance(num_sublayers, int) or num_sublayers <= 0:
+        raise ValueError(f"num_sublayers must be a positive integer, got {num_sublayers!r}")
+    return num_sublayers
+
+
+class ShortcutSchedule:
+    """Describes how the identity shortcut of every residual sub-layer is weighted.
+
+    Args:
+        kind: one of ``none``, ``linear`` (default), ``cosine``, ``constant``, ``learnable``,
+            ``scaled_branch``, ``scaled_sum`` (see the module docstring).
+        alpha_min: the shortcut weight reached at the last sub-layer (linear, cosine) or
+            used everywhere (constant). 1.0 gives the standard network.
+        branches: which transformer sub-layers decay: ``both``, ``attn`` or ``mlp``.
+            ResNet blocks (sub-layer type ``block``) always follow the schedule.
+        scale: the constant ``c`` of the two scaling variants.
+    """
+
+    def __init__(
+        self,
+        kind: Kind = "linear",
+        alpha_min: float = 0.6,
+        branches: Branches = "both",
+        scale: float = math.sqrt(0.5),
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        if branches not in BRANCHES:
+            raise ValueError(f"branches must be one of {', '.join(BRANCHES)}; got {branches!r}")
+        self.kind = kind
+        self.alpha_min = _check_unit_interval("alpha_min", alpha_min)
+        self.branches = branches
+        self.scale = _check_unit_interval("scale", scale)
+
+    def __repr__(self) -> str:
+        return (f"ShortcutSchedule(kind={self.kind!r}, alpha_min={self.alpha_min}, "
+                f"branches={self.branches!r}, scale={self.scale:.6g})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ShortcutSchedule) and repr(self) == repr(other)
+
+    @property
+    def learnable(self) -> bool:
+        return self.kind == "learnable"
+
+    def decays(self, sublayer_type: SubLayerType) -> bool:
+        """Whether a sub-layer of this type follows the schedule (``block`` always does)."""
+        return sublayer_type == "block" or self.branches in ("both", sublayer_type)
+
+    def _decayed_alpha(self, k: int, num_sublayers: int) -> float:
+        if self.kind in ("none", "learnable", "scaled_branch"):
+            return 1.0
+        if self.kind in ("constant",):
+            return self.alpha_min
+        if self.kind == "scaled_sum":
+            return self.scale
+        if num_sublayers == 1:
+            return 1.0
+        t = k / (num_sublayers - 1)
+        if self.kind == "linear":
+            # written as 1 - t*(1 - a) so that t = 1 gives exactly alpha_min in float64
+            return self.alpha_min if k == num_sublayers - 1 else 1.0 - t * (1.0 - self.alpha_min)
+        # cosine: 1 at the first sub-layer, alpha_min at the last
+        return self.alpha_min + (1.0 - self.alpha_min) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    def weights(
+        self, num_sublayers: int, sublayer_types: list[SubLayerType] | None = None
+    ) -> list[tuple[float, float]]:
+        """``(shortcut weight a_k, branch weight b_k)`` for every sub-layer ``k``.
+
+        ``sublayer_types[k]`` says whether sub-layer ``k`` is an ``attn``, ``mlp`` or ResNet
+        ``block``; sub-layers whose type is not decayed get ``(1, 1)``.
+        """
+        _check_depth(num_sublayers)
+        if sublayer_types is None:
+            sublayer_types = ["block"] * num_sublayers
+        if len(sublayer_types) != num_sublayers:
+            raise ValueError(f"sublayer_types has {len(sublayer_types)} entries for {num_sublayers} sub-layers")
+        branch_weight = self.scale if self.kind in ("scaled_branch", "scaled_sum") else 1.0
+        out = []
+        for k, sublayer_type in enumerate(sublayer_types):
+            if self.decays(sublayer_type):
+                out.append((self._decayed_alpha(k, num_sublayers), branch_weight))
+            else:
+                out.append((1.0, 1.0))
+        return out
+
+    def alphas(self, num_sublayers: int, sublayer_types: list[SubLayerType] | None = None) -> list[float]:
+        """Shortcut weights ``alpha_k`` (initial values for ``learnable``)."""
+        return [a for a, _ in self.weights(num_sublayers, sublayer_types)]
+
+    def alpha_eff(self, num_sublayers: int, sublayer_types: list[SubLayerType] | None = None) -> float:
+        """Effective decay ``prod_k alpha_k`` (the paper's best results: in [1e-3, 1e-2))."""
+        return math.prod(self.alphas(num_sublayers, sublayer_types))
+
+    def solve_alpha_min(
+        self,
+        target_alpha_eff: float,
+        num_sublayers: int,
+        sublayer_types: list[SubLayerType] | None = None,
+    ) -> float:
+        """The ``alpha_min`` for which this kind of schedule reaches ``target_alpha_eff``.
+
+        ``alpha_eff`` grows monotonically with ``alpha_min`` for the linear, cosine and
+        constant kinds, so bisection in float64 finds it to ~1e-15.
+        """
+        if self.kind not in _SOLVABLE:
+            raise ValueError(
+                f"kind must be one of {', '.join(_SOLVABLE)} to solve for alpha_eff; "
+                f"a {self.kind!r} schedule has no alpha_min to solve for")
+        _check_depth(num_sublayers)
+        target = float(target_alpha_eff)
+        if not math.isfinite(target) or not 0.0 < target <= 1.0:
+            raise ValueError(f"target_alpha_eff must be a finite number in (0, 1], got {target_alpha_eff!r}")
+
+        def eff(alpha_min: float) -> float:
+            return ShortcutSchedule(self.kind, alpha_min, self.branches, self.scale).alpha_eff(
+                num_sublayers, sublayer_types)
+
+        if eff(0.0) >= target:  # reached even with alpha_min = 0 (e.g. a single sub-layer)
+            return 0.0
+        lo, hi = 0.0, 1.0
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if eff(mid) < target:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo < 1e-16:
+                break
+        return hi
+
+
+def transformer_sublayer_types(num_blocks: int) -> list[SubLayerType]:
+    """``[attn, mlp, attn, mlp, ...]`` for ``num_blocks`` pre-norm transformer blocks."""
+    return ["attn", "mlp"] * num_blocks
