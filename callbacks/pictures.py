@@ -1,0 +1,91 @@
+"""Pictures of a run: written as PNG under ``<log_dir>/pictures`` and sent to the logger
+when it takes images (TensorBoard's ``add_image``). Only global rank 0 writes."""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+from lightning.pytorch import Trainer
+
+try:  # matplotlib is a dependency, but keep the module importable in minimal installs
+    from matplotlib.figure import Figure
+except ImportError:  # pragma: no cover
+    Figure = None  # type: ignore[assignment,misc]
+
+Picture = Union[np.ndarray, "Figure"]
+
+
+def picture_dir(trainer: Trainer) -> Path:
+    """``<log_dir>/pictures`` of this run (the logger's version folder when there is one)."""
+    root = trainer.log_dir or trainer.default_root_dir
+    return Path(root) / "pictures"
+
+
+def figure_to_array(fig: "Figure", dpi: int = 100) -> np.ndarray:
+    """Render a matplotlib figure to an ``H x W x 3`` uint8 array."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    fig.set_dpi(dpi)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def to_uint8_image(image: np.ndarray) -> np.ndarray:
+    """``H x W``, ``H x W x C`` (C in 1, 3, 4) floats in [0, 1] or uint8 -> ``H x W x 3`` uint8."""
+    image = np.asarray(image)
+    if image.ndim == 2:
+        image = image[..., None]
+    if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"image must be HxW or HxWxC with C in (1, 3, 4), got shape {image.shape}")
+    if image.dtype != np.uint8:
+        image = (np.clip(image, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+    if image.shape[-1] == 1:
+        image = np.repeat(image, 3, axis=-1)
+    return image[..., :3]
+
+
+def save_png(image: np.ndarray, path: Union[str, os.PathLike]) -> Path:
+    """Write an image array as PNG (through Pillow, which torchvision brings)."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(to_uint8_image(image)).save(path, format="PNG")
+    return path
+
+
+def log_picture(trainer: Trainer, tag: str, picture: Picture, step: int | None = None) -> Path | None:
+    """Save ``picture`` as ``<log_dir>/pictures/<tag>_step<step>.png`` and log it as an image.
+
+    Returns the file written on rank 0, ``None`` on other ranks.
+    """
+    if not trainer.is_global_zero:
+        return None
+    if Figure is not None and isinstance(picture, Figure):
+        image = figure_to_array(picture)
+    else:
+        image = to_uint8_image(picture)
+    step = trainer.global_step if step is None else step
+    safe_tag = tag.replace("/", "_")
+    path = save_png(image, picture_dir(trainer) / f"{safe_tag}_step{step:07d}.png")
+    for logger in trainer.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_image"):
+            experiment.add_image(tag, image, global_step=step, dataformats="HWC")
+    return path
+
+
+def image_grid(images: np.ndarray, nrow: int, pad: int = 2, pad_value: float = 1.0) -> np.ndarray:
+    """Tile ``N x H x W x C`` images (floats in [0, 1]) into one ``H' x W' x C`` picture."""
+    images = np.asarray(images, dtype=np.float32)
+    n, h, w, c = images.shape
+    ncol = int(np.ceil(n / nrow)) if n else 0
+    grid = np.full((pad + ncol * (h + pad), pad + nrow * (w + pad), c), pad_value, dtype=np.float32)
+    for i in range(n):
+        r, q = divmod(i, nrow)
+        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = images[i]
+    return grid

@@ -1,0 +1,74 @@
+"""Optimiser recipe shared by the LightningModules (SPEC section 2 recipe).
+
+- no weight decay on norms, biases, position embeddings, tokens and shortcut alphas;
+- peak learning rate = base lr x global batch / 256, where the global batch is
+  per-device batch x devices x nodes x gradient accumulation;
+- per-step linear warm-up, then cosine to ``min_lr_ratio * peak``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+NO_DECAY_NAME_PARTS = ("pos_embed", "cls_token", "mask_token", "time_token", "label_emb", "dist_token",
+                       "reg_token", "alpha")
+
+
+def param_groups_weight_decay(
+    module: nn.Module, weight_decay: float, no_decay_name_parts: Iterable[str] = NO_DECAY_NAME_PARTS
+) -> list[dict]:
+    """Two groups: decayed weights (ndim >= 2) and everything else (norms, biases, tokens)."""
+    parts = tuple(no_decay_name_parts)
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if p.ndim <= 1 or any(part in leaf or name.startswith(part) for part in parts):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def global_batch_size(trainer, per_device_batch: int) -> int:  # noqa: ANN001 (Trainer)
+    """per-device batch x devices x nodes x gradient accumulation."""
+    return int(per_device_batch) * int(trainer.world_size) * int(trainer.accumulate_grad_batches)
+
+
+def scaled_lr(base_lr: float, global_batch: int, reference_batch: int = 256) -> float:
+    """The linear scaling rule: ``base_lr * global_batch / reference_batch``."""
+    return base_lr * global_batch / reference_batch
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
+    """LR multiplier at optimiser step ``step``: linear warm-up from ~0, then cosine to min."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_cosine_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+) -> dict:
+    """A per-step ``LambdaLR`` in Lightning's ``lr_scheduler`` config form."""
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps, min_lr_ratio))
+    return {"scheduler": sched, "interval": "step", "frequency": 1}
+
+
+def steps_from_epochs(trainer, epochs: float) -> int:  # noqa: ANN001 (Trainer)
+    """Optimiser steps in ``epochs`` epochs of this trainer's training loader."""
+    total = int(trainer.estimated_stepping_batches)
+    max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+    if max_epochs is None:
+        return int(epochs)
+    return int(round(total * float(epochs) / max_epochs))
