@@ -114,7 +114,7 @@ class DecayedResNet(ResNet):
                          zero_init_last=zero_init_branches, **kwargs)
         if cifar_stem:
             cifar_stem_(self, kwargs.get("in_chans", 3))
-        self.shortcut = shortcut if shortcut is not None else ShortcutSchedule("none")
+        self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)
 
 

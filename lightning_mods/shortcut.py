@@ -85,6 +85,23 @@ class ShortcutSchedule:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ShortcutSchedule) and repr(self) == repr(other)
 
+    def as_dict(self) -> dict:
+        """Plain-data form, safe in checkpoints loaded with ``weights_only=True``."""
+        return {"kind": self.kind, "alpha_min": self.alpha_min, "branches": self.branches, "scale": self.scale}
+
+    @classmethod
+    def coerce(cls, value: "ShortcutSchedule | dict | None", default: "ShortcutSchedule | None" = None
+               ) -> "ShortcutSchedule":
+        """Accept a schedule, its :meth:`as_dict` form (from a checkpoint) or ``None`` (-> ``default``)."""
+        if value is None:
+            return default if default is not None else cls("none")
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            value = value.get("init_args", value)  # LightningCLI's class_path/init_args form
+            return cls(**{k: v for k, v in value.items() if k != "class_path"})
+        raise ValueError(f"shortcut must be a ShortcutSchedule or a dict of its fields, got {type(value).__name__}")
+
     @property
     def learnable(self) -> bool:
         return self.kind == "learnable"

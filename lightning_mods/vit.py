@@ -74,7 +74,7 @@ class DecayedVisionTransformer(VisionTransformer):
         if "block_fn" in kwargs:
             raise ValueError("block_fn is fixed to DecayedBlock in DecayedVisionTransformer")
         super().__init__(block_fn=DecayedBlock, **kwargs)
-        self.shortcut = shortcut if shortcut is not None else ShortcutSchedule("none")
+        self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)
         if zero_init_branches:
             zero_init_residual_branches(self)

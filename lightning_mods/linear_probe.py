@@ -1,0 +1,172 @@
+"""Offline linear probe (SPEC section 2, evaluation protocol): a frozen pre-trained backbone,
+a linear head (after a BatchNorm without affine parameters, as MAE's probe) trained without
+augmentation, SGD with cosine decay to 0.
+
+Two entry points: :class:`LinearProbe`, a LightningModule that loads a checkpoint written by
+``shortcutlab fit`` (weights only, through ``torch.load(weights_only=True)``: no arbitrary
+pickle) and trains on image batches; and :func:`train_linear_probe_on_features` for features
+already extracted (e.g. the diffusion feature sweep).
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
+
+
+def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` of a Lightning checkpoint, loaded with ``weights_only=True``.
+
+    Raises one-line errors for a missing file, a file that is not a torch checkpoint, and a
+    torch file without a ``state_dict``.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint: no file at {path!r}; expected a .ckpt written by `shortcutlab fit`")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint: {path!r} is not a loadable torch checkpoint "
+                         f"(weights-only load failed: {first[:200]})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(f"checkpoint: {path!r} has no 'state_dict'; expected a Lightning .ckpt written by "
+                         "`shortcutlab fit`")
+    return ckpt["state_dict"]
+
+
+class ProbeHead(nn.Module):
+    """``Linear(BatchNorm1d(x, affine=False))`` on detached features."""
+
+    def __init__(self, num_features: int, num_classes: int, batch_norm: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(num_features, affine=False, eps=1e-6) if batch_norm else nn.Identity()
+        self.linear = nn.Linear(num_features, num_classes)
+        nn.init.trunc_normal_(self.linear.weight, std=0.01)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(features.detach()))
+
+
+def _topk(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
+    k = min(k, logits.shape[1])
+    return (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float().mean().item()
+
+
+def train_linear_probe_on_features(
+    train_features: torch.Tensor, train_labels: torch.Tensor,
+    val_features: torch.Tensor, val_labels: torch.Tensor, num_classes: int,
+    epochs: int = 100, lr: float = 1e-2, batch_size: int = 1024, weight_decay: float = 0.0,
+    momentum: float = 0.9, batch_norm: bool = True, seed: int = 0,
+) -> dict[str, float]:
+    """Train a linear probe on precomputed features; returns ``{"top1", "top5"}`` on val (0..1)."""
+    if epochs <= 0 or batch_size <= 0:
+        raise ValueError(f"epochs and batch_size must be positive, got epochs={epochs}, batch_size={batch_size}")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = ProbeHead(train_features.shape[1], num_classes, batch_norm).to(train_features.device)
+    opt = torch.optim.SGD(head.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    n = train_features.shape[0]
+    steps_per_epoch = math.ceil(n / batch_size)
+    total = epochs * steps_per_epoch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 0, total))
+    x, y = train_features.float(), train_labels.long()
+    head.train()
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen).to(x.device)
+        for i in range(steps_per_epoch):
+            idx = order[i * batch_size:(i + 1) * batch_size]
+            if batch_norm and idx.numel() < 2:
+                continue  # BatchNorm needs two samples
+            loss = F.cross_entropy(head(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.eval()
+    with torch.no_grad():
+        logits = head(val_features.float())
+    return {"top1": _topk(logits, val_labels.long(), 1), "top5": _topk(logits, val_labels.long(), 5)}
+
+
+class LinearProbe(LightningModule):
+    """Linear probe of a frozen backbone loaded from a ``shortcutlab fit`` checkpoint.
+
+    Args:
+        backbone: the pre-trained LightningModule's configuration (``class_path``/``init_args``,
+            e.g. the same ``MaskedAutoencoder`` settings as in pre-training); it must provide
+            ``forward_features(images) -> B x D``.
+        checkpoint: path of the pre-training checkpoint; ``None`` probes the backbone as built.
+        num_classes: linked from the datamodule by the CLI.
+        lr: peak learning rate (SPEC: 1e-2 at batch 1024), cosine to 0 over the run.
+        batch_norm: BatchNorm without affine parameters before the linear layer.
+    """
+
+    def __init__(self, backbone: LightningModule, checkpoint: Optional[str] = None, num_classes: int = 1000,
+                 lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0, warmup_epochs: float = 0.0,
+                 batch_norm: bool = True) -> None:
+        super().__init__()
+        if not hasattr(backbone, "forward_features"):
+            raise ValueError(f"backbone must provide forward_features(images); {type(backbone).__name__} does not")
+        self.save_hyperparameters(ignore=["backbone"])
+        self.backbone = backbone
+        if checkpoint is not None:
+            self.backbone.load_state_dict(load_checkpoint_state_dict(checkpoint), strict=True)
+        self.backbone.requires_grad_(False)
+        self.backbone.eval()
+        dim = getattr(backbone, "num_features", None)
+        if dim is None:
+            raise ValueError(f"backbone must expose num_features (its feature width); {type(backbone).__name__} does not")
+        self.head = ProbeHead(int(dim), num_classes, batch_norm)
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+
+    def train(self, mode: bool = True) -> "LinearProbe":
+        super().train(mode)
+        self.backbone.eval()  # frozen: BatchNorm statistics and dropout stay in eval mode
+        return self
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            features = self.backbone.forward_features(images)
+        return self.head(features)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels)
+        self.train_top1(logits, labels)
+        self.log("probe/train_loss", loss, prog_bar=True, batch_size=labels.shape[0])
+        self.log("probe/train_top1", self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        self.val_top1(logits, labels)
+        self.val_top5(logits, labels)
+        self.log("probe/val_loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
+        self.log("probe/val_top1", self.val_top1, prog_bar=True, batch_size=labels.shape[0])
+        self.log("probe/val_top5", self.val_top5, batch_size=labels.shape[0])
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.head.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
+                                    weight_decay=self.hparams.weight_decay)
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = min(steps_from_epochs(self.trainer, self.hparams.warmup_epochs), max(0, total - 1))
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine_scheduler(optimizer, warmup, total)}

@@ -1,0 +1,232 @@
+"""Masked autoencoder with decayed identity shortcuts in the encoder and U-Net skips into the
+decoder (SPEC section 2; "Residual Connections Harm Generative Representation Learning",
+section 3.2 and appendix A).
+
+Encoder: a :class:`~lightning_mods.vit.DecayedVisionTransformer` (patch embed, fixed 2-D
+sin-cos position embedding, cls token, no final LayerNorm by default) run on the visible
+patches of a per-sample random mask. Decoder: :mod:`lightning_mods.mae_decoder`. Loss: MSE on
+masked patches only, optionally against per-patch normalised pixels (``norm_pix_loss``).
+Evaluation features: mean over all tokens (cls included) of the last encoder block.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+from jsonargparse import lazy_instance
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from callbacks.pictures import image_grid, log_picture
+from .mae_decoder import ClassicDecoder, UNetSkipDecoder
+from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+                    warmup_cosine_scheduler)
+from .patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from .shortcut import ShortcutSchedule
+from .vit import DecayedVisionTransformer
+
+
+def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared error per patch, averaged over masked patches (``mask`` 1 = masked)."""
+    per_patch = ((pred - target) ** 2).mean(dim=-1)
+    return (per_patch * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def normalise_patches(target: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-patch pixel normalisation of ``norm_pix_loss`` (mean 0, unit variance per patch)."""
+    mean = target.mean(dim=-1, keepdim=True)
+    var = target.var(dim=-1, keepdim=True)
+    return (target - mean) / (var + eps) ** 0.5
+
+
+class MaskedAutoencoder(LightningModule):
+    """MAE pre-training with decayed shortcuts; defaults follow the paper's recipe (ViT-B/16).
+
+    Args:
+        image_size, in_chans: input geometry (linked from the datamodule by the CLI).
+        patch_size, embed_dim, depth, num_heads, mlp_ratio: encoder ViT.
+        shortcut: decay schedule of the encoder's ``2 * depth`` sub-layers.
+        zero_init_branches: zero the last linear layer of every encoder residual branch.
+        encoder_final_norm: LayerNorm after the last encoder block (the authors have none).
+        decoder_embed_dim, decoder_depth, decoder_num_heads: decoder transformer.
+        unet_skips: the paper's skip decoder; ``False`` = classic MAE decoder (ablation).
+        norm_pix_loss: per-patch normalised pixel target.
+        mask_ratio: fraction of patches masked.
+        feature_pool: evaluation features, ``mean`` of all tokens or the ``cls`` token.
+        base_lr: learning rate per 256 samples of GLOBAL batch (peak = base_lr * batch / 256).
+        weight_decay, betas: AdamW; no decay on norms, biases, position embeddings, tokens.
+        warmup_epochs: linear per-step warm-up, then cosine to ``min_lr_ratio * peak``.
+        num_reconstructions: validation images drawn (original / masked / reconstruction).
+    """
+
+    def __init__(
+        self,
+        image_size: int = 224,
+        in_chans: int = 3,
+        patch_size: int = 16,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.6),
+        zero_init_branches: bool = True,
+        encoder_final_norm: bool = False,
+        decoder_embed_dim: int = 512,
+        decoder_depth: int = 8,
+        decoder_num_heads: int = 16,
+        unet_skips: bool = True,
+        norm_pix_loss: bool = True,
+        mask_ratio: float = 0.75,
+        feature_pool: Literal["mean", "cls"] = "mean",
+        base_lr: float = 1.5e-4,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_epochs: float = 40.0,
+        min_lr_ratio: float = 0.0,
+        num_reconstructions: int = 8,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
+        if image_size % patch_size:
+            raise ValueError(f"image_size ({image_size}) must be divisible by patch_size ({patch_size})")
+        if feature_pool not in ("mean", "cls"):
+            raise ValueError(f"feature_pool must be 'mean' or 'cls', got {feature_pool!r}")
+        self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6))
+        self.save_hyperparameters(ignore=["shortcut"])
+        self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
+
+        self.encoder = DecayedVisionTransformer(
+            shortcut=self.shortcut, zero_init_branches=zero_init_branches,
+            img_size=image_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+            num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True, class_token=True, global_pool="",
+            num_classes=0)
+        if not encoder_final_norm:
+            self.encoder.norm = nn.Identity()
+        grid = image_size // patch_size
+        with torch.no_grad():  # fixed sin-cos position embedding, cls position = 0
+            self.encoder.pos_embed.copy_(sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0))
+        self.encoder.pos_embed.requires_grad_(False)
+
+        num_patches = grid * grid
+        patch_dim = patch_size * patch_size * in_chans
+        if unet_skips:
+            self.decoder: nn.Module = UNetSkipDecoder(
+                num_patches, embed_dim, depth, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim)
+        else:
+            self.decoder = ClassicDecoder(
+                num_patches, embed_dim, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim)
+        self.num_features = embed_dim
+        self._val_images: Optional[torch.Tensor] = None
+
+    # --- encoder -------------------------------------------------------------------------
+    def _embed_patches(self, images: torch.Tensor) -> torch.Tensor:
+        return self.encoder.patch_embed(images) + self.encoder.pos_embed[:, 1:]
+
+    def _cls(self, batch: int) -> torch.Tensor:
+        return (self.encoder.cls_token + self.encoder.pos_embed[:, :1]).expand(batch, -1, -1)
+
+    def _run_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        outputs = []
+        for blk in self.encoder.blocks:
+            x = blk(x)
+            outputs.append(x)
+        return self.encoder.norm(x), outputs
+
+    def encode_masked(self, images: torch.Tensor, mask_ratio: float, generator: Optional[torch.Generator] = None):
+        """Encoder on the visible patches: ``(latent, block outputs, mask, ids_restore)``."""
+        visible, mask, ids_restore, _ = random_masking(self._embed_patches(images), mask_ratio, generator)
+        x = torch.cat([self._cls(images.shape[0]), visible], dim=1)
+        latent, outputs = self._run_blocks(x)
+        return latent, outputs, mask, ids_restore
+
+    def encode(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Encoder on all patches (evaluation): ``(last output, every block's output)``."""
+        x = torch.cat([self._cls(images.shape[0]), self._embed_patches(images)], dim=1)
+        return self._run_blocks(x)
+
+    def _pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[:, 0] if self.hparams.feature_pool == "cls" else tokens.mean(dim=1)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Evaluation features ``B x D``: mean over all tokens (or cls) of the last block."""
+        return self._pool(self.encode(images)[0])
+
+    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """Pooled output of every encoder block (the rank-over-depth profile)."""
+        return [self._pool(t) for t in self.encode(images)[1]]
+
+    # --- reconstruction --------------------------------------------------------------------
+    def forward(self, images: torch.Tensor, mask_ratio: Optional[float] = None,
+                generator: Optional[torch.Generator] = None):
+        """``(loss, predicted patches B x L x p*p*C, mask B x L)``."""
+        ratio = self.hparams.mask_ratio if mask_ratio is None else mask_ratio
+        latent, outputs, mask, ids_restore = self.encode_masked(images, ratio, generator)
+        pred = self.decoder(outputs, ids_restore) if self.hparams.unet_skips else self.decoder(latent, ids_restore)
+        target = patchify(images, self.hparams.patch_size)
+        if self.hparams.norm_pix_loss:
+            target = normalise_patches(target)
+        return masked_patch_loss(pred, target, mask), pred, mask
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images = batch[0]
+        loss, _, _ = self(images)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        return loss
+
+    def _val_generator(self, batch_idx: int) -> torch.Generator:
+        # a fixed mask per validation batch: comparable losses, no draw from the global RNG
+        return torch.Generator(device=self.device).manual_seed(1234 + batch_idx)
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images = batch[0]
+        loss, _, _ = self(images, generator=self._val_generator(batch_idx))
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
+        if batch_idx == 0 and self._val_images is None:
+            self._val_images = images[: self.hparams.num_reconstructions].detach()
+        return loss
+
+    @torch.no_grad()
+    def reconstruct(self, images: torch.Tensor, generator: Optional[torch.Generator] = None):
+        """``(masked input, reconstruction with visible patches pasted back)`` in input space."""
+        _, pred, mask = self(images, generator=generator)
+        p, c = self.hparams.patch_size, self.hparams.in_chans
+        target = patchify(images, p)
+        if self.hparams.norm_pix_loss:  # undo the per-patch normalisation with the true statistics
+            mean = target.mean(dim=-1, keepdim=True)
+            std = (target.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
+            pred = pred * std + mean
+        m = mask.unsqueeze(-1)
+        masked = unpatchify(target * (1 - m), p, c)
+        pasted = unpatchify(target * (1 - m) + pred * m, p, c)
+        return masked, pasted
+
+    def on_validation_epoch_end(self) -> None:
+        images, self._val_images = self._val_images, None
+        if images is None or self.trainer.sanity_checking or self.hparams.num_reconstructions <= 0:
+            return
+        masked, recon = self.reconstruct(images, generator=self._val_generator(0))
+        dm = getattr(self.trainer, "datamodule", None)
+        mean = torch.tensor(getattr(dm, "mean", (0.0,) * images.shape[1]), device=images.device).view(1, -1, 1, 1)
+        std = torch.tensor(getattr(dm, "std", (1.0,) * images.shape[1]), device=images.device).view(1, -1, 1, 1)
+        rows = [((t * std + mean).clamp(0, 1)).permute(0, 2, 3, 1).float().cpu().numpy()
+                for t in (images, masked, recon)]
+        tiles = np.stack(rows, axis=1).reshape(-1, *rows[0].shape[1:])  # per image: original, masked, recon
+        log_picture(self.trainer, "mae/reconstructions", image_grid(tiles, nrow=3))
+
+    # --- optimisation ---------------------------------------------------------------------
+    def _per_device_batch(self) -> int:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "batch_size"):
+            return int(dm.batch_size)
+        return int(self.trainer.train_dataloader.batch_size)
+
+    def configure_optimizers(self):
+        peak = scaled_lr(self.hparams.base_lr, global_batch_size(self.trainer, self._per_device_batch()))
+        groups = param_groups_weight_decay(self, self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = min(steps_from_epochs(self.trainer, self.hparams.warmup_epochs), max(0, total - 1))
+        return {"optimizer": optimizer,
+                "lr_scheduler": warmup_cosine_scheduler(optimizer, warmup, total, self.hparams.min_lr_ratio)}

@@ -1,0 +1,185 @@
+"""MAE with U-Net skips (SPEC section 2): masking, loss, patches, decoder wiring, zero init."""
+import numpy as np
+import pytest
+import torch
+
+from lightning_mods.mae import MaskedAutoencoder, masked_patch_loss, normalise_patches
+from lightning_mods.mae_decoder import ClassicDecoder, SkipFusion, UNetSkipDecoder
+from lightning_mods.patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from lightning_mods.shortcut import ShortcutSchedule
+
+TINY = dict(image_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_heads=4,
+            decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+
+
+@pytest.mark.parametrize("L,ratio", [(16, 0.75), (49, 0.75), (64, 0.6), (10, 0.33), (196, 0.75)])
+def test_masking_keeps_round_of_visible_fraction(L, ratio):
+    torch.manual_seed(0)
+    tokens = torch.randn(5, L, 3)
+    visible, mask, ids_restore, ids_keep = random_masking(tokens, ratio)
+    keep = int(round(L * (1 - ratio)))
+    assert visible.shape == (5, keep, 3)
+    assert torch.all(mask.sum(dim=1) == L - keep)
+    for b in range(5):
+        kept = set(np.flatnonzero(mask[b].numpy() == 0).tolist())
+        assert kept == set(ids_keep[b].tolist())
+        # the visible tokens are exactly the original tokens at those positions
+        torch.testing.assert_close(visible[b], tokens[b, ids_keep[b]], rtol=0, atol=0)
+        # ids_restore inverts the shuffle: position ids_restore[i] of the shuffled list is token i
+        assert sorted(ids_restore[b].tolist()) == list(range(L))
+
+
+def test_masks_differ_between_samples():
+    torch.manual_seed(0)
+    _, mask, _, _ = random_masking(torch.zeros(8, 64, 1), 0.75)
+    assert len({tuple(m.tolist()) for m in mask}) == 8
+
+
+def test_patchify_matches_a_hand_loop_and_round_trips():
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 8, 12)[:, :, :, :8]  # 8x8, non-contiguous on purpose
+    p = 4
+    patches = patchify(images, p)
+    ref = np.zeros((2, 4, p * p * 3), dtype=np.float32)
+    imgs = images.numpy()
+    for b in range(2):
+        for gi in range(2):
+            for gj in range(2):
+                block = imgs[b, :, gi * p:(gi + 1) * p, gj * p:(gj + 1) * p]  # C x p x p
+                ref[b, gi * 2 + gj] = block.transpose(1, 2, 0).reshape(-1)
+    np.testing.assert_array_equal(patches.numpy(), ref)
+    torch.testing.assert_close(unpatchify(patches, p, 3), images, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="patch_size"):
+        patchify(torch.zeros(1, 1, 10, 10), 4)
+
+
+def test_loss_counts_masked_patches_only_float64_reference():
+    torch.manual_seed(0)
+    pred, target = torch.randn(3, 8, 5), torch.randn(3, 8, 5)
+    mask = (torch.rand(3, 8) > 0.5).float()
+    mask[:, 0] = 1.0
+    p, t, m = pred.double().numpy(), target.double().numpy(), mask.double().numpy()
+    expected = (((p - t) ** 2).mean(-1) * m).sum() / m.sum()
+    assert masked_patch_loss(pred, target, mask).item() == pytest.approx(expected, rel=1e-6)
+    # changing predictions on visible patches does not change the loss
+    pred2 = pred.clone()
+    pred2[mask == 0] += 100.0
+    assert masked_patch_loss(pred2, target, mask).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_model_loss_is_masked_only_mse_of_its_prediction():
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**TINY, norm_pix_loss=False)
+    images = torch.randn(2, 2, 16, 16)
+    loss, pred, mask = model(images, generator=torch.Generator().manual_seed(7))
+    target = patchify(images, 4).double().numpy()
+    m = mask.double().numpy()
+    expected = (((pred.detach().double().numpy() - target) ** 2).mean(-1) * m).sum() / m.sum()
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert torch.all(mask.sum(1) == 12)  # 16 patches, 4 kept
+
+
+def test_norm_pix_target_float64_reference():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 12)
+    xd = x.double().numpy()
+    ref = (xd - xd.mean(-1, keepdims=True)) / np.sqrt(xd.var(-1, ddof=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(normalise_patches(x).numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sincos_embedding_hand_computed_entries():
+    D, g = 16, 4
+    emb = sincos_pos_embed_2d(D, g, cls_token=True).double().numpy()
+    assert emb.shape == (1 + g * g, D)
+    assert np.all(emb[0] == 0)
+    row, col = 1, 2
+    e = emb[1 + row * g + col]
+    # omega_0 = 1: first quarter sin(col), second cos(col), third sin(row), fourth cos(row)
+    assert e[0] == pytest.approx(np.sin(2.0)) and e[D // 4] == pytest.approx(np.cos(2.0))
+    assert e[D // 2] == pytest.approx(np.sin(1.0)) and e[3 * D // 4] == pytest.approx(np.cos(1.0))
+    omega_1 = 1.0 / 10000 ** (1 / (D / 4))
+    assert e[1] == pytest.approx(np.sin(2.0 * omega_1))
+
+
+def test_skip_sources_deepest_first_and_fusion_shapes():
+    dec = UNetSkipDecoder(num_patches=16, enc_dim=32, enc_depth=12, dec_dim=16, depth=8, num_heads=2, patch_dim=10)
+    assert dec.skip_sources == [11, 9, 7, 5, 3, 1]
+    assert len(dec.fusions) == 6
+    short = UNetSkipDecoder(num_patches=16, enc_dim=32, enc_depth=12, dec_dim=16, depth=4, num_heads=2, patch_dim=10)
+    assert short.skip_sources == [11, 9, 7, 5]
+    fusion = SkipFusion(16, 32)
+    assert fusion.fc1.in_features == 48 and fusion.fc2.out_features == 16
+    out = fusion(torch.randn(3, 17, 16), torch.randn(3, 17, 32))
+    assert out.shape == (3, 17, 16)
+
+
+def test_skips_carry_masked_positions_as_mask_token():
+    torch.manual_seed(0)
+    dec = UNetSkipDecoder(num_patches=4, enc_dim=8, enc_depth=2, dec_dim=8, depth=1, num_heads=2, patch_dim=3)
+    seen = {}
+    dec.fusions[0].register_forward_hook(lambda m, inp, out: seen.setdefault("skip", inp[1]))
+    tokens = torch.randn(1, 1 + 2, 8)  # cls + 2 visible
+    ids_restore = torch.tensor([[2, 0, 3, 1]])  # patch 0 -> shuffled slot 2 (masked), patch 1 -> slot 0 ...
+    dec([torch.zeros(1, 3, 8), tokens], ids_restore)
+    skip = seen["skip"][0]
+    torch.testing.assert_close(skip[0], tokens[0, 0])          # cls
+    torch.testing.assert_close(skip[2], tokens[0, 1])          # patch 1 was visible slot 0
+    torch.testing.assert_close(skip[4], tokens[0, 2])          # patch 3 was visible slot 1
+    torch.testing.assert_close(skip[1], dec.mask_token[0, 0])  # patch 0 masked
+    torch.testing.assert_close(skip[3], dec.mask_token[0, 0])  # patch 2 masked
+
+
+@pytest.mark.parametrize("unet_skips", [True, False])
+def test_initial_prediction_depends_only_on_biases(unet_skips):
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**TINY, unet_skips=unet_skips)
+    with torch.no_grad():
+        model.decoder.pred.bias.normal_()
+    _, pred_a, _ = model(torch.randn(2, 2, 16, 16))
+    _, pred_b, _ = model(torch.randn(2, 2, 16, 16) * 5)
+    bias = model.decoder.pred.bias.detach()
+    torch.testing.assert_close(pred_a, bias.expand_as(pred_a), rtol=0, atol=0)
+    torch.testing.assert_close(pred_b, bias.expand_as(pred_b), rtol=0, atol=0)
+
+
+def test_classic_decoder_reads_the_encoder_output():
+    model = MaskedAutoencoder(**TINY, unet_skips=False)
+    assert isinstance(model.decoder, ClassicDecoder)
+
+
+def test_forward_features_is_mean_of_last_block_tokens():
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**TINY, zero_init_branches=False,
+                              shortcut=ShortcutSchedule("linear", 0.5)).eval()
+    images = torch.randn(3, 2, 16, 16)
+    enc = model.encoder
+    with torch.no_grad():
+        x = enc.patch_embed(images) + enc.pos_embed[:, 1:]
+        x = torch.cat([(enc.cls_token + enc.pos_embed[:, :1]).expand(3, -1, -1), x], 1)
+        alphas = 1.0 - np.arange(12) / 11 * 0.5
+        outs = []
+        for i, blk in enumerate(enc.blocks):
+            x = alphas[2 * i] * x + blk.attn(blk.norm1(x))
+            x = alphas[2 * i + 1] * x + blk.mlp(blk.norm2(x))
+            outs.append(x.mean(1))
+        torch.testing.assert_close(model.forward_features(images), outs[-1], rtol=0, atol=1e-5)
+        for got, want in zip(model.forward_block_features(images), outs):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert model.forward_features(images).shape == (3, 32)
+
+
+def test_pos_embed_is_fixed_and_other_parameters_learn():
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**TINY)
+    assert not model.encoder.pos_embed.requires_grad
+    loss, _, _ = model(torch.randn(2, 2, 16, 16))
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+
+
+@pytest.mark.parametrize("kwargs,field", [({"mask_ratio": 1.0}, "mask_ratio"), ({"image_size": 18}, "image_size"),
+                                          ({"feature_pool": "max"}, "feature_pool")])
+def test_bad_settings(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        MaskedAutoencoder(**{**TINY, **kwargs})
