@@ -1,0 +1,121 @@
+"""ImageNet-1K and its ImageNet-100 subset from class folders (SPEC section 2, data and evaluation).
+
+Layout: ``data_dir/train/<wnid>/<image>`` and ``data_dir/val/<wnid>/<image>`` (the usual
+ImageFolder layout; the official val images must be sorted into class folders first).
+``class_list`` is a text file with one wnid per line (blank lines ignored): only those classes
+are used, labelled 0..n-1 in the file's order (ImageNet-100 is such a list of 100 wnids).
+Without it every class folder is used, labelled in sorted order, and their count must equal
+``num_classes``. Eval: resize to image_size / 0.875 (256 for 224) then centre crop, as MAE.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import find_classes
+
+from datamodules.base import ImageDataModule
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_NUM_CLASSES = 1000
+
+
+def read_class_list(path: str) -> list[str]:
+    """The class names of a class-list file, one per line, in order."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ImageNet: class_list file '{path}' not found (expected one wnid per line)")
+    with open(path) as f:
+        classes = [line.strip() for line in f if line.strip()]
+    if not classes:
+        raise ValueError(f"ImageNet: class_list file '{path}' names no class (expected one wnid per line)")
+    repeated = sorted({c for c in classes if classes.count(c) > 1})
+    if repeated:
+        raise ValueError(f"ImageNet: class_list file '{path}' names classes more than once: {', '.join(repeated)}")
+    return classes
+
+
+class SelectedClassFolder(ImageFolder):
+    """ImageFolder over the given ``classes`` only, labelled by their position in that list."""
+
+    def __init__(self, root: str, classes: Sequence[str]) -> None:
+        self.selected_classes = list(classes)
+        super().__init__(root)
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+        present = {entry.name for entry in os.scandir(directory) if entry.is_dir()}
+        missing = [name for name in self.selected_classes if name not in present]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"ImageNet: class_list names {len(missing)} class(es) with no folder under "
+                             f"'{directory}': {shown}")
+        return self.selected_classes, {name: i for i, name in enumerate(self.selected_classes)}
+
+
+class ImageNet(ImageDataModule):
+    """ImageNet-1K (or the ``class_list`` subset, e.g. ImageNet-100) from class folders.
+
+    Args:
+        data_dir: folder holding ``train/`` and ``val/`` class folders.
+        class_list: text file of the wnids to use, one per line (None: every class folder).
+        num_classes: number of classes (None: the class list's length, else 1000); checked
+            against the folders in ``setup``.
+        Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
+        centre-crops.
+    """
+
+    dataset_name = "ImageNet"
+    in_chans = 3
+    default_mean = IMAGENET_MEAN
+    default_std = IMAGENET_STD
+
+    def __init__(self, data_dir: str = "data/imagenet", class_list: str | None = None,
+                 num_classes: int | None = None, batch_size: int = 256, eval_batch_size: int | None = None,
+                 num_workers: int = 0, image_size: int = 224, horizontal_flip: bool = True,
+                 crop_scale: tuple[float, float] = (0.2, 1.0), eval_crop_ratio: float = 0.875,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 pin_memory: bool = False, drop_last_train: bool = True,
+                 persistent_workers: bool = True) -> None:
+        super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                         num_workers=num_workers, image_size=image_size, horizontal_flip=horizontal_flip,
+                         crop_scale=crop_scale, eval_crop_ratio=eval_crop_ratio, mean=mean, std=std,
+                         pin_memory=pin_memory, drop_last_train=drop_last_train,
+                         persistent_workers=persistent_workers)
+        self.class_list = class_list
+        self.classes: list[str] | None = read_class_list(class_list) if class_list is not None else None
+        if num_classes is not None and num_classes <= 0:
+            raise ValueError(f"ImageNet: num_classes must be > 0, got {num_classes}")
+        if self.classes is not None and num_classes is not None and num_classes != len(self.classes):
+            raise ValueError(f"ImageNet: num_classes={num_classes} but class_list '{class_list}' names "
+                             f"{len(self.classes)} classes; leave num_classes unset or make them agree")
+        self.num_classes = len(self.classes) if self.classes is not None else (num_classes or IMAGENET_NUM_CLASSES)
+
+    def split_dir(self, train: bool) -> str:
+        return os.path.join(str(self.data_dir), "train" if train else "val")
+
+    def class_folders(self, train: bool) -> list[str]:
+        """Sorted class folder names of a split; one-line FileNotFoundError when there are none."""
+        directory = self.split_dir(train)
+        found = find_classes(directory)[0] if os.path.isdir(directory) else []
+        if not found:
+            raise FileNotFoundError(
+                f"ImageNet: no class folders under '{directory}' (expected data_dir/train/<wnid>/<image> "
+                "and data_dir/val/<wnid>/<image>); set data_dir")
+        return found
+
+    def resolve_classes(self) -> list[str]:
+        """The classes in label order: the class list, or every train class folder (sorted)."""
+        if self.classes is None:
+            found = self.class_folders(train=True)
+            if len(found) != self.num_classes:
+                raise ValueError(f"ImageNet: num_classes={self.num_classes} but '{self.split_dir(True)}' has "
+                                 f"{len(found)} class folders; set num_classes or class_list")
+            self.classes = found
+        return self.classes
+
+    def load_split(self, train: bool) -> Dataset:
+        classes = self.resolve_classes()
+        self.class_folders(train)
+        return SelectedClassFolder(self.split_dir(train), classes)
