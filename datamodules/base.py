@@ -68,6 +68,8 @@ class ImageDataModule(L.LightningDataModule):
         eval_batch_size: batch size of the val/test/predict/bank loaders (None: ``batch_size``).
         num_workers: loader worker processes (0: load in the main process).
         image_size: side of the square images the model sees.
+        train_augmentation: augment the train split (off: the eval transform, as the linear-probe
+            protocol of SPEC section 2 wants; the train loader still shuffles).
         horizontal_flip: random horizontal flip in the train augmentation.
         crop_scale: area range of RandomResizedCrop in the train augmentation.
         eval_crop_ratio: eval resizes to ``image_size / eval_crop_ratio`` then centre-crops
@@ -91,6 +93,7 @@ class ImageDataModule(L.LightningDataModule):
         eval_batch_size: int | None = None,
         num_workers: int = 0,
         image_size: int = 32,
+        train_augmentation: bool = True,
         horizontal_flip: bool = True,
         crop_scale: tuple[float, float] = (0.2, 1.0),
         eval_crop_ratio: float = 1.0,
@@ -118,6 +121,7 @@ class ImageDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.image_size = image_size
+        self.train_augmentation = train_augmentation
         self.horizontal_flip = horizontal_flip
         self.crop_scale = (float(crop_scale[0]), float(crop_scale[1]))
         self.eval_crop_ratio = eval_crop_ratio
@@ -176,8 +180,9 @@ class ImageDataModule(L.LightningDataModule):
         if stage in (None, "fit"):
             if self.train_dataset is None or self.bank_dataset is None:
                 train_samples = self.load_split(train=True)
-                self.train_dataset = TransformedDataset(train_samples, self.train_transform())
                 self.bank_dataset = self.wrap_eval(train_samples)
+                self.train_dataset = (TransformedDataset(train_samples, self.train_transform())
+                                      if self.train_augmentation else self.bank_dataset)
         if stage in (None, "test") and self.test_dataset is None:
             self.test_dataset = self.held_out_eval_dataset()
         if stage in (None, "predict") and self.predict_dataset is None:

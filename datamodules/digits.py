@@ -67,6 +67,7 @@ class Digits(ImageDataModule):
         eval_batch_size: int | None = None,
         num_workers: int = 0,
         image_size: int = 32,
+        train_augmentation: bool = True,
         horizontal_flip: bool = False,
         crop_scale: tuple[float, float] = (0.2, 1.0),
         mean: tuple[float] | None = None,
@@ -77,7 +78,7 @@ class Digits(ImageDataModule):
     ) -> None:
         super().__init__(data_dir=None, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          num_workers=num_workers, image_size=image_size,
-                         horizontal_flip=horizontal_flip, crop_scale=crop_scale, eval_crop_ratio=1.0,
+                         train_augmentation=train_augmentation, horizontal_flip=horizontal_flip, crop_scale=crop_scale, eval_crop_ratio=1.0,
                          mean=mean, std=std, pin_memory=pin_memory, drop_last_train=drop_last_train,
                          persistent_workers=persistent_workers)
 

@@ -73,13 +73,13 @@ class ImageNet(ImageDataModule):
 
     def __init__(self, data_dir: str = "data/imagenet", class_list: str | None = None,
                  num_classes: int | None = None, batch_size: int = 256, eval_batch_size: int | None = None,
-                 num_workers: int = 0, image_size: int = 224, horizontal_flip: bool = True,
+                 num_workers: int = 0, image_size: int = 224, train_augmentation: bool = True, horizontal_flip: bool = True,
                  crop_scale: tuple[float, float] = (0.2, 1.0), eval_crop_ratio: float = 0.875,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  pin_memory: bool = False, drop_last_train: bool = True,
                  persistent_workers: bool = True) -> None:
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                         num_workers=num_workers, image_size=image_size, horizontal_flip=horizontal_flip,
+                         num_workers=num_workers, image_size=image_size, train_augmentation=train_augmentation, horizontal_flip=horizontal_flip,
                          crop_scale=crop_scale, eval_crop_ratio=eval_crop_ratio, mean=mean, std=std,
                          pin_memory=pin_memory, drop_last_train=drop_last_train,
                          persistent_workers=persistent_workers)

@@ -358,3 +358,18 @@ def test_digits_bad_fields():
 def test_loader_before_setup_says_so():
     with pytest.raises(RuntimeError, match=r"call setup\('fit'\)"):
         Digits().train_dataloader()
+
+
+def test_train_augmentation_off_gives_the_eval_images():
+    """The linear-probe protocol trains on unaugmented images: train samples = bank samples."""
+    from sklearn.datasets import load_digits
+
+    dm = Digits(train_augmentation=False, image_size=8)
+    dm.setup("fit")
+    images, labels = next(iter(dm.train_dataloader()))
+    raw = load_digits()
+    for img, label in zip(images[:5], labels[:5]):
+        # an 8x8 eval image is the raw digit /16, normalised: find it among the raw digits
+        pixels = img[0].numpy() * dm.std[0] + dm.mean[0]
+        match = np.flatnonzero(np.abs(raw.images / 16.0 - pixels).reshape(len(raw.images), -1).max(1) < 1e-5)
+        assert len(match) >= 1 and raw.target[match[0]] == int(label)
