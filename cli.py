@@ -8,12 +8,16 @@ linked from the datamodule to the model; a model that has no such argument ignor
 """
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
 import warnings
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
@@ -45,6 +49,46 @@ def warn_on_slow_precision(precision: Optional[str], accelerator: Optional[str])
         )
 
 
+def _init_parameters(class_path: str) -> Optional[set[str]]:
+    """Names of the ``__init__`` parameters of ``class_path``; ``None`` if it takes ``**kwargs``."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params} - {"self"}
+
+
+def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
+    if isinstance(callback, dict) or hasattr(callback, "get"):
+        return callback.get("class_path", "")
+    return type(callback).__name__
+
+
+class _TopLevelModelHyperparameters(_InstantiatorFn):
+    """Lightning's instantiator that hands the config to ``save_hyperparameters``, applied to
+    the top-level model only.
+
+    Lightning registers it for every LightningModule subclass, so a LightningModule nested in
+    the model's ``init_args`` (the LinearProbe's ``backbone``) would record the top-level
+    model's hyper-parameters instead of its own.
+    """
+
+    def __init__(self, cli: LightningCLI) -> None:
+        super().__init__(cli=cli, key="model")
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        self.cli._dump_config()
+        top = (self.cli.config_dump.get("model") or {}).get("class_path")
+        if top == f"{class_type.__module__}.{class_type.__qualname__}":
+            return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                                    **kwargs)
+        return class_type(*args, **kwargs)
+
+
 class ShortcutLabCLI(LightningCLI):
     """LightningCLI with the data -> model links and the default callbacks."""
 
@@ -57,10 +101,47 @@ class ShortcutLabCLI(LightningCLI):
         # set_defaults (not trainer_defaults) keeps these replaceable from YAML
         parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS})
 
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        self.parser.add_instantiator(_TopLevelModelHyperparameters(self), LightningModule, subclasses=True,
+                                     prepend=True)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's version, minus hyper-parameters the model's ``__init__`` does not take.
+
+        A CLI-built module records every linked value in its hyper-parameters, also one its
+        class has no argument for (``num_classes`` on an MAE); fed back as keyword arguments
+        those would break ``validate --ckpt_path``.
+        """
+        if not self.config.get("subcommand"):
+            return
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+        hparams = dict(ckpt.get("hyper_parameters", {}))
+        hparams.pop("_instantiator", None)
+        if "_class_path" not in hparams:
+            return super()._parse_ckpt_path()
+        class_path = hparams.pop("_class_path")
+        accepted = _init_parameters(class_path)
+        if accepted is not None:
+            hparams = {k: v for k, v in hparams.items() if k in accepted}
+        model = {"class_path": class_path, "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": model}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
+
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         trainer_cfg = cfg.get("trainer", {})
         warn_on_slow_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
+        if trainer_cfg.get("enable_progress_bar") is False and trainer_cfg.get("callbacks"):
+            # honour enable_progress_bar=false instead of failing on the default Rich bar
+            trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"]
+                                        if not str(_class_path(c)).endswith("ProgressBar")]
 
 
 def main(args: Optional[list[str]] = None) -> ShortcutLabCLI:

@@ -150,3 +150,28 @@ def data_root(tmp_path_factory) -> dict[str, Path]:
     make_imagefolder(root / "imagenet", IMAGENET_TEST_CLASSES)
     class_list = make_class_list(root / "imagenet_subset.txt", IMAGENET_TEST_SUBSET)
     return {"root": root, "imagenet": root / "imagenet", "imagenet_class_list": class_list}
+
+
+@pytest.fixture
+def data_roots(data_root):
+    """``overrides(data_class_path, config_data_init_args) -> list of CLI overrides`` pointing a
+    config's datamodule at the generated files, with a tiny batch."""
+
+    def overrides(class_path: str, init_args: dict) -> list[str]:
+        name = class_path.rsplit(".", 1)[-1]
+        args = []
+        if "batch_size" in init_args or name in ("Digits", "CIFAR10", "CIFAR100", "MNIST", "ImageNet"):
+            args.append("--data.init_args.batch_size=4")
+        if name in ("CIFAR10", "CIFAR100", "MNIST"):
+            args += [f"--data.init_args.data_dir={data_root['root']}", "--data.init_args.download=false"]
+        elif name == "ImageNet":
+            args.append(f"--data.init_args.data_dir={data_root['imagenet']}")
+            if init_args.get("class_list"):
+                args.append(f"--data.init_args.class_list={data_root['imagenet_class_list']}")
+            else:
+                args.append(f"--data.init_args.num_classes={len(IMAGENET_TEST_CLASSES)}")
+        if "num_workers" in init_args:
+            args.append("--data.init_args.num_workers=0")
+        return args
+
+    return overrides

@@ -13,11 +13,13 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def data_class_path(config: Path) -> str:
-    """The datamodule class of a config (following a ``base:`` style multi-file layout if any)."""
+def data_section(config: Path) -> tuple[str, dict]:
+    """``(class_path, init_args)`` of a config's datamodule."""
     cfg = yaml.safe_load(config.read_text()) or {}
     data = cfg.get("data") or {}
-    return data.get("class_path", "") if isinstance(data, dict) else str(data)
+    if not isinstance(data, dict):
+        return str(data), {}
+    return data.get("class_path", ""), data.get("init_args") or {}
 
 
 def test_there_are_configs():
@@ -27,9 +29,10 @@ def test_there_are_configs():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_fit_one_step(config, tmp_path, data_roots):
-    overrides = data_roots(data_class_path(config), tmp_path)
+    overrides = data_roots(*data_section(config))
     args = ["fit", f"--config={config}", *overrides,
             "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
             "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",
+            "--trainer.sync_batchnorm=false",
             f"--trainer.default_root_dir={tmp_path / 'run'}"]
     cli.main(args)

@@ -1,0 +1,145 @@
+"""The shortcutlab CLI end to end on the digits: fit, validate from a checkpoint, the
+LinearProbe on an MAE checkpoint, the console command, and one-line errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli
+from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
+from lightning_mods.mae import MaskedAutoencoder
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.init_args.patch_size=8",
+            "--model.init_args.embed_dim=32", "--model.init_args.depth=4", "--model.init_args.num_heads=2",
+            "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=2",
+            "--model.init_args.decoder_num_heads=2", "--model.init_args.num_reconstructions=4"]
+DIGITS = ["--data=datamodules.digits.Digits", "--data.init_args.batch_size=32"]
+
+
+def run_fit(tmp_path: Path, *extra: str) -> Path:
+    args = ["fit", *TINY_MAE, *DIGITS, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", *extra]
+    cli.main(args)
+    ckpts = sorted(tmp_path.rglob("*.ckpt"))
+    assert ckpts, "fit wrote no checkpoint"
+    return ckpts[-1]
+
+
+@pytest.fixture(scope="module")
+def mae_checkpoint(tmp_path_factory) -> Path:
+    return run_fit(tmp_path_factory.mktemp("fit"))
+
+
+def test_links_image_geometry_from_the_datamodule(mae_checkpoint):
+    ckpt = torch.load(mae_checkpoint, map_location="cpu", weights_only=True)
+    hp = ckpt["hyper_parameters"]
+    assert hp["in_chans"] == 1 and hp["image_size"] == 32
+    assert hp["shortcut"]["alpha_min"] == 0.6  # the paper's default schedule
+
+
+def test_fit_writes_reconstruction_pictures(mae_checkpoint):
+    pictures = list(mae_checkpoint.parents[1].rglob("pictures/mae_reconstructions_step*.png"))
+    assert pictures, "no reconstruction picture was written"
+
+
+def test_validate_from_checkpoint(mae_checkpoint, tmp_path):
+    out = cli.main(["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={mae_checkpoint}", "--trainer.accelerator=cpu",
+                    "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=2",
+                    f"--trainer.default_root_dir={tmp_path}"])
+    assert "val/loss" in out.trainer.callback_metrics
+
+
+def test_linear_probe_loads_the_mae_checkpoint(mae_checkpoint):
+    state = load_checkpoint_state_dict(mae_checkpoint)
+    backbone = MaskedAutoencoder(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
+                                 decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+    probe = LinearProbe(backbone, checkpoint=str(mae_checkpoint), num_classes=10)
+    for name, value in state.items():
+        torch.testing.assert_close(probe.backbone.state_dict()[name], value, rtol=0, atol=0)
+    assert not any(p.requires_grad for p in probe.backbone.parameters())
+    probe.train()
+    assert not probe.backbone.training  # frozen backbone stays in eval mode
+
+
+def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
+    out = cli.main(["fit", f"--config={ROOT / 'configs' / 'linear_probe_digits.yaml'}",
+                    f"--model.init_args.checkpoint={mae_checkpoint}",
+                    "--model.init_args.backbone.init_args.patch_size=8",
+                    "--model.init_args.backbone.init_args.embed_dim=32",
+                    "--model.init_args.backbone.init_args.depth=4", "--model.init_args.backbone.init_args.num_heads=2",
+                    "--model.init_args.backbone.init_args.decoder_embed_dim=16",
+                    "--model.init_args.backbone.init_args.decoder_depth=2",
+                    "--model.init_args.backbone.init_args.decoder_num_heads=2",
+                    "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
+                    "--trainer.enable_progress_bar=false",
+                    f"--trainer.default_root_dir={tmp_path}"])
+    assert "probe/val_top1" in out.trainer.callback_metrics
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint at all", b""])
+def test_linear_probe_refuses_a_file_that_is_not_a_checkpoint(tmp_path, content):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(content)
+    with pytest.raises(ValueError, match=r"checkpoint: .*bad\.ckpt.* is not a loadable torch checkpoint") as err:
+        load_checkpoint_state_dict(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_linear_probe_refuses_a_torch_file_without_state_dict(tmp_path):
+    other = tmp_path / "weights.pt"
+    torch.save({"weights": torch.zeros(2)}, other)
+    with pytest.raises(ValueError, match="has no 'state_dict'"):
+        load_checkpoint_state_dict(other)
+    with pytest.raises(FileNotFoundError, match="checkpoint: no file"):
+        load_checkpoint_state_dict(tmp_path / "missing.ckpt")
+
+
+def test_linear_probe_refuses_a_pickle_with_code(tmp_path):
+    """weights_only loading: a pickle that would run code is refused, not executed."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    evil = tmp_path / "evil.ckpt"
+    evil.write_bytes(pickle.dumps({"state_dict": {}, "x": Evil()}))
+    with pytest.raises(ValueError, match="not a loadable torch checkpoint"):
+        load_checkpoint_state_dict(evil)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_shortcut_value_is_a_one_line_error(tmp_path):
+    with pytest.raises((SystemExit, ValueError)) as err:
+        cli.main(["fit", *TINY_MAE, *DIGITS, "--model.init_args.shortcut.init_args.alpha_min=1.5",
+                  "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}"])
+    assert err.type is SystemExit or "alpha_min" in str(err.value)
+
+
+def test_bf16_on_cpu_without_amx_warns(monkeypatch):
+    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="precision='bf16-mixed'"):
+        cli.warn_on_slow_precision("bf16-mixed", "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cli.warn_on_slow_precision("32-true", "cpu")
+    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cli.warn_on_slow_precision("bf16-mixed", "cpu")
+
+
+def test_console_command_is_installed():
+    exe = Path(sys.executable).with_name("shortcutlab")
+    assert exe.exists(), "pip install -e . should install the shortcutlab command"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "fit" in out.stdout
