@@ -18,10 +18,25 @@ except ImportError:  # pragma: no cover
 Picture = Union[np.ndarray, "Figure"]
 
 
+def run_dir(trainer: Trainer) -> Path:
+    """The run's log directory, as ``trainer.log_dir`` gives it, without its broadcast.
+
+    ``trainer.log_dir`` is a collective under DDP (every rank must call it); this is safe to
+    call from rank 0 alone, which is the only rank that writes pictures.
+    """
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        root = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+    else:
+        root = None
+    return Path(root or trainer.default_root_dir)
+
+
 def picture_dir(trainer: Trainer) -> Path:
     """``<log_dir>/pictures`` of this run (the logger's version folder when there is one)."""
-    root = trainer.log_dir or trainer.default_root_dir
-    return Path(root) / "pictures"
+    return run_dir(trainer) / "pictures"
 
 
 def figure_to_array(fig: "Figure", dpi: int = 100) -> np.ndarray:

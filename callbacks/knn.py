@@ -1,0 +1,187 @@
+"""Weighted k-nearest-neighbour evaluation of frozen features (SPEC section 2, "Evaluation: kNN
+with K=20"), the vote of InstDisc (Wu et al. 2018) and DINO (Caron et al. 2021).
+
+For a query ``q`` and the bank features ``b_j`` (both L2-normalised), the cosine similarities
+``s_j = q . b_j`` of the ``k`` most similar bank samples vote for their labels with weights
+``exp(s_j / T)``; the score of class ``c`` is the sum of the weights of the neighbours of
+class ``c``. Ties:
+
+- between bank samples at the k-th similarity: whichever ``torch.topk`` keeps (unspecified);
+- between classes with equal scores: the lower class index ranks first (stable sort), so
+  ``top-1`` of a tie goes to the smallest label.
+
+:class:`KNNEvaluator` uses the datamodule's ``bank_dataset`` (train split, eval transform) as
+the bank and its ``val_dataset`` as queries (docs/contracts.md). Under DDP the bank is gathered
+without padding duplicates, each rank scores its own strided shard of the queries, and the
+correct counts are summed over ranks: the accuracy is the one-process accuracy, the same on
+every rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from .distributed import all_reduce_sum, log_identical
+from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
+from .schedule import check_every_n_epochs, evaluation_due
+
+SIMILARITY_BUDGET = 2 ** 24  # similarity entries per chunk (64 MiB in float32)
+
+
+def knn_predict(
+    bank_feats: torch.Tensor,
+    bank_labels: torch.Tensor,
+    query_feats: torch.Tensor,
+    num_classes: int,
+    k: int = 20,
+    temperature: float = 0.07,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Class scores ``Q x C`` of the temperature-weighted kNN vote (see the module docstring).
+
+    Args:
+        bank_feats: ``N x D`` bank features (any scale: they are L2-normalised here).
+        bank_labels: ``N`` integer labels in ``[0, num_classes)``.
+        query_feats: ``Q x D`` query features.
+        num_classes: number of classes ``C``.
+        k: neighbours per query; ``min(k, N)`` are used when the bank is smaller.
+        temperature: ``T`` of the weights ``exp(similarity / T)``.
+        chunk_size: queries scored at once (default: as many as keep ``chunk x N`` under
+            2**24 similarities), so a large bank does not need a ``Q x N`` matrix.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"knn_predict: k must be an integer >= 1, got {k!r}")
+    if not temperature > 0:
+        raise ValueError(f"knn_predict: temperature must be > 0, got {temperature!r}")
+    if num_classes < 1:
+        raise ValueError(f"knn_predict: num_classes must be >= 1, got {num_classes!r}")
+    if bank_feats.ndim != 2 or query_feats.ndim != 2 or bank_feats.shape[1] != query_feats.shape[1]:
+        raise ValueError(f"knn_predict: bank_feats and query_feats must be N x D and Q x D, got "
+                         f"{tuple(bank_feats.shape)} and {tuple(query_feats.shape)}")
+    if bank_labels.shape != (bank_feats.shape[0],):
+        raise ValueError(f"knn_predict: bank_labels must have shape ({bank_feats.shape[0]},), "
+                         f"got {tuple(bank_labels.shape)}")
+    if len(bank_labels) == 0:
+        raise ValueError("knn_predict: bank_feats is empty")
+    if bank_labels.min() < 0 or bank_labels.max() >= num_classes:
+        raise ValueError(f"knn_predict: bank_labels must lie in [0, {num_classes}), got "
+                         f"[{int(bank_labels.min())}, {int(bank_labels.max())}]")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"knn_predict: chunk_size must be >= 1 or None, got {chunk_size!r}")
+    bank = F.normalize(bank_feats.float(), dim=1)
+    queries = F.normalize(query_feats.float().to(bank.device), dim=1)
+    labels = bank_labels.to(device=bank.device, dtype=torch.int64)
+    k = min(k, len(bank))
+    chunk = chunk_size or max(1, SIMILARITY_BUDGET // len(bank))
+    scores = torch.zeros(len(queries), num_classes, device=bank.device)
+    for start in range(0, len(queries), chunk):
+        similarity = queries[start:start + chunk] @ bank.T
+        top_sim, top_idx = similarity.topk(k, dim=1)
+        weights = (top_sim / temperature).exp()
+        scores[start:start + chunk].scatter_add_(1, labels[top_idx], weights)
+    return scores
+
+
+def rank_classes(scores: torch.Tensor) -> torch.Tensor:
+    """Classes by decreasing score, ties to the lower class index: ``Q x C`` indices."""
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices
+
+
+def knn_classify(bank_feats: torch.Tensor, bank_labels: torch.Tensor, query_feats: torch.Tensor,
+                 num_classes: int, k: int = 20, temperature: float = 0.07) -> torch.Tensor:
+    """Predicted labels ``Q`` of :func:`knn_predict` (ties to the lower class index)."""
+    return rank_classes(knn_predict(bank_feats, bank_labels, query_feats, num_classes, k, temperature))[:, 0]
+
+
+def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> torch.Tensor:
+    """Number of queries whose label is among the ``k`` best classes, one count per ``k``."""
+    ranking = rank_classes(scores)
+    hits = ranking == labels.to(ranking.device).view(-1, 1)
+    return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
+
+
+class KNNEvaluator(Callback):
+    """kNN accuracy of ``pl_module.forward_features`` after validation epochs.
+
+    Logs ``knn/top1`` (and ``knn/top5`` when there are more than 5 classes), identical on every
+    rank, at the end of every ``every_n_epochs``-th validation epoch of ``fit`` (and the last
+    one), and in every ``validate``. Skips the sanity check; under ``fast_dev_run=n`` uses only
+    the first ``n`` batches of the bank and of the queries.
+
+    Args:
+        k: neighbours (paper: 20).
+        temperature: of the vote weights ``exp(similarity / T)``.
+        every_n_epochs: evaluate after every n-th epoch (0-indexed epochs ``n-1, 2n-1, ...``).
+        num_classes: classes of the labels (default: the datamodule's ``num_classes``).
+        batch_size, num_workers: of the feature loaders (default: the datamodule's).
+        chunk_size: queries scored at once (default: bounded by a similarity budget).
+    """
+
+    def __init__(self, k: int = 20, temperature: float = 0.07, every_n_epochs: int = 1,
+                 num_classes: Optional[int] = None, batch_size: Optional[int] = None,
+                 num_workers: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
+        super().__init__()
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"KNNEvaluator: k must be an integer >= 1, got {k!r}")
+        if not temperature > 0:
+            raise ValueError(f"KNNEvaluator: temperature must be > 0, got {temperature!r}")
+        if num_classes is not None and num_classes < 1:
+            raise ValueError(f"KNNEvaluator: num_classes must be >= 1 or None, got {num_classes!r}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"KNNEvaluator: batch_size must be >= 1 or None, got {batch_size!r}")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"KNNEvaluator: num_workers must be >= 0 or None, got {num_workers!r}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"KNNEvaluator: chunk_size must be >= 1 or None, got {chunk_size!r}")
+        self.k = k
+        self.temperature = float(temperature)
+        self.every_n_epochs = check_every_n_epochs("KNNEvaluator", every_n_epochs)
+        self.num_classes = num_classes
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.chunk_size = chunk_size
+        self.last_metrics: dict[str, float] = {}  # of the last evaluation
+        self.last_epoch: Optional[int] = None
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not evaluation_due(trainer, self.every_n_epochs):
+            return
+        metrics = self.evaluate(trainer, pl_module)
+        log_identical(pl_module, metrics)
+        self.last_metrics, self.last_epoch = metrics, int(trainer.current_epoch)
+
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """``{"knn/top1": ..., ["knn/top5": ...]}`` in [0, 1], the same on every rank."""
+        dm = getattr(trainer, "datamodule", None)
+        num_classes = self.num_classes or getattr(dm, "num_classes", None)
+        if not num_classes:
+            raise ValueError("KNNEvaluator: num_classes is not set and the datamodule has no num_classes")
+        bank_set = datamodule_dataset(trainer, "bank_dataset", "KNNEvaluator")
+        query_set = datamodule_dataset(trainer, "val_dataset", "KNNEvaluator")
+        batch_size, num_workers = loader_settings(trainer, self.batch_size, self.num_workers)
+        bank_set = smoke_test_subset(trainer, bank_set, batch_size)
+        query_set = smoke_test_subset(trainer, query_set, batch_size)
+        context = trainer.precision_plugin.forward_context
+        bank = collect_features(pl_module, bank_set, batch_size, num_workers, forward_context=context)
+        queries = collect_features(pl_module, query_set, batch_size, num_workers, gather=False,
+                                   forward_context=context)
+        ks = (1, 5) if num_classes > 5 else (1,)
+        if len(queries.labels):
+            scores = knn_predict(bank.features, bank.labels, queries.features, num_classes, self.k,
+                                 self.temperature, self.chunk_size)
+            correct = topk_correct(scores, queries.labels, ks)
+        else:  # a rank without queries (fewer queries than ranks) still joins the sum
+            correct = torch.zeros(len(ks), dtype=torch.int64, device=bank.features.device)
+        counts = all_reduce_sum(torch.cat([correct, correct.new_tensor([len(queries.labels)])]))
+        total = int(counts[-1])
+        return {f"knn/top{k}": int(c) / total for k, c in zip(ks, counts[:-1].tolist())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_metrics = dict(state_dict.get("last_metrics", {}))
+        self.last_epoch = state_dict.get("last_epoch")

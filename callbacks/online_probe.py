@@ -1,0 +1,214 @@
+"""Online linear probe: a linear classifier trained during pre-training on detached features
+(issue 3, callbacks; the MAE linear probe's head of SPEC section 2, trained online as in lightly's
+``OnlineLinearClassifier``).
+
+At every training batch the callback embeds the batch's (augmented, full, unmasked) images
+with an EXTRA forward pass ``pl_module.forward_features(images)``, in eval mode, under
+``torch.no_grad`` and with forked RNG states, then takes one optimiser step of its own head
+(BatchNorm without affine, as MAE's linear probe, then Linear) on those features. Nothing the
+pre-training sees changes: not the module's gradients, weights, batch-norm statistics or
+train/eval modes, nor the global RNG streams that draw the MAE masks and the data order, so
+the pre-training is the same run with and without the callback.
+
+Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
+ranks before each step, and its batch-norm running statistics after it, so every rank holds
+the same head. Validation accuracy counts every validation sample once (the duplicates a
+DistributedSampler pads with are masked out) and is summed over ranks.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+
+from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
+from .feature_collection import isolated_eval
+
+DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.1}
+
+
+class ProbeHead(nn.Module):
+    """``Linear(BatchNorm1d(features.detach(), affine=False))``; the detach keeps every
+    gradient of the probe inside the head."""
+
+    def __init__(self, feature_dim: int, num_classes: int, batch_norm: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(feature_dim, affine=False, eps=1e-6) if batch_norm else nn.Identity()
+        self.linear = nn.Linear(feature_dim, num_classes)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """MAE's probe init: weight ~ trunc_normal(std 0.01), bias 0, from ``generator``."""
+        nn.init.trunc_normal_(self.linear.weight, std=0.01, generator=generator)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(features.detach()))
+
+
+class OnlineLinearProbe(Callback):
+    """Train a linear probe on detached features during pre-training (see module docstring).
+
+    The head takes one optimiser step per training batch (per micro-batch under gradient
+    accumulation). Logs ``online_probe/train_loss`` and ``online_probe/train_top1`` every training step (this
+    rank's batch) and ``online_probe/val_top1`` after validation epochs (all validation
+    samples, the same on every rank; skipped in the sanity check and while the head is
+    untrained, e.g. in ``validate``, where Lightning does not restore callback states).
+
+    Args:
+        num_classes: classes of the labels (default: the datamodule's ``num_classes``).
+        feature_dim: width of ``forward_features`` (default: the module's ``num_features``,
+            else found from the first batch).
+        optimizer: ``"adamw"`` or ``"sgd"`` (momentum); weight decay 0 either way.
+        lr: learning rate (default 1e-3 for AdamW, 0.1 for SGD).
+        momentum: SGD momentum.
+        batch_norm: BatchNorm1d without affine before the linear layer (MAE's linear probe).
+        seed: seed of the head's initialisation (same head on every rank, no global RNG draw).
+    """
+
+    def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
+                 optimizer: Literal["adamw", "sgd"] = "adamw", lr: Optional[float] = None,
+                 momentum: float = 0.9, batch_norm: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        if num_classes is not None and num_classes < 2:
+            raise ValueError(f"OnlineLinearProbe: num_classes must be >= 2 or None, got {num_classes!r}")
+        if feature_dim is not None and feature_dim < 1:
+            raise ValueError(f"OnlineLinearProbe: feature_dim must be >= 1 or None, got {feature_dim!r}")
+        if optimizer not in DEFAULT_LR:
+            raise ValueError(f"OnlineLinearProbe: optimizer must be one of {tuple(DEFAULT_LR)}, got {optimizer!r}")
+        if lr is not None and not lr > 0:
+            raise ValueError(f"OnlineLinearProbe: lr must be > 0 or None, got {lr!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"OnlineLinearProbe: momentum must be in [0, 1), got {momentum!r}")
+        self.num_classes = num_classes
+        self.feature_dim = feature_dim
+        self.optimizer_name = optimizer
+        self.lr = float(lr) if lr is not None else DEFAULT_LR[optimizer]
+        self.momentum = float(momentum)
+        self.batch_norm = batch_norm
+        self.seed = int(seed)
+        self.head: Optional[ProbeHead] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.steps = 0  # optimiser steps of the head
+        self._device = torch.device("cpu")
+        self._pending_state: Optional[dict[str, Any]] = None
+        self._val_counts = torch.zeros(2, dtype=torch.int64)  # correct, total
+        self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
+
+    # --- head -------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._device = trainer.strategy.root_device
+        if self.num_classes is None:
+            self.num_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
+            if not self.num_classes:
+                raise ValueError("OnlineLinearProbe: num_classes is not set and the datamodule has no num_classes")
+        if self.feature_dim is None:
+            self.feature_dim = getattr(pl_module, "num_features", None)
+        if self.head is None and self.feature_dim is not None:
+            self._build_head(int(self.feature_dim))
+        elif self.head is not None:
+            self.head.to(self._device)
+
+    def _build_head(self, feature_dim: int) -> None:
+        self.feature_dim = feature_dim
+        with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global CPU RNG
+            head = ProbeHead(feature_dim, int(self.num_classes), self.batch_norm)
+        head.reset_parameters(torch.Generator().manual_seed(self.seed))
+        self.head = head.to(self._device)
+        params = list(self.head.parameters())
+        if self.optimizer_name == "adamw":
+            self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        else:
+            self.optimizer = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=0.0)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self._load_head_state(state)
+
+    def _features(self, trainer: Trainer, pl_module: LightningModule, images: torch.Tensor) -> torch.Tensor:
+        with isolated_eval(pl_module), trainer.precision_plugin.forward_context():
+            features = pl_module.forward_features(images).float()
+        if self.head is None:
+            self._build_head(features.shape[1])
+        elif features.ndim != 2 or features.shape[1] != self.feature_dim:
+            raise ValueError(f"OnlineLinearProbe: forward_features gave shape {tuple(features.shape)}, the head "
+                             f"expects B x {self.feature_dim} (set feature_dim)")
+        return features.to(self._device)
+
+    # --- training ---------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        images, labels = batch[0], batch[1].to(self._device)
+        if self.batch_norm and len(labels) < 2:
+            return  # batch norm cannot train on one sample (DistributedSampler: same size on every rank)
+        features = self._features(trainer, pl_module, images)
+        with torch.enable_grad():
+            self.head.train()
+            logits = self.head(features)
+            loss = F.cross_entropy(logits, labels)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+        average_across_ranks_(p.grad for p in self.head.parameters())
+        self.optimizer.step()
+        average_across_ranks_(b for b in self.head.buffers() if b.is_floating_point())
+        self.steps += 1
+        top1 = (logits.detach().argmax(dim=1) == labels).float().mean()
+        pl_module.log_dict({"online_probe/train_loss": loss.detach(), "online_probe/train_top1": top1},
+                           on_step=True, on_epoch=False, batch_size=len(labels))
+
+    # --- validation -------------------------------------------------------------------------
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._val_counts = torch.zeros(2, dtype=torch.int64, device=self._device)
+        self._val_seen = 0
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking or dataloader_idx != 0 or self.steps == 0:
+            return
+        images, labels = batch[0], batch[1].to(self._device)
+        loaders = trainer.val_dataloaders
+        loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+        real = distributed_padding_mask(loader, self._val_seen, len(labels))
+        self._val_seen += len(labels)
+        features = self._features(trainer, pl_module, images)
+        with torch.no_grad():
+            self.head.eval()
+            hits = self.head(features).argmax(dim=1) == labels
+        if real is not None:
+            hits, labels = hits[real.to(hits.device)], labels[real.to(labels.device)]
+        self._val_counts += torch.stack([hits.sum(), hits.new_tensor(len(labels), dtype=torch.int64)])
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or self.steps == 0:
+            return
+        correct, total = all_reduce_sum(self._val_counts).tolist()
+        if total:
+            log_identical(pl_module, {"online_probe/val_top1": correct / total})
+
+    # --- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.head is None:
+            return dict(self._pending_state or {})
+        return {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
+                "head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.head is None:  # before setup, or a lazily sized head: applied when it is built
+            self._pending_state = dict(state_dict)
+            self.feature_dim = self.feature_dim or state_dict.get("feature_dim")
+            return
+        self._load_head_state(state_dict)
+
+    def _load_head_state(self, state_dict: dict[str, Any]) -> None:
+        if (state_dict.get("feature_dim"), state_dict.get("num_classes")) != (self.feature_dim, self.num_classes):
+            raise ValueError(f"OnlineLinearProbe: checkpoint head is {state_dict.get('feature_dim')} -> "
+                             f"{state_dict.get('num_classes')} classes, this one {self.feature_dim} -> "
+                             f"{self.num_classes}")
+        self.head.load_state_dict(state_dict["head"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.steps = int(state_dict.get("steps", 0))

@@ -1,0 +1,96 @@
+"""The table a run ends with (issue 3, the quickstart): final evaluation metrics, where the
+checkpoints are and where the pictures are. Printed by global rank 0 at the end of ``fit`` and
+written next to the logs as JSON."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from .pictures import picture_dir, run_dir
+
+DEFAULT_METRICS = ("knn/top1", "online_probe/val_top1", "rank/effective_rank", "rank/entropy")
+
+
+def _as_float(value: Any) -> Optional[float]:
+    try:
+        number = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def collect_summary(trainer: Trainer, metrics: Sequence[str]) -> dict[str, Any]:
+    """``{"metrics": {name: value or None}, "best_checkpoint", "last_checkpoint", "pictures",
+    "log_dir", "epochs" (completed), "steps"}`` of a finished ``fit``."""
+    values = {name: _as_float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None
+              for name in metrics}
+    checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
+    best = getattr(checkpoint, "best_model_path", "") or None
+    last = getattr(checkpoint, "last_model_path", "") or None
+    pictures = picture_dir(trainer)
+    return {"metrics": values, "best_checkpoint": best, "last_checkpoint": last,
+            "pictures": str(pictures) if pictures.is_dir() and any(pictures.iterdir()) else None,
+            "log_dir": str(run_dir(trainer)),
+            "epochs": int(trainer.current_epoch), "steps": int(trainer.global_step)}
+
+
+def format_value(name: str, value: Optional[float]) -> str:
+    """Accuracies (names ending in ``top1``, ``top5``, ``acc``...) as percentages, other numbers
+    with 4 significant digits."""
+    if value is None:
+        return "-"
+    leaf = name.rsplit("/", 1)[-1].lower()
+    if leaf.startswith(("top", "acc")) or "_top" in leaf or leaf.endswith("acc"):
+        return f"{100.0 * value:.2f} %"
+    return f"{value:.4g}"
+
+
+class RunSummary(Callback):
+    """Print the final metrics, the checkpoint paths and the pictures folder after ``fit``.
+
+    Args:
+        metrics: names of logged metrics to show (missing ones show ``-``).
+        title: the table's title.
+        summary_file: JSON file written in the log directory (None: no file).
+    """
+
+    def __init__(self, metrics: Sequence[str] = DEFAULT_METRICS, title: str = "shortcutlab run summary",
+                 summary_file: Optional[str] = "summary.json") -> None:
+        super().__init__()
+        if isinstance(metrics, str) or not all(isinstance(m, str) and m for m in metrics):
+            raise ValueError(f"RunSummary: metrics must be a list of metric names, got {metrics!r}")
+        self.metrics = list(metrics)
+        self.title = title
+        self.summary_file = summary_file
+        self.summary: dict[str, Any] = {}
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.summary = collect_summary(trainer, self.metrics)
+        if not trainer.is_global_zero:
+            return
+        if self.summary_file:
+            path = Path(self.summary["log_dir"]) / self.summary_file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.summary, indent=2) + "\n")
+        self.print_table()
+
+    def print_table(self) -> None:
+        """The rich table of :attr:`summary` on the terminal."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=self.title, show_header=True, header_style="bold")
+        table.add_column("what")
+        table.add_column("value", justify="right", overflow="fold")
+        for name, value in self.summary["metrics"].items():
+            table.add_row(name, format_value(name, value))
+        table.add_row("epochs / steps", f"{self.summary['epochs']} / {self.summary['steps']}")
+        for label, key in (("best checkpoint", "best_checkpoint"), ("last checkpoint", "last_checkpoint"),
+                           ("pictures", "pictures")):
+            table.add_row(label, self.summary[key] or "-", style="dim" if not self.summary[key] else None)
+        Console().print(table)

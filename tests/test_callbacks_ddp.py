@@ -1,0 +1,153 @@
+"""Two-process DDP (gloo, CPU) run of a tiny MAE with the online probe, kNN and effective-rank
+callbacks: it completes, every rank logs the same values and holds the same probe head, and
+kNN accuracy, effective rank and probe accuracy equal one process's on the same weights.
+
+The DDP run is a script launched with ``python -m torch.distributed.run`` (a real multi-process
+launch, as on a cluster); it writes what each rank saw as JSON. The single-process reference
+runs ``validate`` in the test process on the weights the DDP run ended with.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import LightningDataModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks.effective_rank import EffectiveRank
+from callbacks.knn import KNNEvaluator
+from callbacks.online_probe import OnlineLinearProbe
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+COMPARED = ("knn/top1", "knn/top5", "rank/entropy", "rank/effective_rank", "rank/block_01/effective_rank",
+            "rank/block_02/effective_rank", "online_probe/val_top1")
+
+
+def make_model():
+    """A tiny MAE with decayed shortcuts and U-Net skips (1 x 8 x 8 images, 4 patches)."""
+    from lightning_mods.mae import MaskedAutoencoder
+
+    return MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                             decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, base_lr=1e-3,
+                             warmup_epochs=0.5, num_reconstructions=2)
+
+
+def make_callbacks() -> list:
+    return [OnlineLinearProbe(lr=1e-2), KNNEvaluator(k=5), EffectiveRank(per_block=True)]
+
+
+def class_images(n: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` 1 x 8 x 8 images: a fixed pattern per class plus noise."""
+    patterns = torch.randn(num_classes, 1, 8, 8, generator=torch.Generator().manual_seed(99))
+    labels = torch.arange(n) % num_classes
+    noise = torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+    return patterns[labels] + 0.7 * noise, labels
+
+
+class ImageData(LightningDataModule):
+    """Odd-sized bank (37) and validation (23) sets: a DistributedSampler would pad both."""
+
+    num_classes = 6
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, 0
+        self.train_dataset = self.bank_dataset = TensorDataset(*class_images(37, self.num_classes, 0))
+        self.val_dataset = TensorDataset(*class_images(23, self.num_classes, 1))
+
+    def train_dataloader(self):
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_dataset, batch_size=self.batch_size)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, warnings
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, {tests!r})
+    warnings.filterwarnings("ignore")
+    from lightning.pytorch import Trainer, seed_everything
+    from test_callbacks_ddp import ImageData, make_callbacks, make_model, COMPARED
+
+    out = Path(sys.argv[1])
+    seed_everything(0)
+    model, callbacks = make_model(), make_callbacks()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, limit_train_batches=2,
+                      callbacks=callbacks, default_root_dir=out, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1)
+    trainer.fit(model, datamodule=ImageData())
+    probe = callbacks[0]
+    seen = {{
+        "world_size": trainer.world_size,
+        "metrics": {{k: float(trainer.callback_metrics[k]) for k in COMPARED if k in trainer.callback_metrics}},
+        "probe_steps": probe.steps,
+        "probe_head": {{k: v.tolist() for k, v in probe.head.state_dict().items()}},
+    }}
+    (out / f"rank{{trainer.global_rank}}.json").write_text(json.dumps(seen))
+    if trainer.is_global_zero:
+        torch.save({{"model": model.state_dict(), "probe": probe.state_dict()}}, out / "final.pt")
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tmp_path):
+    script = tmp_path / "ddp_run.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
+    # own session: on a timeout the launcher and both workers are killed together, none left behind
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("the DDP run timed out (a collective that not every rank joined?):\n" + output[-5000:])
+    assert proc.returncode == 0, output[-6000:]
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["world_size"] == 2
+    assert set(ranks[0]["metrics"]) == set(COMPARED)
+    # every rank logged the same values and holds the same probe head
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert ranks[0]["probe_head"] == ranks[1]["probe_head"]
+    assert ranks[0]["probe_steps"] == ranks[1]["probe_steps"] == 4
+
+    # one process, the same final weights and probe head
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    model = make_model()
+    model.load_state_dict(final["model"])
+    callbacks = make_callbacks()
+    callbacks[0].load_state_dict(final["probe"])
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path / "single")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.validate(model, datamodule=ImageData(), verbose=False)
+    single = {k: float(trainer.callback_metrics[k]) for k in COMPARED}
+    ddp = ranks[0]["metrics"]
+    for name in ("knn/top1", "knn/top5", "online_probe/val_top1"):
+        assert ddp[name] == single[name], name  # counts of the same 23 queries: exact
+    for name in COMPARED:
+        assert ddp[name] == pytest.approx(single[name], rel=1e-5), name
