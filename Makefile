@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m lightning_mods.quickstart
+	$(BIN)/shortcutlab fit --config configs/digits_mae.yaml $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -172,7 +172,8 @@ class MaskedAutoencoder(LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0]
         loss, _, _ = self(images)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True,
+                 batch_size=images.shape[0])
         return loss
 
     def _val_generator(self, batch_idx: int) -> torch.Generator:
