@@ -95,7 +95,7 @@ class ShortcutLabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
         for name in ("image_size", "in_chans", "num_classes"):
             parser.link_arguments(
-                "data", f"model.init_args.{name}", compute_fn=lambda data, name=name: getattr(data, name),
+                "data", f"model.init_args.{name}", compute_fn=lambda data, name=name: getattr(data, name, None),
                 apply_on="instantiate",
             )
         # set_defaults (not trainer_defaults) keeps these replaceable from YAML

@@ -49,9 +49,12 @@ def nearest_arm_labels(points: torch.Tensor, arm_samples: int = ARM_SAMPLES) -> 
     angle = torch.linspace(0.0, 2 * math.pi, arm_samples + 1, dtype=torch.float64)
     radius = angle / (2 * math.pi)
     arm0 = torch.stack([radius * torch.sin(angle), radius * torch.cos(angle)], dim=1)
-    arms = torch.stack([arm0, -arm0])  # the class-1 arm is the class-0 arm turned by pi
-    distance = torch.cdist(points.double().unsqueeze(0).expand(2, -1, -1), arms).amin(dim=2)  # 2 x N
-    return distance.argmin(dim=0)
+    labels = []
+    for chunk in points.double().split(256):  # a few MB at a time
+        to_arm0 = torch.cdist(chunk, arm0).amin(dim=1)
+        to_arm1 = torch.cdist(chunk, -arm0).amin(dim=1)  # the class-1 arm is the class-0 arm turned by pi
+        labels.append((to_arm1 < to_arm0).long())
+    return torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
 
 
 class Spiral(L.LightningDataModule):
@@ -69,6 +72,9 @@ class Spiral(L.LightningDataModule):
 
     num_classes = 2
     in_features = 2
+    # cli.ShortcutLabCLI links these three from every datamodule; points are not images
+    in_chans = 2
+    image_size = None
 
     def __init__(self, num_points: int = 16384, val_points: int = 2048, grid_size: int = 50,
                  batch_size: int = 256, eval_batch_size: int | None = None, num_workers: int = 0,

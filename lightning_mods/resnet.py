@@ -8,6 +8,7 @@ The blocks subclass timm's ``BasicBlock`` and ``Bottleneck`` and the networks su
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -87,6 +88,18 @@ def cifar_stem_(model: ResNet, in_chans: int) -> ResNet:
     return model
 
 
+def resolve_layer(value: Any) -> Any:
+    """A dotted class path (``"torch.nn.ReLU"``, as LightningCLI writes a class default into a
+    saved config) becomes the class; timm names (``"relu"``) and classes pass through."""
+    if isinstance(value, str) and "." in value:
+        module_name, _, name = value.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            raise ValueError(f"layer class path {value!r} cannot be imported") from None
+    return value
+
+
 class DecayedResNet(ResNet):
     """timm ``ResNet`` whose blocks follow a :class:`ShortcutSchedule`.
 
@@ -110,6 +123,9 @@ class DecayedResNet(ResNet):
             raise ValueError(f"block must be BasicBlock, Bottleneck or a DecayedResidual block, got {block!r}")
         if len(layers) != 4 or any(int(n) <= 0 for n in layers):
             raise ValueError(f"layers must be four positive block counts, got {tuple(layers)!r}")
+        for key in ("act_layer", "norm_layer", "aa_layer"):
+            if key in kwargs:
+                kwargs[key] = resolve_layer(kwargs[key])
         super().__init__(block=block, layers=tuple(int(n) for n in layers),
                          zero_init_last=zero_init_branches, **kwargs)
         if cifar_stem:

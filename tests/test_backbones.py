@@ -171,3 +171,12 @@ def test_resnet_rejects_bad_layers():
         DecayedResNet(BasicBlock, (2, 0, 2, 2))
     with pytest.raises(ValueError, match="total_blocks"):
         ResNet18Cifar(num_blocks=6)
+
+
+def test_resnet_accepts_dotted_layer_paths_from_saved_configs():
+    """LightningCLI writes class defaults as 'torch.nn.ReLU'; reading the config back must work."""
+    model = ResNet18Cifar(num_classes=3, act_layer="torch.nn.ReLU", norm_layer="torch.nn.BatchNorm2d")
+    assert isinstance(model.layer1[0].act1, torch.nn.ReLU)
+    assert isinstance(model.layer1[0].bn1, torch.nn.BatchNorm2d)
+    with pytest.raises(ValueError, match="torch.nn.NoSuchLayer"):
+        ResNet18Cifar(num_classes=3, act_layer="torch.nn.NoSuchLayer")

@@ -1,0 +1,219 @@
+"""Supervised image classifier over the shortcut-aware backbones (SPEC sections 4 and 5;
+"Residual Connections Harm Generative Representation Learning", appendix; "ResidualDroppath",
+section 4).
+
+The backbone is any timm-style network configured on its own (``class_path``/``init_args``,
+e.g. :class:`~lightning_mods.resnet.ResNet50` with a
+:class:`~lightning_mods.shortcut.ShortcutSchedule`). The classifier adapts it to the data the
+CLI links in: a head of another size is replaced with timm's ``reset_classifier(num_classes)``
+and a first convolution that expects another number of channels is rebuilt for ``in_chans``.
+A backbone built with the right ``num_classes``/``in_chans`` is used as it is.
+
+Why adapt an instance rather than take a backbone factory: the backbone stays an ordinary
+``nn.Module`` in the config (``class_path``/``init_args``, every timm argument visible to
+``--help``), and the CLI's ``num_classes``/``in_chans`` links need no knowledge of it.
+
+Recipe defaults are timm's ``train.py`` defaults (the ResidualDroppath paper trains with
+them): SGD with Nesterov momentum 0.9, lr 0.1 per 256 samples of global batch, weight decay
+2e-5 without decay on norms and biases, 5 warm-up epochs then cosine to 0 (per optimiser step
+here, per epoch in timm), label smoothing 0.1. The stochastic-depth baseline is the backbone's own
+``drop_path_rate`` (timm's DropPath with 1/keep rescaling, linear over depth).
+
+SyncBatchNorm is the trainer's job: ``trainer.sync_batchnorm: true`` converts every BatchNorm
+when the strategy is DDP (Lightning's ``TorchSyncBatchNorm``); nothing here changes.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+                    warmup_cosine_scheduler)
+from .residual import residual_blocks
+
+OPTIMIZERS = ("sgd", "adamw")
+_TIMM_API = ("forward_features", "forward_head", "reset_classifier", "num_classes", "num_features")
+
+
+def pool_block_output(x: torch.Tensor) -> torch.Tensor:
+    """``B x C x H x W`` -> mean over space; ``B x N x D`` tokens -> mean over tokens; ``B x D`` as is."""
+    if x.ndim == 4:
+        return x.mean(dim=(2, 3))
+    if x.ndim == 3:
+        return x.mean(dim=1)
+    return x
+
+
+def first_conv_name(model: nn.Module) -> str | None:
+    """Dotted name of the first ``Conv2d`` in registration order (the stem or patch embedding)."""
+    return next((name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)), None)
+
+
+def set_input_channels_(model: nn.Module, in_chans: int) -> nn.Module:
+    """Rebuild the first convolution of ``model`` for ``in_chans`` input channels when it differs.
+
+    The new convolution keeps every other setting and gets timm ResNet's initialisation
+    (Kaiming normal, fan-out, ReLU gain).
+    """
+    name = first_conv_name(model)
+    if name is None:
+        raise ValueError(f"backbone has no Conv2d to adapt to in_chans={in_chans}: {type(model).__name__}")
+    conv = model.get_submodule(name)
+    if conv.in_channels == in_chans:
+        return model
+    new = nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                    conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+                    device=conv.weight.device, dtype=conv.weight.dtype)
+    nn.init.kaiming_normal_(new.weight, mode="fan_out", nonlinearity="relu")
+    if new.bias is not None:
+        nn.init.zeros_(new.bias)
+    model.set_submodule(name, new)
+    return model
+
+
+class ImageClassifier(LightningModule):
+    """Cross-entropy classifier of a timm-style backbone with top-1/top-5 accuracy.
+
+    Args:
+        backbone: a timm-API network (``forward_features``, ``forward_head``,
+            ``reset_classifier``), e.g. ``lightning_mods.resnet.ResNet50``.
+        num_classes, in_chans: linked from the datamodule by the CLI; the backbone's head and
+            first convolution are adapted to them.
+        optimizer: ``sgd`` (``momentum``; Nesterov by default, as timm's ``sgd``) or ``adamw``
+            (``betas``).
+        base_lr: learning rate per 256 samples of GLOBAL batch (peak = base_lr * batch / 256).
+        weight_decay: on weights only; norms, biases and shortcut alphas get none.
+        warmup_epochs: linear per-step warm-up, then cosine to ``min_lr_ratio * peak``.
+        label_smoothing: of the training loss (validation/test losses are plain).
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        base_lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 2e-5,
+        warmup_epochs: float = 5.0,
+        min_lr_ratio: float = 0.0,
+        label_smoothing: float = 0.1,
+    ) -> None:
+        super().__init__()
+        missing = [name for name in _TIMM_API if not hasattr(backbone, name)]
+        if missing:
+            raise ValueError(f"backbone must have timm's classifier API; {type(backbone).__name__} lacks "
+                             f"{', '.join(missing)}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+        if num_classes < 1 or in_chans < 1:
+            raise ValueError(f"num_classes and in_chans must be >= 1, got {num_classes} and {in_chans}")
+        if optimizer == "sgd" and nesterov and momentum <= 0:
+            raise ValueError(f"nesterov needs momentum > 0, got momentum={momentum}; set nesterov: false")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if base_lr <= 0 or weight_decay < 0 or warmup_epochs < 0:
+            raise ValueError(f"base_lr must be > 0, weight_decay and warmup_epochs >= 0; got {base_lr}, "
+                             f"{weight_decay}, {warmup_epochs}")
+        self._save_hyperparameters_without_modules(backbone)
+
+        if backbone.num_classes != num_classes:
+            backbone.reset_classifier(num_classes)
+        self.backbone = set_input_channels_(backbone, in_chans)
+        self.num_features = int(backbone.num_features)
+        top5 = min(5, num_classes)
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5)
+        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5)
+
+    def _save_hyperparameters_without_modules(self, backbone: nn.Module) -> None:
+        # Under LightningCLI the saved hyperparameters are the parsed config, so ``backbone`` is
+        # its class_path/init_args (plain data, ``load_from_checkpoint`` rebuilds it). Built in
+        # Python, it is the module itself: keep only its class path, never a pickled module.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*'backbone' is an instance of `nn.Module`")
+            self.save_hyperparameters()
+        if isinstance(self.hparams.get("backbone"), nn.Module):
+            class_path = f"{type(backbone).__module__}.{type(backbone).__qualname__}"
+            self.hparams["backbone"] = class_path
+            self._hparams_initial["backbone"] = class_path
+
+    # --- forward ---------------------------------------------------------------------------
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits ``B x num_classes``."""
+        return self.backbone(images)
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Evaluation features ``B x D``: the pooled input of the classifier layer."""
+        return self.backbone.forward_head(self.backbone.forward_features(images), pre_logits=True)
+
+    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """Pooled output of every residual block in depth order (``B x C_k`` each)."""
+        outputs: list[torch.Tensor] = []
+        handles = [blk.register_forward_hook(lambda _m, _i, out: outputs.append(pool_block_output(out)))
+                   for blk in residual_blocks(self.backbone)]
+        try:
+            self.backbone.forward_features(images)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return outputs
+
+    # --- steps -----------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
+        self.train_top1(logits, labels)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+        self.log("train/top1", self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        return loss
+
+    def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
+        top1(logits, labels)
+        top5(logits, labels)
+        self.log(f"{stage}/top1", top1, prog_bar=True, batch_size=labels.shape[0])
+        self.log(f"{stage}/top5", top5, batch_size=labels.shape[0])
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_top1, self.val_top5)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_top1, self.test_top5)
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self(batch[0] if isinstance(batch, (tuple, list)) else batch).softmax(dim=-1)
+
+    # --- optimisation ----------------------------------------------------------------------
+    def _per_device_batch(self) -> int:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "batch_size"):
+            return int(dm.batch_size)
+        return int(self.trainer.train_dataloader.batch_size)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        total = int(self.trainer.estimated_stepping_batches)  # also sets up the train loader
+        peak = scaled_lr(hp.base_lr, global_batch_size(self.trainer, self._per_device_batch()))
+        groups = param_groups_weight_decay(self, hp.weight_decay)
+        if hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=peak, momentum=hp.momentum, nesterov=hp.nesterov)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(hp.betas))
+        warmup = min(steps_from_epochs(self.trainer, hp.warmup_epochs), max(0, total - 1))
+        return {"optimizer": optimizer,
+                "lr_scheduler": warmup_cosine_scheduler(optimizer, warmup, total, hp.min_lr_ratio)}
