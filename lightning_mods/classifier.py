@@ -199,16 +199,10 @@ class ImageClassifier(LightningModule):
         return self(batch[0] if isinstance(batch, (tuple, list)) else batch).softmax(dim=-1)
 
     # --- optimisation ----------------------------------------------------------------------
-    def _per_device_batch(self) -> int:
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and hasattr(dm, "batch_size"):
-            return int(dm.batch_size)
-        return int(self.trainer.train_dataloader.batch_size)
-
     def configure_optimizers(self):
         hp = self.hparams
         total = int(self.trainer.estimated_stepping_batches)  # also sets up the train loader
-        peak = scaled_lr(hp.base_lr, global_batch_size(self.trainer, self._per_device_batch()))
+        peak = scaled_lr(hp.base_lr, global_batch_size(self.trainer))
         groups = param_groups_weight_decay(self, hp.weight_decay)
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=peak, momentum=hp.momentum, nesterov=hp.nesterov)

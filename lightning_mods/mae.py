@@ -217,14 +217,8 @@ class MaskedAutoencoder(LightningModule):
         log_picture(self.trainer, "mae/reconstructions", image_grid(tiles, nrow=3))
 
     # --- optimisation ---------------------------------------------------------------------
-    def _per_device_batch(self) -> int:
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and hasattr(dm, "batch_size"):
-            return int(dm.batch_size)
-        return int(self.trainer.train_dataloader.batch_size)
-
     def configure_optimizers(self):
-        peak = scaled_lr(self.hparams.base_lr, global_batch_size(self.trainer, self._per_device_batch()))
+        peak = scaled_lr(self.hparams.base_lr, global_batch_size(self.trainer))
         groups = param_groups_weight_decay(self, self.hparams.weight_decay)
         optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)

@@ -37,8 +37,18 @@ def param_groups_weight_decay(
     return groups
 
 
-def global_batch_size(trainer, per_device_batch: int) -> int:  # noqa: ANN001 (Trainer)
+def per_device_batch_size(trainer) -> int:  # noqa: ANN001 (Trainer)
+    """The train batch of one device: the datamodule's ``batch_size``, else the train loader's."""
+    dm = getattr(trainer, "datamodule", None)
+    if dm is not None and getattr(dm, "batch_size", None) is not None:
+        return int(dm.batch_size)
+    return int(trainer.train_dataloader.batch_size)
+
+
+def global_batch_size(trainer, per_device_batch: int | None = None) -> int:  # noqa: ANN001 (Trainer)
     """per-device batch x devices x nodes x gradient accumulation."""
+    if per_device_batch is None:
+        per_device_batch = per_device_batch_size(trainer)
     return int(per_device_batch) * int(trainer.world_size) * int(trainer.accumulate_grad_batches)
 
 

@@ -1,0 +1,63 @@
+"""The optimiser recipe: global-batch lr scaling, warm-up + cosine, no decay on norms/biases/tokens."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_mods.mae import MaskedAutoencoder
+from lightning_mods.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
+                                  warmup_cosine)
+
+
+def fake_trainer(batch=32, world_size=4, accumulate=2, total_steps=1000, max_epochs=10):
+    return SimpleNamespace(datamodule=SimpleNamespace(batch_size=batch), world_size=world_size,
+                           accumulate_grad_batches=accumulate, estimated_stepping_batches=total_steps,
+                           max_epochs=max_epochs)
+
+
+def test_global_batch_counts_devices_nodes_and_accumulation():
+    trainer = fake_trainer(batch=32, world_size=8, accumulate=4)  # world_size = devices x nodes
+    assert per_device_batch_size(trainer) == 32
+    assert global_batch_size(trainer) == 32 * 8 * 4
+    assert scaled_lr(1.5e-4, 1024) == pytest.approx(6e-4)  # the paper's peak lr at batch 1024
+
+
+def test_warmup_then_cosine_hand_computed():
+    assert warmup_cosine(0, 10, 110) == pytest.approx(0.1)
+    assert warmup_cosine(9, 10, 110) == pytest.approx(1.0)
+    assert warmup_cosine(10, 10, 110) == pytest.approx(1.0)
+    assert warmup_cosine(60, 10, 110) == pytest.approx(0.5)
+    assert warmup_cosine(35, 10, 110) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert warmup_cosine(110, 10, 110) == pytest.approx(0.0, abs=1e-12)
+    assert warmup_cosine(110, 10, 110, min_lr_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_mae_peak_lr_and_no_decay_groups():
+    model = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                              decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, base_lr=1.5e-4,
+                              warmup_epochs=2)
+    model.trainer = fake_trainer(batch=128, world_size=8, accumulate=1, total_steps=1000, max_epochs=10)
+    config = model.configure_optimizers()
+    opt = config["optimizer"]
+    assert opt.defaults["lr"] == pytest.approx(1.5e-4 * 1024 / 256)
+    assert opt.defaults["betas"] == (0.9, 0.95)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[i] for i in decayed}
+    assert all(p.ndim >= 2 for n, p in model.named_parameters() if n in decayed_names)
+    for n in names.values():
+        if n.endswith(".bias") or "norm" in n or "token" in n:
+            assert n not in decayed_names, n
+    assert "encoder.blocks.0.attn.qkv.weight" in decayed_names
+    sched = config["lr_scheduler"]["scheduler"]
+    assert config["lr_scheduler"]["interval"] == "step"
+    # 2 of 10 epochs of 1000 steps are warm-up: 200 steps
+    assert sched.lr_lambdas[0](199) == pytest.approx(1.0) and sched.lr_lambdas[0](99) == pytest.approx(0.5)
+
+
+def test_param_groups_skip_frozen_parameters():
+    layer = torch.nn.Linear(3, 3)
+    layer.bias.requires_grad_(False)
+    groups = param_groups_weight_decay(layer, 0.05)
+    assert [len(g["params"]) for g in groups] == [1]
