@@ -145,7 +145,7 @@ class ShortcutLabCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> ShortcutLabCLI:
-    """Entry point of the ``shortcutlab`` console command."""
+    """Run the CLI on ``args`` (``sys.argv`` when None) and return it (trainer, model, data)."""
     return ShortcutLabCLI(
         LightningModule, LightningDataModule,
         subclass_mode_model=True, subclass_mode_data=True,
@@ -154,5 +154,10 @@ def main(args: Optional[list[str]] = None) -> ShortcutLabCLI:
     )
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``shortcutlab`` console command (returns None: a console script exits with its value)."""
     main()
+
+
+if __name__ == "__main__":
+    console_main()

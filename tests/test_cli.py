@@ -143,3 +143,11 @@ def test_console_command_is_installed():
     assert exe.exists(), "pip install -e . should install the shortcutlab command"
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "fit" in out.stdout
+
+
+def test_console_command_exits_zero_after_a_run(tmp_path):
+    exe = Path(sys.executable).with_name("shortcutlab")
+    out = subprocess.run([str(exe), "fit", *TINY_MAE, *DIGITS, "--trainer.fast_dev_run=1",
+                          "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
