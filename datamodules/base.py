@@ -143,6 +143,13 @@ class ImageDataModule(L.LightningDataModule):
         self.predict_dataset: Dataset | None = None
 
     # --- what a subclass provides -------------------------------------------------------
+    def record_resolved_hparam(self, name: str, value: Any) -> None:
+        """Store a value resolved in ``__init__`` (e.g. ``num_classes`` from a class list) in the
+        hyperparameters, including the initial copy Lightning compares with the model's: it
+        refuses a run whose module and datamodule disagree on a shared key."""
+        self.hparams[name] = value
+        self._hparams_initial[name] = value
+
     def load_split(self, train: bool) -> Dataset:
         """Raw ``(image, label)`` samples of the train (True) or held-out (False) split."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_split(train)")

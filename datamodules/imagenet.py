@@ -78,19 +78,22 @@ class ImageNet(ImageDataModule):
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  pin_memory: bool = False, drop_last_train: bool = True,
                  persistent_workers: bool = True) -> None:
+        classes = read_class_list(class_list) if class_list is not None else None
+        if num_classes is not None and num_classes <= 0:
+            raise ValueError(f"ImageNet: num_classes must be > 0, got {num_classes}")
+        if classes is not None and num_classes is not None and num_classes != len(classes):
+            raise ValueError(f"ImageNet: num_classes={num_classes} but class_list '{class_list}' names "
+                             f"{len(classes)} classes; leave num_classes unset or make them agree")
+        num_classes = len(classes) if classes is not None else (num_classes or IMAGENET_NUM_CLASSES)
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          num_workers=num_workers, image_size=image_size, train_augmentation=train_augmentation, horizontal_flip=horizontal_flip,
                          crop_scale=crop_scale, eval_crop_ratio=eval_crop_ratio, mean=mean, std=std,
                          pin_memory=pin_memory, drop_last_train=drop_last_train,
                          persistent_workers=persistent_workers)
         self.class_list = class_list
-        self.classes: list[str] | None = read_class_list(class_list) if class_list is not None else None
-        if num_classes is not None and num_classes <= 0:
-            raise ValueError(f"ImageNet: num_classes must be > 0, got {num_classes}")
-        if self.classes is not None and num_classes is not None and num_classes != len(self.classes):
-            raise ValueError(f"ImageNet: num_classes={num_classes} but class_list '{class_list}' names "
-                             f"{len(self.classes)} classes; leave num_classes unset or make them agree")
-        self.num_classes = len(self.classes) if self.classes is not None else (num_classes or IMAGENET_NUM_CLASSES)
+        self.classes: list[str] | None = classes
+        self.num_classes = num_classes
+        self.record_resolved_hparam("num_classes", num_classes)  # the CLI links it into the model
 
     def split_dir(self, train: bool) -> str:
         return os.path.join(str(self.data_dir), "train" if train else "val")

@@ -126,8 +126,12 @@ class DecayedResNet(ResNet):
         for key in ("act_layer", "norm_layer", "aa_layer"):
             if key in kwargs:
                 kwargs[key] = resolve_layer(kwargs[key])
+        # LightningCLI resolves **kwargs against timm's signature and so passes timm's own
+        # ``zero_init_last`` too; either flag set to False turns the zero-init off.
+        zero_init_last = bool(kwargs.pop("zero_init_last", True))
+        zero_init = bool(zero_init_branches) and zero_init_last
         super().__init__(block=block, layers=tuple(int(n) for n in layers),
-                         zero_init_last=zero_init_branches, **kwargs)
+                         zero_init_last=zero_init, **kwargs)
         if cifar_stem:
             cifar_stem_(self, kwargs.get("in_chans", 3))
         self.shortcut = ShortcutSchedule.coerce(shortcut)
@@ -163,6 +167,9 @@ class ResNet50d(DecayedResNet):
     """ResNet-50-D as timm's ``resnet50d`` (deep stem, average-pool downsample)."""
 
     def __init__(self, shortcut: Optional[ShortcutSchedule] = None, zero_init_branches: bool = True,
-                 cifar_stem: bool = False, **kwargs: Any) -> None:
-        kwargs = {"stem_width": 32, "stem_type": "deep", "avg_down": True, **kwargs}
-        super().__init__(Bottleneck, (3, 4, 6, 3), shortcut, zero_init_branches, cifar_stem, **kwargs)
+                 cifar_stem: bool = False, stem_width: int = 32, stem_type: str = "deep",
+                 avg_down: bool = True, **kwargs: Any) -> None:
+        # Named parameters, not kwargs defaults: the CLI fills every timm kwarg with timm's
+        # own default (stem_width=64, stem_type="", avg_down=False), which would undo the D.
+        super().__init__(Bottleneck, (3, 4, 6, 3), shortcut, zero_init_branches, cifar_stem,
+                         stem_width=stem_width, stem_type=stem_type, avg_down=avg_down, **kwargs)

@@ -180,3 +180,24 @@ def test_resnet_accepts_dotted_layer_paths_from_saved_configs():
     assert isinstance(model.layer1[0].bn1, torch.nn.BatchNorm2d)
     with pytest.raises(ValueError, match="torch.nn.NoSuchLayer"):
         ResNet18Cifar(num_classes=3, act_layer="torch.nn.NoSuchLayer")
+
+
+@pytest.mark.parametrize("cls,timm_name", [(ResNet18Cifar, None), (ResNet50, "resnet50"),
+                                           (ResNet50d, "resnet50d")])
+@pytest.mark.parametrize("zero_flag", ["zero_init_branches", "zero_init_last"])
+def test_resnet_built_like_the_cli_matches_timm(cls, timm_name, zero_flag):
+    """LightningCLI fills every timm kwarg with timm's default; the architecture must survive
+    that (ResNet-D keeps its deep stem) and either zero-init flag must switch zero-init off."""
+    import timm
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(cls, "model")
+    cfg = parser.parse_args([f"--model.{zero_flag}=false", "--model.num_classes=3"])
+    model = parser.instantiate(cfg).model
+    if timm_name is not None:
+        ref = timm.create_model(timm_name, pretrained=False, num_classes=3)
+        assert {k: v.shape for k, v in model.state_dict().items()} == \
+               {k: v.shape for k, v in ref.state_dict().items()}
+    last_bn = [m.bn3 if hasattr(m, "bn3") else m.bn2 for m in residual_blocks(model)]
+    assert all(bn.weight.abs().min().item() > 0 for bn in last_bn)

@@ -223,6 +223,8 @@ def test_imagenet_class_list_selects_and_reindexes(data_root):
     dm = ImageNet(data_dir=str(data_root["imagenet"]), class_list=str(data_root["imagenet_class_list"]),
                   batch_size=2, image_size=16, eval_crop_ratio=0.8)
     assert dm.num_classes == 2 and dm.in_chans == 3
+    # the count, not the None given, is what Lightning compares with the model's num_classes
+    assert dm.hparams.num_classes == dm.hparams_initial.num_classes == 2
     dm.setup("fit")
     assert len(dm.train_dataset) == len(dm.val_dataset) == 4
     for dataset in (dm.bank_dataset, dm.val_dataset):
