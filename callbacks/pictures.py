@@ -94,9 +94,17 @@ def log_picture(trainer: Trainer, tag: str, picture: Picture, step: int | None =
     return path
 
 
-def image_grid(images: np.ndarray, nrow: int, pad: int = 2, pad_value: float = 1.0) -> np.ndarray:
-    """Tile ``N x H x W x C`` images (floats in [0, 1]) into one ``H' x W' x C`` picture."""
+def image_grid(images: np.ndarray, nrow: int, pad: int = 2, pad_value: float = 1.0,
+               min_tile: int = 64) -> np.ndarray:
+    """Tile ``N x H x W x C`` images (floats in [0, 1]) into one ``H' x W' x C`` picture.
+
+    Tiles smaller than ``min_tile`` pixels are enlarged by a whole factor (nearest neighbour,
+    so every pixel stays a visible square): 16-pixel digits are unreadable at their size.
+    """
     images = np.asarray(images, dtype=np.float32)
+    if images.ndim == 4 and images.shape[0]:
+        factor = max(1, min_tile // max(images.shape[1], images.shape[2]))
+        images = images.repeat(factor, axis=1).repeat(factor, axis=2)
     n, h, w, c = images.shape
     ncol = int(np.ceil(n / nrow)) if n else 0
     grid = np.full((pad + ncol * (h + pad), pad + nrow * (w + pad), c), pad_value, dtype=np.float32)

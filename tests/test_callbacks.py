@@ -424,3 +424,16 @@ def test_fast_dev_run_uses_a_few_batches_and_per_block_needs_blocks(tmp_path):
     trainer = tiny_trainer(tmp_path, [EffectiveRank(per_block=True)], max_epochs=1)
     with pytest.raises(ValueError, match="forward_block_features"):
         trainer.validate(Passthrough(), datamodule=TinyData(), verbose=False)
+
+
+def test_image_grid_tiles_and_enlarges_small_images():
+    from callbacks.pictures import image_grid
+
+    a = np.array([[0.0, 0.25], [0.5, 1.0]], dtype=np.float32)[:, :, None]
+    b = np.full((2, 2, 1), 0.75, dtype=np.float32)
+    grid = image_grid(np.stack([a, b]), nrow=2, pad=1, pad_value=0.5, min_tile=4)
+    expected = np.full((1 + 4 + 1, 1 + 2 * (4 + 1), 1), 0.5, dtype=np.float32)
+    expected[1:5, 1:5, 0] = [[0, 0, 0.25, 0.25], [0, 0, 0.25, 0.25], [0.5, 0.5, 1, 1], [0.5, 0.5, 1, 1]]
+    expected[1:5, 6:10, 0] = 0.75
+    np.testing.assert_array_equal(grid, expected)
+    assert image_grid(np.stack([a, b]), nrow=1, pad=0, min_tile=1).shape == (4, 2, 1)
