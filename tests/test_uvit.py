@@ -1,0 +1,133 @@
+"""U-ViT with decayed shortcuts (SPEC section 3): equals a U-ViT of stock timm blocks with the
+`none` schedule, the schedule spans in -> mid -> out, skips are last in first out."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from timm.models.vision_transformer import Block
+from torch import nn
+
+from lightning_mods.residual import shortcut_alphas
+from lightning_mods.shortcut import ShortcutSchedule
+from lightning_mods.uvit import UViT, timestep_embedding
+
+TINY = dict(img_size=8, patch_size=2, in_chans=3, embed_dim=32, depth=4, num_heads=4)
+
+
+def stock_block(decayed, dim: int, num_heads: int) -> Block:
+    # U-ViT's norm is torch's LayerNorm (eps 1e-5), not timm's default (eps 1e-6)
+    block = Block(dim, num_heads, mlp_ratio=4.0, qkv_bias=False, norm_layer=nn.LayerNorm)
+    block.load_state_dict(decayed.state_dict(), strict=True)
+    return block.eval()
+
+
+def reference_uvit(model: UViT, x: torch.Tensor, t: torch.Tensor, y=None) -> torch.Tensor:
+    """Bao et al.'s forward, written out here with stock timm blocks carrying the same weights."""
+    d, h = model.embed_dim, model.in_blocks[0].attn.num_heads
+    ins = [stock_block(b, d, h) for b in model.in_blocks]
+    mid = stock_block(model.mid_block, d, h)
+    outs = [stock_block(b, d, h) for b in model.out_blocks]
+    tokens = model.embed(x, t, y)
+    skips = []
+    for blk in ins:
+        tokens = blk(tokens)
+        skips.append(tokens)
+    tokens = mid(tokens)
+    for fuse, blk in zip(model.skip_fusions, outs):
+        tokens = blk(fuse(torch.cat([tokens, skips.pop()], dim=-1)))
+    patches = model.head(model.norm(tokens))[:, model.num_prefix_tokens:]
+    b, n, _ = patches.shape
+    g, p, c = int(math.isqrt(n)), model.patch_size, model.in_chans
+    # 'B (h w) (p1 p2 C) -> B C (h p1) (w p2)'
+    image = patches.reshape(b, g, g, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, g * p, g * p)
+    return model.final_layer(image)
+
+
+def test_timestep_embedding_matches_float64_reference():
+    t = np.array([0, 1, 17, 500, 999], dtype=np.float64)
+    for dim in (32, 33):
+        half = dim // 2
+        freqs = np.exp(-math.log(10000.0) * np.arange(half) / half)
+        args = t[:, None] * freqs[None]
+        expected = np.concatenate([np.cos(args), np.sin(args)] + ([np.zeros((5, 1))] if dim % 2 else []), axis=1)
+        got = timestep_embedding(torch.tensor(t, dtype=torch.long), dim).double().numpy()
+        np.testing.assert_allclose(got, expected, atol=2e-4, rtol=0)  # float32 angles up to ~1e3 rad
+
+
+@pytest.mark.parametrize("num_classes,final_conv", [(0, True), (5, True), (0, False)])
+def test_none_schedule_equals_stock_timm_uvit(num_classes, final_conv):
+    torch.manual_seed(0)
+    model = UViT(**TINY, num_classes=num_classes, final_conv=final_conv, shortcut=ShortcutSchedule("none")).eval()
+    x, t = torch.randn(3, 3, 8, 8), torch.tensor([0, 10, 999])
+    y = torch.tensor([0, 4, 5]) if num_classes else None  # 5 = the null class
+    with torch.no_grad():
+        diff = (model(x, t, y) - reference_uvit(model, x, t, y)).abs().max().item()
+    assert diff == 0.0
+
+
+def test_decayed_schedule_changes_the_output():
+    torch.manual_seed(0)
+    model = UViT(**TINY, shortcut=ShortcutSchedule("linear", 0.6)).eval()
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([3, 300])
+    with torch.no_grad():
+        assert (model(x, t) - reference_uvit(model, x, t)).abs().max().item() > 1e-3
+
+
+def test_schedule_runs_over_in_mid_and_out_blocks_in_depth_order():
+    model = UViT(**{**TINY, "depth": 6}, shortcut=ShortcutSchedule("linear", 0.6))
+    assert model.num_blocks == 7 and model.num_sublayers == 14
+    expected = [1.0 - k / 13 * 0.4 for k in range(14)]
+    np.testing.assert_allclose(shortcut_alphas(model), expected, rtol=0, atol=1e-12)
+    mid_k = 2 * len(model.in_blocks)
+    assert model.mid_block.shortcut_weight(0) == pytest.approx(expected[mid_k])
+    assert model.out_blocks[-1].shortcut_weight(1) == 0.6  # exactly alpha_min at the very last sub-layer
+
+
+def test_skips_are_last_in_first_out():
+    torch.manual_seed(0)
+    model = UViT(**{**TINY, "depth": 6}).eval()
+    in_outputs, fusion_inputs = [], []
+    for blk in model.in_blocks:
+        blk.register_forward_hook(lambda m, i, o: in_outputs.append(o))
+    for fuse in model.skip_fusions:
+        fuse.register_forward_hook(lambda m, i, o: fusion_inputs.append(i[0]))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 8, 8), torch.tensor([1, 2]))
+    assert len(fusion_inputs) == 3
+    for i, fused in enumerate(fusion_inputs):
+        torch.testing.assert_close(fused[..., 32:], in_outputs[-1 - i], rtol=0, atol=0)
+
+
+def test_zero_init_zeroes_every_branch_output_layer():
+    model = UViT(**TINY, zero_init_branches=True)
+    for blk in model.blocks_in_depth_order():
+        assert torch.count_nonzero(blk.attn.proj.weight) == 0 and torch.count_nonzero(blk.mlp.fc2.weight) == 0
+    assert torch.count_nonzero(model.head.weight) > 0
+
+
+def test_forward_blocks_returns_prefixes_of_the_full_run():
+    torch.manual_seed(0)
+    model = UViT(**TINY, num_classes=3).eval()
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([5, 50])
+    with torch.no_grad():
+        full = model.forward_blocks(x, t)
+        part = model.forward_blocks(x, t, num_blocks=3)
+        assert len(full) == model.num_blocks == 5 and len(part) == 3
+        for a, b in zip(part, full):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # y=None is the null class
+        torch.testing.assert_close(model(x, t), model(x, t, torch.tensor([3, 3])), rtol=0, atol=0)
+
+
+def test_bad_arguments_raise_one_line_errors():
+    with pytest.raises(ValueError, match="patch_size"):
+        UViT(img_size=9, patch_size=2)
+    with pytest.raises(ValueError, match="num_heads"):
+        UViT(embed_dim=30, num_heads=4)
+    with pytest.raises(ValueError, match="num_classes"):
+        UViT(**TINY, num_classes=-1)
+    with pytest.raises(ValueError, match="unconditional"):
+        UViT(**TINY)(torch.zeros(1, 3, 8, 8), torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="num_blocks"):
+        UViT(**TINY).forward_blocks(torch.zeros(1, 3, 8, 8), torch.tensor([1]), num_blocks=9)
