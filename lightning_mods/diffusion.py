@@ -1,0 +1,394 @@
+"""Noise-prediction diffusion with a decayed-shortcut U-ViT (SPEC section 3; "Residual
+Connections Harm Generative Representation Learning", section 5; Bao et al. 2023).
+
+Training: ``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps`` with ``t`` uniform over the
+training timesteps and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``. Class-conditional
+models replace the label by the null class with probability ``label_dropout`` and sample with
+classifier-free guidance ``eps_u + guidance_scale * (eps_c - eps_u)`` (1 = no guidance;
+U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods.diffusion_sampling`.
+
+Pixel mode: the datamodule's normalised images are mapped back to ``[-1, 1]``. Latent mode
+(``vae_path``): the batches are VAE latents already (``datamodules.latents.Latents``) and
+samples are decoded by the frozen VAE for pictures and FID.
+
+EMA weights come from Lightning's ``EMAWeightAveraging`` callback, which swaps them in for the
+whole validation epoch. The sample grid is therefore drawn in ``on_validation_epoch_start``:
+the module's hook runs after every callback's, so after the swap (its ``on_validation_epoch_end``
+would run after the callbacks swap the training weights back).
+
+Evaluation features (docs/contracts.md): the input noised to ``feature_timestep``, the tokens of
+block ``feature_block`` (depth order in -> mid -> out), mean over patch tokens; class-conditional
+models see the null class so no label leaks into the features.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from functools import partial
+from typing import Iterator, Literal, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from jsonargparse import lazy_instance
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from callbacks.pictures import image_grid, log_picture
+from .diffusion_sampling import (check_sampler, make_sampler, run_sampler, schedule_config,
+                                 training_scheduler)
+from .latent_vae import FrozenVAE
+from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
+from .shortcut import ShortcutSchedule
+from .uvit import UViT
+
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
+
+
+def drop_labels(labels: torch.Tensor, probability: float, null_class: int,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Replace each label by ``null_class`` with ``probability`` (classifier-free guidance training)."""
+    if probability <= 0.0:
+        return labels
+    draw = torch.rand(labels.shape, generator=generator, device="cpu" if generator is not None else labels.device)
+    return torch.where(draw.to(labels.device) < probability, torch.full_like(labels, null_class), labels)
+
+
+def guided_noise(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance: ``eps_u + s (eps_c - eps_u)``."""
+    return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
+
+
+def warmup_constant(step: int, warmup_steps: int) -> float:
+    """LR multiplier: linear warm-up over ``warmup_steps`` optimiser steps, then 1 (U-ViT)."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+class DiffusionModule(LightningModule):
+    """U-ViT noise-prediction diffusion, pixel or latent, unconditional or class-conditional.
+
+    Args:
+        image_size, in_chans, num_classes: linked from the datamodule by the CLI (latent
+            size and channels in latent mode).
+        class_conditional: condition on the labels (``num_classes`` classes + a null class).
+        patch_size, embed_dim, depth, num_heads, mlp_ratio, qkv_bias, mlp_time_embed,
+            final_conv: the U-ViT (defaults: U-ViT-S of SPEC section 3).
+        shortcut: decay schedule over all blocks in, mid and out.
+        zero_init_branches: zero the last linear layer of every residual branch.
+        num_train_timesteps, beta_schedule, beta_start, beta_end: the noise schedule.
+        sampler: ``ddpm`` (ancestral), ``ddim`` or ``dpmsolver++``; ``num_sampling_steps`` steps.
+        guidance_scale: classifier-free guidance at sampling (1 = none).
+        label_dropout: probability of training a sample with the null class.
+        clip_sample: clip the predicted ``x_0`` to [-1, 1] in DDPM/DDIM (None: pixel mode only).
+        vae_path: local ``AutoencoderKL`` folder; set = latent mode.
+        latent_scaling_factor: latent scale (None: the VAE config's).
+        pixel_mean, pixel_std: the datamodule's normalisation (None: read from the datamodule in
+            ``setup`` and recorded here, so checkpoints carry it).
+        lr: peak AdamW learning rate (for ``reference_batch`` samples when that is set: then the
+            peak is ``lr * global batch / reference_batch``).
+        weight_decay, betas: AdamW; no decay on norms, biases, position and class embeddings.
+        warmup_steps: linear warm-up in optimiser steps, then ``lr_schedule``: ``constant``
+            (U-ViT) or ``cosine`` to ``min_lr_ratio * peak``.
+        num_sample_images, sample_seed: the sample grid drawn at every validation.
+        feature_block, feature_timestep, feature_seed: evaluation features (default block: the
+            mid block).
+    """
+
+    def __init__(
+        self,
+        image_size: int = 32,
+        in_chans: int = 3,
+        num_classes: int = 0,
+        class_conditional: bool = False,
+        patch_size: int = 2,
+        embed_dim: int = 512,
+        depth: int = 12,
+        num_heads: int = 8,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        mlp_time_embed: bool = False,
+        final_conv: bool = True,
+        shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.7),
+        zero_init_branches: bool = True,
+        num_train_timesteps: int = 1000,
+        beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear",
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+        sampler: Literal["ddpm", "ddim", "dpmsolver++"] = "ddpm",
+        num_sampling_steps: int = 1000,
+        guidance_scale: float = 1.0,
+        label_dropout: float = 0.1,
+        clip_sample: Optional[bool] = None,
+        vae_path: Optional[str] = None,
+        latent_scaling_factor: Optional[float] = None,
+        pixel_mean: Optional[Sequence[float]] = None,
+        pixel_std: Optional[Sequence[float]] = None,
+        lr: float = 2e-4,
+        reference_batch: Optional[int] = None,
+        weight_decay: float = 0.03,
+        betas: tuple[float, float] = (0.99, 0.999),
+        warmup_steps: int = 2500,
+        lr_schedule: Literal["constant", "cosine"] = "constant",
+        min_lr_ratio: float = 0.0,
+        num_sample_images: int = 16,
+        sample_seed: int = 0,
+        feature_block: Optional[int] = None,
+        feature_timestep: int = 100,
+        feature_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if class_conditional and num_classes <= 0:
+            raise ValueError(f"num_classes must be > 0 for a class-conditional model, got {num_classes}")
+        if not 0.0 <= label_dropout <= 1.0:
+            raise ValueError(f"label_dropout must be in [0, 1], got {label_dropout}")
+        if guidance_scale < 0.0:
+            raise ValueError(f"guidance_scale must be >= 0 (1 = no guidance), got {guidance_scale}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {lr_schedule!r}")
+        if reference_batch is not None and reference_batch <= 0:
+            raise ValueError(f"reference_batch must be > 0 or null, got {reference_batch}")
+        if num_sample_images < 0:
+            raise ValueError(f"num_sample_images must be >= 0, got {num_sample_images}")
+        self.schedule_config = schedule_config(num_train_timesteps, beta_schedule, beta_start, beta_end)
+        check_sampler(sampler, num_sampling_steps, num_train_timesteps)
+        if not 0 <= feature_timestep < num_train_timesteps:
+            raise ValueError(f"feature_timestep must be in [0, {num_train_timesteps - 1}], got {feature_timestep}")
+        for name, stats in (("pixel_mean", pixel_mean), ("pixel_std", pixel_std)):
+            if stats is not None and len(stats) != in_chans:
+                raise ValueError(f"{name} needs {in_chans} value(s), one per channel, got {len(stats)}")
+
+        self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.7))
+        self.save_hyperparameters(ignore=["shortcut"])
+        self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
+
+        self.vae: Optional[FrozenVAE] = None
+        if vae_path is not None:
+            self.vae = FrozenVAE(vae_path, scaling_factor=latent_scaling_factor)
+            if self.vae.latent_channels != in_chans:
+                raise ValueError(f"in_chans ({in_chans}) must equal the VAE's latent_channels "
+                                 f"({self.vae.latent_channels}) in latent mode")
+        self.clip_sample = (self.vae is None) if clip_sample is None else bool(clip_sample)
+
+        self.model = UViT(
+            img_size=image_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+            num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            num_classes=num_classes if class_conditional else 0, mlp_time_embed=mlp_time_embed,
+            final_conv=final_conv, shortcut=self.shortcut, zero_init_branches=zero_init_branches)
+        num_blocks = self.model.num_blocks
+        self.feature_block = num_blocks // 2 if feature_block is None else feature_block
+        if not 0 <= self.feature_block < num_blocks:
+            raise ValueError(f"feature_block must be in [0, {num_blocks - 1}], got {feature_block}")
+        self.noise_scheduler = training_scheduler(self.schedule_config)
+        self.num_features = embed_dim
+
+    # --- data space ------------------------------------------------------------------------
+    @property
+    def is_latent(self) -> bool:
+        return self.vae is not None
+
+    @property
+    def class_conditional(self) -> bool:
+        return bool(self.hparams.class_conditional)
+
+    def set_pixel_stats(self, datamodule) -> None:  # noqa: ANN001 (any datamodule with mean/std)
+        """Record the datamodule's normalisation (pixel mode) unless given at construction."""
+        if self.is_latent:
+            expected = getattr(datamodule, "scaling_factor", None)
+            if expected is not None and not math.isclose(float(expected), self.vae.scaling_factor, rel_tol=1e-6):
+                raise ValueError(f"latent_scaling_factor: the model decodes with {self.vae.scaling_factor} but the "
+                                 f"latents were scaled by {expected}; set latent_scaling_factor={expected}")
+            return
+        for field, attribute in (("pixel_mean", "mean"), ("pixel_std", "std")):
+            if self.hparams[field] is None and getattr(datamodule, attribute, None) is not None:
+                self.hparams[field] = [float(v) for v in getattr(datamodule, attribute)]
+
+    def _pixel_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.hparams.in_chans
+        mean = self.hparams.pixel_mean if self.hparams.pixel_mean is not None else [0.5] * c
+        std = self.hparams.pixel_std if self.hparams.pixel_std is not None else [0.5] * c
+        return (torch.tensor(mean, device=device).view(1, -1, 1, 1),
+                torch.tensor(std, device=device).view(1, -1, 1, 1))
+
+    def to_model_space(self, images: torch.Tensor) -> torch.Tensor:
+        """Datamodule batch -> diffusion space: ``[-1, 1]`` pixels, or the latents as they are."""
+        if self.is_latent:
+            return images
+        mean, std = self._pixel_stats(images.device)
+        return (images * std + mean) * 2.0 - 1.0
+
+    def to_pixels(self, samples: torch.Tensor) -> torch.Tensor:
+        """Diffusion space -> ``[0, 1]`` images (decoded by the VAE in latent mode)."""
+        pixels = self.vae.decode(samples) if self.is_latent else samples.float()
+        return ((pixels + 1.0) * 0.5).clamp(0.0, 1.0)
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            self.set_pixel_stats(datamodule)
+
+    # --- the model -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Predicted noise ``eps_theta(x_t, t, y)``."""
+        return self.model(x, timesteps, y)
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """``sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise`` (diffusers' DDPMScheduler)."""
+        return self.noise_scheduler.add_noise(x0, noise, timesteps)
+
+    def diffusion_loss(self, x0: torch.Tensor, labels: Optional[torch.Tensor],
+                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Noise-prediction MSE at uniform random timesteps (``generator``: a CPU generator)."""
+        b = x0.shape[0]
+        if generator is None:
+            noise = torch.randn_like(x0)
+            t = torch.randint(0, self.hparams.num_train_timesteps, (b,), device=x0.device)
+        else:
+            noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+            t = torch.randint(0, self.hparams.num_train_timesteps, (b,), generator=generator).to(x0.device)
+        return F.mse_loss(self(self.add_noise(x0, noise, t), t, labels).float(), noise.float())
+
+    def _condition(self, labels: torch.Tensor, dropout: float,
+                   generator: Optional[torch.Generator] = None) -> Optional[torch.Tensor]:
+        if not self.class_conditional:
+            return None
+        return drop_labels(labels.long(), dropout, self.model.null_class, generator)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        loss = self.diffusion_loss(self.to_model_space(images), self._condition(labels, self.hparams.label_dropout))
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        # fixed noise, timesteps and dropped labels per batch: comparable losses between epochs
+        generator = torch.Generator().manual_seed(1234 + batch_idx)
+        y = self._condition(labels, self.hparams.label_dropout, generator)
+        loss = self.diffusion_loss(self.to_model_space(images), y, generator)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
+        return loss
+
+    # --- sampling --------------------------------------------------------------------------
+    def _forward_context(self) -> contextlib.AbstractContextManager:
+        trainer = self._trainer
+        return trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
+
+    def predict_noise(self, x: torch.Tensor, t: torch.Tensor, labels: Optional[torch.Tensor],
+                      guidance_scale: float) -> torch.Tensor:
+        """``eps`` at one sampling step, with classifier-free guidance for labelled samples."""
+        timesteps = t.to(x.device).long().expand(x.shape[0])
+        if labels is None or not self.class_conditional or guidance_scale == 1.0:
+            return self.model(x, timesteps, labels if self.class_conditional else None).float()
+        null = torch.full_like(labels, self.model.null_class)
+        eps = self.model(torch.cat([x, x]), torch.cat([timesteps, timesteps]), torch.cat([labels, null])).float()
+        eps_cond, eps_uncond = eps.chunk(2)
+        return guided_noise(eps_cond, eps_uncond, guidance_scale)
+
+    @torch.no_grad()
+    def sample(self, num_samples: int, labels: Optional[torch.Tensor] = None, seed: int = 0,
+               sampler: Optional[str] = None, num_steps: Optional[int] = None,
+               guidance_scale: Optional[float] = None) -> torch.Tensor:
+        """Samples in diffusion space (pixels in [-1, 1] or latents), ``N x C x H x W``.
+
+        ``labels=None`` samples unconditionally (the null class for a class-conditional model).
+        Deterministic for a given ``seed``: the generator lives on the CPU.
+        """
+        sampler = sampler or self.hparams.sampler
+        num_steps = num_steps or self.hparams.num_sampling_steps
+        scale = self.hparams.guidance_scale if guidance_scale is None else guidance_scale
+        check_sampler(sampler, num_steps, self.hparams.num_train_timesteps)
+        if labels is not None:
+            if not self.class_conditional:
+                raise ValueError("labels: this model is unconditional (class_conditional=False)")
+            labels = labels.to(self.device).long()
+            if labels.shape != (num_samples,):
+                raise ValueError(f"labels must have shape ({num_samples},), got {tuple(labels.shape)}")
+        generator = torch.Generator().manual_seed(int(seed))
+        shape = (num_samples, self.hparams.in_chans, self.hparams.image_size, self.hparams.image_size)
+        noise = torch.randn(shape, generator=generator).to(self.device)
+        scheduler = make_sampler(sampler, self.schedule_config, self.clip_sample)
+        with eval_mode(self), self._forward_context():
+            return run_sampler(partial(self.predict_noise, labels=labels, guidance_scale=scale),
+                               noise, scheduler, num_steps, generator)
+
+    @torch.no_grad()
+    def generate_images(self, num_samples: int, labels: Optional[torch.Tensor] = None, seed: int = 0,
+                        sampler: Optional[str] = None, num_steps: Optional[int] = None,
+                        guidance_scale: Optional[float] = None) -> torch.Tensor:
+        """``N x C x H x W`` images in [0, 1] (decoded by the VAE in latent mode)."""
+        samples = self.sample(num_samples, labels, seed, sampler, num_steps, guidance_scale)
+        return self.to_pixels(samples)
+
+    def grid_labels(self, num_samples: int) -> Optional[torch.Tensor]:
+        """Labels ``0, 1, ..., K-1, 0, ...`` for a class-conditional grid, else ``None``."""
+        if not self.class_conditional:
+            return None
+        return torch.arange(num_samples, device=self.device) % self.hparams.num_classes
+
+    def log_sample_grid(self) -> None:
+        n, steps = self.hparams.num_sample_images, None
+        if self.trainer.fast_dev_run:  # a code check: 4 images, 2 steps (1000 steps of U-ViT-S are minutes on a CPU)
+            n, steps = min(n, 4), min(2, self.hparams.num_sampling_steps)
+        images = self.generate_images(n, self.grid_labels(n), seed=self.hparams.sample_seed, num_steps=steps)
+        tiles = images.permute(0, 2, 3, 1).float().cpu().numpy()
+        log_picture(self.trainer, "diffusion/samples", image_grid(tiles, nrow=int(math.ceil(math.sqrt(n)))))
+
+    def on_validation_epoch_start(self) -> None:
+        # after the callbacks' hooks: EMAWeightAveraging has swapped the averaged weights in
+        if self.trainer.sanity_checking or self.hparams.num_sample_images <= 0:
+            return
+        self.log_sample_grid()
+
+    # --- evaluation features ---------------------------------------------------------------
+    @torch.no_grad()
+    def noised_block_features(self, images: torch.Tensor, blocks: Sequence[int],
+                              timestep: Optional[int] = None, seed: Optional[int] = None) -> list[torch.Tensor]:
+        """Patch-token means ``B x D`` of ``blocks`` for ``images`` noised to ``timestep``."""
+        t = self.hparams.feature_timestep if timestep is None else int(timestep)
+        if not 0 <= t < self.hparams.num_train_timesteps:
+            raise ValueError(f"timestep must be in [0, {self.hparams.num_train_timesteps - 1}], got {t}")
+        bad = [b for b in blocks if not 0 <= b < self.model.num_blocks]
+        if bad:
+            raise ValueError(f"blocks must be in [0, {self.model.num_blocks - 1}], got {bad}")
+        x0 = self.to_model_space(images)
+        generator = torch.Generator().manual_seed(self.hparams.feature_seed if seed is None else int(seed))
+        noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+        timesteps = torch.full((x0.shape[0],), t, dtype=torch.long, device=x0.device)
+        outputs = self.model.forward_blocks(self.add_noise(x0, noise, timesteps), timesteps, None,
+                                            num_blocks=max(blocks) + 1)
+        prefix = self.model.num_prefix_tokens
+        return [outputs[b][:, prefix:].mean(dim=1) for b in blocks]
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """``B x D``: block ``feature_block`` at ``feature_timestep``, mean over patch tokens."""
+        return self.noised_block_features(images, [self.feature_block])[0]
+
+    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """One pooled feature per block (depth order in -> mid -> out) at ``feature_timestep``."""
+        return self.noised_block_features(images, list(range(self.model.num_blocks)))
+
+    # --- optimisation ----------------------------------------------------------------------
+    def configure_optimizers(self):
+        peak = self.hparams.lr
+        if self.hparams.reference_batch is not None:
+            peak = scaled_lr(peak, global_batch_size(self.trainer),
+                             self.hparams.reference_batch)
+        groups = param_groups_weight_decay(self.model, self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = min(self.hparams.warmup_steps, max(0, total - 1))
+        if self.hparams.lr_schedule == "cosine":
+            scheduler = warmup_cosine_scheduler(optimizer, warmup, total, self.hparams.min_lr_ratio)
+        else:
+            scheduler = {"scheduler": torch.optim.lr_scheduler.LambdaLR(
+                optimizer, partial(warmup_constant, warmup_steps=warmup)), "interval": "step", "frequency": 1}
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
