@@ -1,0 +1,150 @@
+"""Generation quality at validation: FID (and KID, IS) of samples of the diffusion model against
+the dataset (SPEC section 3; metrics in :mod:`lightning_mods.fid`).
+
+Runs every ``every_n_epochs`` validation epochs of ``fit`` and at every ``validate`` (e.g.
+``shortcutlab validate --config ... --ckpt_path ...``). It runs when the first validation batch
+starts: by then every ``on_validation_epoch_start`` hook has run, so Lightning's
+``EMAWeightAveraging`` has swapped the averaged weights in, whatever the callback order.
+Rank 0 generates and measures; the values are broadcast and logged on every rank as
+``val/fid``, ``val/kid_mean``, ``val/isc_mean`` ...
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+
+from lightning_mods.fid import GeneratedImages, UInt8Images, generation_metrics, subset_indices
+
+
+class GenerationMetrics(Callback):
+    """FID/KID/IS of ``num_samples`` generated images against a reference split.
+
+    Args:
+        num_samples: images generated per evaluation (the paper: 50000).
+        every_n_epochs: evaluate at validation epochs whose ``(epoch + 1)`` is a multiple.
+        on_validate: also evaluate in ``validate`` runs.
+        batch_size: images generated per sampling batch.
+        reference: datamodule of the reference images (None: the trainer's datamodule; needed
+            in latent mode, whose datamodule holds latents).
+        reference_split: ``train`` (its eval-transform copy, the kNN bank) or ``val``.
+        num_reference: a fixed random subset of the reference split (None: all of it).
+        reference_cache_name: torch-fidelity's cache name for the reference statistics (None:
+            made from the datamodule class, split, image size and number of images).
+        cache_root: folder of the cached statistics (None: ``<default_root_dir>/fid_cache``).
+        feature_extractor: torch-fidelity extractor name; ``feature_extractor_weights_path``:
+            its weights file (Inception: ``pt_inception-2015-12-05-6726825d.pth``).
+        kid, isc: also compute KID and IS (when the extractor provides them).
+        kid_subset_size: KID subset size (capped by the number of images).
+        sampler, num_sampling_steps, guidance_scale: override the model's sampling settings.
+        seed: seed of the first sampling batch (batch ``i`` uses ``seed + i``).
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 10000,
+        every_n_epochs: int = 10,
+        on_validate: bool = True,
+        batch_size: int = 250,
+        reference: Optional[LightningDataModule] = None,
+        reference_split: Literal["train", "val"] = "train",
+        num_reference: Optional[int] = None,
+        reference_cache_name: Optional[str] = None,
+        cache_root: Optional[str] = None,
+        feature_extractor: str = "inception-v3-compat",
+        feature_extractor_weights_path: Optional[str] = None,
+        kid: bool = True,
+        isc: bool = True,
+        kid_subset_size: int = 1000,
+        sampler: Optional[str] = None,
+        num_sampling_steps: Optional[int] = None,
+        guidance_scale: Optional[float] = None,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("num_samples", num_samples), ("every_n_epochs", every_n_epochs),
+                            ("batch_size", batch_size), ("kid_subset_size", kid_subset_size)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if reference_split not in ("train", "val"):
+            raise ValueError(f"reference_split must be 'train' or 'val', got {reference_split!r}")
+        self.num_samples = num_samples
+        self.every_n_epochs = every_n_epochs
+        self.on_validate = on_validate
+        self.batch_size = batch_size
+        self.reference = reference
+        self.reference_split = reference_split
+        self.num_reference = num_reference
+        self.reference_cache_name = reference_cache_name
+        self.cache_root = cache_root
+        self.feature_extractor = feature_extractor
+        self.feature_extractor_weights_path = feature_extractor_weights_path
+        self.kid = kid
+        self.isc = isc
+        self.kid_subset_size = kid_subset_size
+        self.sampler = sampler
+        self.num_sampling_steps = num_sampling_steps
+        self.guidance_scale = guidance_scale
+        self.seed = seed
+        self.last_metrics: dict[str, float] = {}
+
+    # --- when --------------------------------------------------------------------------------
+    def should_run(self, trainer: Trainer) -> bool:
+        if trainer.sanity_checking:
+            return False
+        if trainer.state.fn == "validate":
+            return self.on_validate
+        return trainer.state.fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx != 0 or dataloader_idx != 0 or not self.should_run(trainer):
+            return
+        metrics = self.evaluate(trainer, pl_module) if trainer.is_global_zero else {}
+        metrics = trainer.strategy.broadcast(metrics, src=0)
+        self.last_metrics = dict(metrics)
+        for name, value in metrics.items():
+            pl_module.log(f"val/{name}", float(value), on_step=False, on_epoch=True, batch_size=1)
+
+    # --- what --------------------------------------------------------------------------------
+    def reference_images(self, trainer: Trainer, pl_module: LightningModule) -> tuple[UInt8Images, str]:
+        """The reference split as uint8 images and its cache name."""
+        datamodule = self.reference if self.reference is not None else trainer.datamodule
+        if self.reference is None and getattr(pl_module, "is_latent", False):
+            raise ValueError("reference: the model is in latent mode and its datamodule holds latents; "
+                             "give an image datamodule (e.g. datamodules.imagenet.ImageNet) as reference")
+        if datamodule is None or not hasattr(datamodule, "mean"):
+            raise ValueError("reference: needs an image datamodule with mean/std (datamodules.base.ImageDataModule)")
+        if self.reference_split == "train":
+            if getattr(datamodule, "bank_dataset", None) is None:
+                datamodule.setup("fit")
+            split = datamodule.bank_dataset
+        else:
+            if getattr(datamodule, "val_dataset", None) is None:
+                datamodule.setup("validate")
+            split = datamodule.val_dataset
+        indices = subset_indices(len(split), self.num_reference)
+        images = UInt8Images(split, datamodule.mean, datamodule.std, indices)
+        name = self.reference_cache_name or (
+            f"{type(datamodule).__name__}-{self.reference_split}-{datamodule.image_size}px-n{len(images)}")
+        return images, name
+
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """Generate ``num_samples`` images and measure them against the reference."""
+        reference, cache_name = self.reference_images(trainer, pl_module)
+
+        def generate(batch_index: int, size: int) -> torch.Tensor:
+            labels = None
+            if getattr(pl_module, "class_conditional", False):
+                start = batch_index * self.batch_size  # balanced classes over the whole set
+                labels = torch.arange(start, start + size, device=pl_module.device) % pl_module.hparams.num_classes
+            return pl_module.generate_images(size, labels, seed=self.seed + batch_index, sampler=self.sampler,
+                                             num_steps=self.num_sampling_steps, guidance_scale=self.guidance_scale)
+
+        generated = GeneratedImages(generate, self.num_samples, self.batch_size)
+        cache_root = self.cache_root or os.path.join(trainer.default_root_dir, "fid_cache")
+        return generation_metrics(
+            generated, reference, cache_name, cache_root, feature_extractor=self.feature_extractor,
+            feature_extractor_weights_path=self.feature_extractor_weights_path, kid=self.kid, isc=self.isc,
+            kid_subset_size=self.kid_subset_size, cuda=pl_module.device.type == "cuda")

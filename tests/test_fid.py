@@ -1,0 +1,181 @@
+"""FID/KID/IS through torch-fidelity with a registered tiny extractor (SPEC section 3): the real
+pipeline (sample generation, uint8 conversion, statistics, reference caching) without downloads."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from torch.utils.data import Dataset
+from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
+
+import cli
+from callbacks.fid import GenerationMetrics
+from datamodules.digits import Digits
+from lightning_mods.diffusion import DiffusionModule
+from lightning_mods.fid import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
+                                to_uint8_rgb)
+from tiny_feature_extractor import IsOnlyExtractor, register_tiny_extractor
+
+TINY_EXTRACTOR = register_tiny_extractor()
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"
+
+
+class CountingImages(Dataset):
+    """uint8 images made from [0, 1] floats exactly as the generated ones; counts reads."""
+
+    def __init__(self, images01: torch.Tensor) -> None:
+        self.images = to_uint8_rgb(images01)
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.reads += 1
+        return self.images[index]
+
+
+def images01(n: int = 160, seed: int = 0) -> torch.Tensor:
+    return torch.rand(n, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def generated_from(images: torch.Tensor, batch_size: int = 40) -> GeneratedImages:
+    return GeneratedImages(lambda b, n: images[b * batch_size: b * batch_size + n], len(images), batch_size)
+
+
+def test_generated_images_are_made_batch_by_batch_as_uint8_rgb():
+    calls = []
+
+    def generate(batch_index, size):
+        calls.append((batch_index, size))
+        return torch.full((size, 1, 4, 4), batch_index / 10.0)
+
+    data = GeneratedImages(generate, num_samples=10, batch_size=4)
+    items = [data[i] for i in range(10)]
+    assert calls == [(0, 4), (1, 4), (2, 2)] and data.batches_made == 3
+    assert items[0].dtype == torch.uint8 and items[0].shape == (3, 4, 4)
+    assert items[9].unique().tolist() == [round(0.2 * 255)]
+    with pytest.raises(IndexError):
+        data[10]
+
+
+def test_uint8_reference_undoes_the_normalisation():
+    pixels = torch.rand(3, 1, 4, 4)
+    samples = [((p - 0.3) / 0.2, 0) for p in pixels]
+    data = UInt8Images(samples, [0.3], [0.2], indices=[2, 0])
+    assert len(data) == 2
+    expected = (pixels[2] * 255 + 0.5).to(torch.uint8).expand(3, -1, -1)
+    assert (data[0].int() - expected.int()).abs().max() <= 1  # float round-off at .5 boundaries
+
+
+def test_fid_of_a_set_against_itself_is_zero_and_a_shifted_set_is_far(tmp_path):
+    real = images01()
+    same = generation_metrics(generated_from(real), CountingImages(real), "real", tmp_path,
+                              feature_extractor=TINY_EXTRACTOR, kid_subset_size=100)
+    shifted = generation_metrics(generated_from(real * 0.6 + 0.3), CountingImages(real), "real", tmp_path,
+                                 feature_extractor=TINY_EXTRACTOR, kid_subset_size=100)
+    assert set(same) == {"fid", "kid_mean", "kid_std", "isc_mean", "isc_std"}
+    assert abs(same["fid"]) < 1e-6 and abs(same["kid_mean"]) < 1e-2
+    assert shifted["fid"] > 0.5 and shifted["fid"] > 1e4 * max(abs(same["fid"]), 1e-9)
+    assert shifted["kid_mean"] > 0.1
+
+
+@pytest.mark.parametrize("metrics", [dict(kid=False, isc=False), dict(kid=True, isc=True)])
+def test_reference_statistics_are_cached_and_reused(tmp_path, metrics):
+    real = images01(seed=1)
+    first_reference = CountingImages(real)
+    first = generation_metrics(generated_from(images01(seed=2)), first_reference, "digits-ref", tmp_path,
+                               feature_extractor=TINY_EXTRACTOR, kid_subset_size=100, **metrics)
+    assert first_reference.reads >= len(real)
+    cached = sorted(p.name for p in tmp_path.iterdir())
+    assert f"digits-ref-{TINY_EXTRACTOR}-stat-fid-pool.pt" in cached
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    second_reference = CountingImages(real)
+    second = generation_metrics(generated_from(images01(seed=2)), second_reference, "digits-ref", tmp_path,
+                                feature_extractor=TINY_EXTRACTOR, kid_subset_size=100, **metrics)
+    assert second_reference.reads == 0  # never extracted again
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+    assert second["fid"] == pytest.approx(first["fid"], rel=1e-9)
+
+
+def test_metrics_the_extractor_lacks_are_skipped(tmp_path):
+    name = "shortcutlab-tiny-test-is-only"
+    if name not in FEATURE_EXTRACTORS_REGISTRY:
+        register_feature_extractor(name, IsOnlyExtractor)
+    assert extractor_provides(name, "isc") and not extractor_provides(name, "fid")
+    out = generation_metrics(generated_from(images01(40)), CountingImages(images01(40)), "ref", tmp_path,
+                             feature_extractor=name)
+    assert set(out) == {"isc_mean", "isc_std"}
+    with pytest.raises(ValueError, match="feature_extractor"):
+        generation_metrics(generated_from(images01(40)), CountingImages(images01(40)), "ref", tmp_path,
+                           feature_extractor=name, isc=False)
+    with pytest.raises(ValueError, match="feature_extractor"):
+        extractor_provides("no-such-extractor", "fid")
+
+
+class RecordGeneration(Callback):
+    def setup(self, trainer, pl_module, stage):
+        original = pl_module.generate_images
+        self.weights = []
+
+        def recording(*args, **kwargs):
+            self.weights.append([p.detach().clone() for p in pl_module.parameters()])
+            return original(*args, **kwargs)
+
+        pl_module.generate_images = recording
+
+
+def test_callback_measures_ema_samples_against_the_datamodule(tmp_path):
+    torch.manual_seed(0)
+    module = DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
+                             num_sampling_steps=2, num_sample_images=0, lr=1e-2, warmup_steps=0)
+    metrics = GenerationMetrics(num_samples=24, batch_size=10, every_n_epochs=1, feature_extractor=TINY_EXTRACTOR,
+                                kid_subset_size=10, cache_root=str(tmp_path / "cache"))
+    ema, record = EMAWeightAveraging(decay=0.5), RecordGeneration()
+    # the metrics callback is listed FIRST: it must still see the EMA weights
+    trainer = Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, accelerator="cpu", logger=False,
+                      callbacks=[metrics, record, ema], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=Digits(batch_size=16, image_size=8))
+    logged = trainer.callback_metrics
+    assert np.isfinite(logged["val/fid"].item()) and logged["val/fid"].item() > 0
+    assert {"val/kid_mean", "val/isc_mean"} <= set(logged)
+    assert len(record.weights) == 3  # batches of 10, 10 and 4
+    averaged = list(ema._average_model.module.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(record.weights[0], averaged))
+    assert (tmp_path / "cache" / f"Digits-train-8px-n1437-{TINY_EXTRACTOR}-stat-fid-pool.pt").is_file()
+
+
+def test_latent_model_needs_an_image_reference(tmp_path):
+    module = type("Latent", (), {"is_latent": True})()
+    trainer = type("T", (), {"datamodule": None})()
+    with pytest.raises(ValueError, match="reference"):
+        GenerationMetrics().reference_images(trainer, module)
+    with pytest.raises(ValueError, match="num_samples"):
+        GenerationMetrics(num_samples=0)
+
+
+@pytest.mark.slow
+def test_cli_validate_from_a_checkpoint_computes_fid_with_the_cached_reference(tmp_path):
+    callback = {"class_path": "callbacks.fid.GenerationMetrics",
+                "init_args": {"num_samples": 12, "batch_size": 12, "every_n_epochs": 1, "kid_subset_size": 10,
+                              "feature_extractor": TINY_EXTRACTOR, "cache_root": str(tmp_path / "cache"),
+                              "reference_split": "val", "num_reference": 50}}
+    args = ["--config", str(CONFIG), "--trainer.limit_train_batches=1", "--trainer.max_epochs=1",
+            "--trainer.limit_val_batches=1", "--trainer.check_val_every_n_epoch=1", "--trainer.accelerator=cpu",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+            f"--trainer.callbacks+={json.dumps(callback)}",
+            "--model.init_args.num_sampling_steps=2", "--model.init_args.num_sample_images=0"]
+    fitted = cli.main(["fit", *args])
+    assert "val/fid" in fitted.trainer.callback_metrics
+    stats = tmp_path / "cache" / f"Digits-val-16px-n50-{TINY_EXTRACTOR}-stat-fid-pool.pt"
+    stamp = stats.stat().st_mtime_ns
+    validated = cli.main(["validate", *args, "--ckpt_path", fitted.trainer.checkpoint_callback.last_model_path])
+    fid = validated.trainer.callback_metrics["val/fid"].item()
+    assert np.isfinite(fid)
+    # same EMA weights, same seeds: the same samples and the same FID as at the end of fit
+    assert fid == pytest.approx(fitted.trainer.callback_metrics["val/fid"].item(), rel=1e-6)
+    assert stats.stat().st_mtime_ns == stamp
