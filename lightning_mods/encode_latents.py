@@ -1,0 +1,155 @@
+"""Pre-encode an image dataset into VAE latents once, for latent diffusion (SPEC section 3,
+ImageNet-100 on a pretrained VAE's 32x32x4 latents; U-ViT extracts them the same way).
+
+    python -m lightning_mods.encode_latents --vae-path pretrained/sd-vae-ft-ema \\
+        --data datamodules.imagenet.ImageNet --data.data_dir data/imagenet \\
+        --data.class_list configs/imagenet100_classes.txt --data.image_size 256 \\
+        --data.eval_crop_ratio 1.0 --out data/imagenet100_latents --hflip true
+
+Both splits are read through the datamodule's eval transform (train: its kNN-bank copy, no
+augmentation), mapped back to ``[-1, 1]`` pixels and encoded. Written to ``--out``:
+
+- ``<split>_<i>.pt`` shards: ``mean``, ``std`` (the unscaled posterior, float16 by default,
+  ``N x C x h x w``), ``labels`` (int64), and with ``--hflip`` ``flip_mean``/``flip_std`` of
+  the mirrored images;
+- ``metadata.json``: ``scaling_factor``, ``shift_factor``, ``latent_channels``,
+  ``latent_size``, ``num_classes``, ``image_size``, the shard names and sizes of each split.
+
+``datamodules.latents.Latents`` reads them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .latent_vae import FrozenVAE
+
+METADATA_FILE = "metadata.json"
+SPLITS = ("train", "val")
+
+
+def to_vae_input(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, vae_channels: int) -> torch.Tensor:
+    """Normalised ``B x C x H x W`` images -> ``[-1, 1]`` pixels with the VAE's channel count."""
+    pixels = (images.float() * std + mean).clamp(0.0, 1.0) * 2.0 - 1.0
+    if pixels.shape[1] == vae_channels:
+        return pixels
+    if pixels.shape[1] == 1:
+        return pixels.expand(-1, vae_channels, -1, -1)
+    raise ValueError(f"data: images have {pixels.shape[1]} channels but the VAE takes {vae_channels}")
+
+
+@torch.no_grad()
+def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std: tuple[float, ...], out_dir: str,
+                 split: str, batch_size: int = 64, num_workers: int = 0, shard_size: int = 10000,
+                 hflip: bool = False, dtype: torch.dtype = torch.float16,
+                 device: torch.device = torch.device("cpu")) -> dict:
+    """Encode one split into shards; returns ``{"num_samples", "shards": [{"file", "num_samples"}]}``."""
+    if shard_size % batch_size:
+        shard_size = max(batch_size, shard_size // batch_size * batch_size)  # whole batches per shard
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, device=device).view(1, -1, 1, 1)
+    keys = ("mean", "std", "flip_mean", "flip_std") if hflip else ("mean", "std")
+    buffer: dict[str, list[torch.Tensor]] = {k: [] for k in (*keys, "labels")}
+    shards: list[dict] = []
+
+    def flush() -> None:
+        if not buffer["labels"]:
+            return
+        shard = {k: torch.cat(v) for k, v in buffer.items()}
+        name = f"{split}_{len(shards):05d}.pt"
+        torch.save(shard, os.path.join(out_dir, name))
+        shards.append({"file": name, "num_samples": int(shard["labels"].shape[0])})
+        for v in buffer.values():
+            v.clear()
+
+    count = 0
+    for images, labels in loader:
+        pixels = to_vae_input(images.to(device), mean_t, std_t, vae.image_channels)
+        moments = list(vae.encode_moments(pixels))
+        if hflip:
+            moments += list(vae.encode_moments(pixels.flip(-1)))
+        for key, value in zip(keys, moments):
+            buffer[key].append(value.to(dtype).cpu())
+        buffer["labels"].append(torch.as_tensor(labels, dtype=torch.int64))
+        count += len(labels)
+        if sum(len(v) for v in buffer["labels"]) >= shard_size:
+            flush()
+    flush()
+    return {"num_samples": count, "shards": shards}
+
+
+def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, num_workers: int = 0,  # noqa: ANN001
+                   shard_size: int = 10000, hflip: bool = False, dtype: str = "float16",
+                   device: str = "auto", scaling_factor: Optional[float] = None,
+                   splits: tuple[str, ...] = SPLITS) -> dict:
+    """Encode ``splits`` of an image datamodule into ``out``; returns the metadata written."""
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
+    bad = [s for s in splits if s not in SPLITS]
+    if bad or not splits:
+        raise ValueError(f"splits must be a non-empty subset of {', '.join(SPLITS)}; got {list(splits)}")
+    torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    vae = FrozenVAE(vae_path, scaling_factor=scaling_factor)
+    os.makedirs(out, exist_ok=True)
+    datamodule.setup("fit")
+    sources = {"train": datamodule.bank_dataset, "val": datamodule.val_dataset}
+    metadata = {
+        "vae_path": os.path.abspath(vae_path),
+        "scaling_factor": vae.scaling_factor,
+        "shift_factor": vae.shift_factor,
+        "latent_channels": vae.latent_channels,
+        "latent_size": datamodule.image_size // vae.downsample_factor,
+        "image_size": datamodule.image_size,
+        "num_classes": int(datamodule.num_classes),
+        "source": f"{type(datamodule).__module__}.{type(datamodule).__name__}",
+        "hflip": bool(hflip),
+        "dtype": dtype,
+        "splits": {},
+    }
+    for split in splits:
+        metadata["splits"][split] = encode_split(
+            vae, sources[split], datamodule.mean, datamodule.std, out, split, batch_size=batch_size,
+            num_workers=num_workers, shard_size=shard_size, hflip=hflip, dtype=getattr(torch, dtype),
+            device=torch_device)
+    with open(os.path.join(out, METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=2)
+    return metadata
+
+
+def main(args: Optional[list[str]] = None) -> dict:
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningDataModule
+
+    parser = ArgumentParser(prog="python -m lightning_mods.encode_latents", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vae-path", type=str, required=True, help="local AutoencoderKL folder (save_pretrained)")
+    parser.add_subclass_arguments(LightningDataModule, "data", required=True,
+                                  help="the image datamodule, e.g. datamodules.imagenet.ImageNet")
+    parser.add_argument("--out", type=str, required=True, help="output folder for shards and metadata.json")
+    parser.add_argument("--splits", type=list[str], default=list(SPLITS))
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--shard-size", type=int, default=10000, help="images per shard file")
+    parser.add_argument("--hflip", type=bool, default=False, help="also encode the mirrored images")
+    parser.add_argument("--dtype", type=str, default="float16")
+    parser.add_argument("--device", type=str, default="auto")
+    parser.add_argument("--scaling-factor", type=Optional[float], default=None,
+                        help="latent scale (default: the VAE config's scaling_factor)")
+    cfg = parser.parse_args(args)
+    datamodule = parser.instantiate(cfg).data
+    metadata = encode_dataset(cfg.vae_path, datamodule, cfg.out, batch_size=cfg.batch_size,
+                              num_workers=cfg.num_workers, shard_size=cfg.shard_size, hflip=cfg.hflip,
+                              dtype=cfg.dtype, device=cfg.device, scaling_factor=cfg.scaling_factor,
+                              splits=tuple(cfg.splits))
+    sizes = ", ".join(f"{s}: {v['num_samples']}" for s, v in metadata["splits"].items())
+    print(f"encoded {sizes} images into {metadata['latent_channels']}x{metadata['latent_size']}x"
+          f"{metadata['latent_size']} latents under {cfg.out}")
+    return metadata
+
+
+if __name__ == "__main__":
+    main()
