@@ -1,5 +1,6 @@
 """Every config in configs/ parses and runs ``fit`` for one step, with data roots pointed at
-files generated in the real on-disk formats (tests/conftest.py)."""
+files generated in the real on-disk formats (tests/conftest.py). Diffusion configs need a VAE,
+latents and an FID extractor and are run, with ``validate`` too, in test_diffusion_configs.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,8 @@ import yaml
 import cli
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml"))
+CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml")
+                 if "lightning_mods.diffusion.DiffusionModule" not in p.read_text())
 
 
 def data_section(config: Path) -> tuple[str, dict]:
