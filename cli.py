@@ -28,8 +28,9 @@ DEFAULT_CALLBACKS = [
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has AMX tiles for bf16 matmuls (Linux ``/proc/cpuinfo`` flag).
 
-    AVX512-BF16 alone is not enough: on the 2-core reference machine, which has it,
-    ``bf16-mixed`` measured ~24x slower than fp32 (see ``benchmarks/bf16_cpu.py``).
+    AVX512-BF16 alone is not enough: on the 2-core reference machine, which has it, bf16 ran
+    from 0.7x to ~24x the fp32 time depending on the torch build and the model
+    (``benchmarks/bf16_cpu.py``; numbers in the README).
     """
     try:
         with open("/proc/cpuinfo") as f:
@@ -39,12 +40,13 @@ def cpu_has_native_bf16() -> bool:
 
 
 def warn_on_slow_precision(precision: Optional[str], accelerator: Optional[str]) -> None:
-    """bf16 on a CPU without native support is ~24x slower than fp32 (measured on 2 cores)."""
+    """Warn that bf16 on a CPU without AMX has no reliable speed-up and can be far slower."""
     on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
     if precision is not None and "bf16" in str(precision) and on_cpu and not cpu_has_native_bf16():
         warnings.warn(
-            f"trainer.precision={precision!r} on a CPU without native bf16 is much slower than fp32 "
-            "(about 24x on the reference 2-core machine); use precision=32-true on this CPU.",
+            f"trainer.precision={precision!r} on a CPU without native bf16 (AMX): no reliable "
+            "speed-up over fp32 (0.7x to ~24x its time on the reference 2-core machine, by torch "
+            "build and model; run benchmarks/bf16_cpu.py here); use precision=32-true on this CPU.",
             stacklevel=2,
         )
 
