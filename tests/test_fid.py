@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
@@ -171,7 +172,8 @@ def test_cli_validate_from_a_checkpoint_computes_fid_with_the_cached_reference(t
             "--model.init_args.num_sampling_steps=2", "--model.init_args.num_sample_images=0"]
     fitted = cli.main(["fit", *args])
     assert "val/fid" in fitted.trainer.callback_metrics
-    stats = tmp_path / "cache" / f"Digits-val-16px-n50-{TINY_EXTRACTOR}-stat-fid-pool.pt"
+    image_size = yaml.safe_load(CONFIG.read_text())["data"]["init_args"]["image_size"]
+    stats = tmp_path / "cache" / f"Digits-val-{image_size}px-n50-{TINY_EXTRACTOR}-stat-fid-pool.pt"
     stamp = stats.stat().st_mtime_ns
     validated = cli.main(["validate", *args, "--ckpt_path", fitted.trainer.checkpoint_callback.last_model_path])
     fid = validated.trainer.callback_metrics["val/fid"].item()
