@@ -10,7 +10,10 @@ parity is right after a resume because the global step is restored):
 - odd step ("reuse"): the masks of the previous step again, as
   ``x <- a x + b (f(x).detach() * m + f(x) * (1 - m))``: the forward value is the plain
   network's, but gradient reaches a branch (its parameters and, through it, its input) only
-  from the samples where it was dropped the step before.
+  from the samples where it was dropped the step before. This is exact per sample for branches
+  without cross-sample operations; a ResNet branch's train-mode batch norm mixes the batch
+  through its statistics, so there the kept samples still reach the gradient through the batch
+  mean and variance (as in the paper's ResNet experiments, which use the same formula).
 
 The masks act through ``branch_hook`` of every :class:`~lightning_mods.residual.DecayedResidual`
 block (ResNet blocks: one sub-layer each; ViT blocks: attention and MLP separately), so the
@@ -33,7 +36,8 @@ Masks and batches:
 
 Randomness: the draws use a CPU generator seeded from ``(seed, global rank, global step,
 micro-batch)``: independent masks per DDP rank, reproducible, and not taken from the global
-RNG. ``seed`` defaults to ``torch.initial_seed()`` (set by ``seed_everything``). The callback's
+RNG. ``seed`` defaults to rank 0's ``torch.initial_seed()`` (set by ``seed_everything``), sent to
+every rank at the start of training. The callback's
 ``state_dict`` holds the masks in flight (rank 0's, the rank that writes checkpoints) and the
 seed; after a resume every other rank replays its own draws from the seed, so the ranks keep
 distinct masks.
@@ -81,8 +85,8 @@ class ResidualDroppath(Callback):
 
     Args:
         drop_rate: probability that a sub-layer's branch is dropped for a sample (paper: 0.1).
-        seed: base seed of the mask draws; ``None`` uses ``torch.initial_seed()`` at the first
-            training batch.
+        seed: base seed of the mask draws; ``None`` uses rank 0's ``torch.initial_seed()`` at the
+            start of training.
     """
 
     def __init__(self, drop_rate: float = 0.1, seed: Optional[int] = None) -> None:
@@ -139,13 +143,18 @@ class ResidualDroppath(Callback):
     # --- training batches -----------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step, self._micro = None, 0
+        if self._seed is None:  # not restored from a checkpoint
+            seed = int(self.seed) if self.seed is not None else int(torch.initial_seed())
+            # without seed_everything every process has its own initial seed; rank 0's is the one
+            # a checkpoint keeps, so it must be the one every rank draws (and later replays) from
+            self._seed = int(trainer.strategy.broadcast(seed, src=0))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
         step = int(trainer.global_step)
         self._micro = self._micro + 1 if step == self._step else 0
         self._step = step
-        if self._seed is None:
+        if self._seed is None:  # driven without on_train_start (by hand, in tests): this process's seed
             self._seed = int(self.seed) if self.seed is not None else int(torch.initial_seed())
         rank = int(trainer.global_rank)
         if self._replay_for_rank:

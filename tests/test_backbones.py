@@ -2,15 +2,24 @@
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
 from lightning_mods.residual import residual_blocks, shortcut_alphas
-from lightning_mods.resnet import DecayedResNet, ResNet18Cifar, ResNet50, ResNet50d, cifar_stem_
+from lightning_mods.resnet import DecayedResNet, ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.vit import DecayedBlock, DecayedVisionTransformer
 
 VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=5)
+
+
+def reference_cifar_stem(model: nn.Module, in_chans: int) -> nn.Module:
+    """The CIFAR stem written out here, independently of lightning_mods.resnet.cifar_stem_:
+    a 3x3 stride-1 convolution to 64 channels and no max-pool."""
+    model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
 
 
 def small_resnet_kwargs():
@@ -36,7 +45,7 @@ def test_vit_equals_timm_at_alpha_one(shortcut):
 
 def stock_resnet(block, layers, cifar=False, **kw):
     model = ResNet(block=block, layers=layers, **kw)
-    return cifar_stem_(model, kw.get("in_chans", 3)) if cifar else model
+    return reference_cifar_stem(model, kw.get("in_chans", 3)) if cifar else model
 
 
 @pytest.mark.parametrize("build,stock", [

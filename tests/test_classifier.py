@@ -11,11 +11,19 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mods.classifier import ImageClassifier
-from lightning_mods.resnet import ResNet18Cifar, ResNet50, ResNet50d, cifar_stem_
+from lightning_mods.resnet import ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.vit import DecayedVisionTransformer
 
 NONE = ShortcutSchedule("none")
+
+
+def reference_cifar_stem(model: nn.Module, in_chans: int) -> nn.Module:
+    """The CIFAR stem written out here, independently of lightning_mods.resnet.cifar_stem_:
+    a 3x3 stride-1 convolution to 64 channels and no max-pool."""
+    model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
 
 
 def randomise_batchnorm_(model: nn.Module) -> None:
@@ -36,7 +44,7 @@ def without_prefix(state: dict, prefix: str = "backbone.") -> dict:
 CASES = {
     # ours (built with timm defaults, then adapted to num_classes/in_chans), stock timm with the target args
     "resnet18_cifar": (lambda: ResNet18Cifar(shortcut=NONE),
-                       lambda nc, ic: cifar_stem_(ResNet(BasicBlock, (2, 2, 2, 2), num_classes=nc, in_chans=ic), ic)),
+                       lambda nc, ic: reference_cifar_stem(ResNet(BasicBlock, (2, 2, 2, 2), num_classes=nc, in_chans=ic), ic)),
     "resnet50": (lambda: ResNet50(shortcut=NONE),
                  lambda nc, ic: ResNet(Bottleneck, (3, 4, 6, 3), num_classes=nc, in_chans=ic)),
     "resnet50d": (lambda: ResNet50d(shortcut=NONE),

@@ -236,6 +236,26 @@ def test_masks_differ_between_ranks_and_a_resumed_rank_replays_its_own():
         end_step(resumed, net, 1, rank)
 
 
+def test_without_a_seed_every_rank_takes_rank_zeros_initial_seed():
+    """``ddp`` relaunches the script per rank, so without ``seed_everything`` each process has its
+    own ``torch.initial_seed()``; a checkpoint keeps rank 0's, so every rank must draw from it."""
+    net = two_block_net()
+    sent = []
+
+    def broadcast(obj, src=0):  # what rank 1 receives: rank 0's value, not its own
+        sent.append((obj, src))
+        return 12345
+
+    cb = ResidualDroppath(drop_rate=0.5)
+    torch.manual_seed(777)  # this "rank"'s own seed
+    cb.setup(fake_trainer(0, 1), net, "fit")
+    cb.on_train_start(SimpleNamespace(strategy=SimpleNamespace(broadcast=broadcast)), net)
+    start_step(cb, net, 0, 1)
+    net(torch.rand(8, 2))
+    end_step(cb, net, 0, 1)
+    assert sent == [(777, 0)] and cb.state_dict()["seed"] == 12345
+
+
 def test_a_second_call_in_the_same_micro_batch_reuses_the_masks():
     net = two_block_net()
     cb = ResidualDroppath(drop_rate=0.5, seed=4)
@@ -317,6 +337,64 @@ def test_resnet_blocks_are_masked_before_the_activation():
             h = torch.relu(shortcut + branch * cb.masks[0][f"{i}.0"].float()[:, None, None, None])
         expected = net.fc(h.mean(dim=(2, 3)))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_vit_odd_step_is_the_plain_forward_and_grads_come_from_dropped_samples_only():
+    torch.manual_seed(0)
+    vit = DecayedVisionTransformer(img_size=8, patch_size=4, embed_dim=8, depth=2, num_heads=2, num_classes=3,
+                                   zero_init_branches=False).double()
+    cb = ResidualDroppath(drop_rate=0.5, seed=5)
+    cb.setup(fake_trainer(0), vit, "fit")
+    images, labels = torch.randn(6, 3, 8, 8, dtype=torch.float64), torch.randint(0, 3, (6,))
+    start_step(cb, vit, 0)
+    vit(images)
+    end_step(cb, vit, 0)
+    start_step(cb, vit, 1)
+    out = vit(images)
+    F.cross_entropy(out, labels).backward()
+    end_step(cb, vit, 1)
+    got = {name: p.grad.clone() for name, p in vit.named_parameters()}
+    vit.zero_grad()
+    keep = cb.masks[0]
+
+    def by_hand(h: torch.Tensor, f: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        # sample by sample: a branch kept at the even step is a constant now
+        return h + torch.stack([f[s].detach() if bool(bits[s]) else f[s] for s in range(len(f))])
+
+    h = vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(images))))
+    for i, blk in enumerate(vit.blocks):
+        h = by_hand(h, blk.attn(blk.norm1(h)), keep[f"{i}.0"])
+        h = by_hand(h, blk.mlp(blk.norm2(h)), keep[f"{i}.1"])
+    expected = vit.forward_head(vit.norm(h))
+    F.cross_entropy(expected, labels).backward()
+    with torch.no_grad():
+        plain = vit(images)
+    torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12)
+    for name, p in vit.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert got["blocks.0.mlp.fc1.weight"].abs().sum() > 0
+
+
+def test_resnet_odd_step_is_the_plain_train_mode_forward_and_a_block_kept_everywhere_gets_zero_grad():
+    torch.manual_seed(0)
+    net = ResNet18Cifar(channels=(4, 8, 8, 8), num_classes=3, zero_init_branches=False)
+    cb = ResidualDroppath(drop_rate=0.5, seed=3)
+    cb.setup(fake_trainer(0), net, "fit")
+    images, labels = torch.randn(5, 3, 8, 8), torch.randint(0, 3, (5,))
+    start_step(cb, net, 0)
+    net(images)
+    end_step(cb, net, 0)
+    cb.masks[0]["0.0"] = torch.ones(5, dtype=torch.bool)  # block 0 kept for every sample
+    start_step(cb, net, 1)
+    out = net(images)
+    F.cross_entropy(out, labels).backward()
+    end_step(cb, net, 1)
+    blk0 = residual_blocks(net)[0]
+    assert blk0.conv1.weight.grad.abs().max() == 0 and blk0.bn2.weight.grad.abs().max() == 0
+    assert net.conv1.weight.grad.abs().max() > 0  # the stem still learns through the shortcut
+    with torch.no_grad():
+        plain = net(images)  # train mode, batch statistics, no hooks
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
 
 
 # --- inside a Trainer -----------------------------------------------------------------------
