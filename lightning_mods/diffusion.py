@@ -206,6 +206,10 @@ class DiffusionModule(LightningModule):
             if expected is not None and not math.isclose(float(expected), self.vae.scaling_factor, rel_tol=1e-6):
                 raise ValueError(f"latent_scaling_factor: the model decodes with {self.vae.scaling_factor} but the "
                                  f"latents were scaled by {expected}; set latent_scaling_factor={expected}")
+            shift = getattr(datamodule, "shift_factor", None)
+            if shift is not None and not math.isclose(float(shift), self.vae.shift_factor, rel_tol=1e-6, abs_tol=1e-9):
+                raise ValueError(f"vae_path: this VAE shifts latents by {self.vae.shift_factor} but the latents were "
+                                 f"shifted by {shift}; decode with the VAE that encoded them")
             return
         for field, attribute in (("pixel_mean", "mean"), ("pixel_std", "std")):
             if self.hparams[field] is None and getattr(datamodule, attribute, None) is not None:

@@ -133,6 +133,13 @@ class LinearProbe(LightningModule):
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
 
+    def setup(self, stage: str) -> None:
+        # a backbone that takes its input normalisation from the datamodule (DiffusionModule:
+        # pixel mean/std, latent scale and shift) learns it here as it did in pre-training
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and hasattr(self.backbone, "set_pixel_stats"):
+            self.backbone.set_pixel_stats(datamodule)
+
     def train(self, mode: bool = True) -> "LinearProbe":
         super().train(mode)
         self.backbone.eval()  # frozen: BatchNorm statistics and dropout stay in eval mode

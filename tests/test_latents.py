@@ -111,6 +111,11 @@ def test_mismatches_raise_one_line_errors(encoded, tmp_path):
                              vae_path=encoded["vae_path"], latent_scaling_factor=0.18215)
     with pytest.raises(ValueError, match="latent_scaling_factor"):
         module.set_pixel_stats(Latents(encoded["dir"]))
+    shifted = Latents(encoded["dir"])
+    shifted.shift_factor += 0.25  # latents from a VAE with another shift than the model's
+    with pytest.raises(ValueError, match="vae_path: this VAE shifts latents by"):
+        DiffusionModule(image_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4,
+                        vae_path=encoded["vae_path"]).set_pixel_stats(shifted)
     with pytest.raises(FileNotFoundError, match="metadata.json"):
         Latents(str(tmp_path))
     with pytest.raises(ValueError, match="data"):

@@ -52,3 +52,25 @@ def test_command_writes_table_and_heatmaps(tmp_path):
         assert picture.ndim == 3 and picture.shape[2] >= 3 and picture.std() > 0
     best = best_pair(rows)
     assert f"block {best['block']}, t={best['timestep']}" in (tmp_path / "probe_results.md").read_text()
+
+
+def test_linear_probe_of_a_diffusion_backbone_takes_the_datamodules_pixel_statistics(tmp_path):
+    """The offline LinearProbe loads only weights: a pixel-space U-ViT must still normalise its
+    input with the datamodule's mean/std (as in pre-training), not the [0.5] fallback."""
+    from lightning import Trainer
+
+    from datamodules.digits import Digits
+    from lightning_mods.diffusion import DiffusionModule
+    from lightning_mods.linear_probe import LinearProbe
+
+    backbone = DiffusionModule(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=1, num_heads=2,
+                               num_sample_images=0)
+    probe = LinearProbe(backbone=backbone, num_classes=10)
+    data = Digits(batch_size=32, image_size=8)
+    trainer = Trainer(max_steps=1, limit_val_batches=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(probe, datamodule=data)
+    data_mean = [float(v) for v in data.mean]
+    assert data_mean != [0.5]
+    np.testing.assert_allclose(backbone.hparams.pixel_mean, data_mean)
+    np.testing.assert_allclose(backbone.hparams.pixel_std, [float(v) for v in data.std])
