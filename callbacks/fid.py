@@ -10,13 +10,31 @@ Rank 0 generates and measures; the values are broadcast and logged on every rank
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 
 from lightning_mods.fid import GeneratedImages, UInt8Images, generation_metrics, subset_indices
+
+
+# datamodule settings that change how images are loaded, never which images or their pixels
+_LOADER_ONLY = frozenset({"batch_size", "eval_batch_size", "num_workers", "pin_memory", "persistent_workers",
+                          "drop_last_train", "train_augmentation", "horizontal_flip", "crop_scale", "download"})
+
+
+def reference_fingerprint(datamodule: Any, indices: Optional[Sequence[int]]) -> str:
+    """Eight hex digits of the settings that decide the reference pixels (data folder, class
+    list, crop ratio, ...) and of the chosen subset, so that two references of the same class,
+    size and count never share cached statistics."""
+    hparams = getattr(datamodule, "hparams", {}) or {}
+    settings = {k: v for k, v in dict(hparams).items() if k not in _LOADER_ONLY}
+    text = json.dumps({"settings": settings, "indices": None if indices is None else [int(i) for i in indices]},
+                      sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 class GenerationMetrics(Callback):
@@ -32,7 +50,8 @@ class GenerationMetrics(Callback):
         reference_split: ``train`` (its eval-transform copy, the kNN bank) or ``val``.
         num_reference: a fixed random subset of the reference split (None: all of it).
         reference_cache_name: torch-fidelity's cache name for the reference statistics (None:
-            made from the datamodule class, split, image size and number of images).
+            made from the datamodule class, split, image size, number of images and a hash of
+            the datamodule settings that decide the pixels, see :func:`reference_fingerprint`).
         cache_root: folder of the cached statistics (None: ``<default_root_dir>/fid_cache``).
         feature_extractor: torch-fidelity extractor name; ``feature_extractor_weights_path``:
             its weights file (Inception: ``pt_inception-2015-12-05-6726825d.pth``).
@@ -127,7 +146,8 @@ class GenerationMetrics(Callback):
         indices = subset_indices(len(split), self.num_reference)
         images = UInt8Images(split, datamodule.mean, datamodule.std, indices)
         name = self.reference_cache_name or (
-            f"{type(datamodule).__name__}-{self.reference_split}-{datamodule.image_size}px-n{len(images)}")
+            f"{type(datamodule).__name__}-{self.reference_split}-{datamodule.image_size}px-n{len(images)}-"
+            f"{reference_fingerprint(datamodule, indices)}")
         return images, name
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:

@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
 import cli
-from callbacks.fid import GenerationMetrics
+from callbacks.fid import GenerationMetrics, reference_fingerprint
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.fid import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
@@ -147,7 +147,37 @@ def test_callback_measures_ema_samples_against_the_datamodule(tmp_path):
     assert len(record.weights) == 3  # batches of 10, 10 and 4
     averaged = list(ema._average_model.module.parameters())
     assert all(torch.equal(a, b) for a, b in zip(record.weights[0], averaged))
-    assert (tmp_path / "cache" / f"Digits-train-8px-n1437-{TINY_EXTRACTOR}-stat-fid-pool.pt").is_file()
+    assert len(list((tmp_path / "cache").glob(f"Digits-train-8px-n1437-*-{TINY_EXTRACTOR}-stat-fid-pool.pt"))) == 1
+
+
+def test_reference_cache_name_tells_apart_references_with_other_pixels():
+    callback = GenerationMetrics(reference_split="val", num_reference=50)
+    trainer = type("T", (), {"datamodule": None})()
+    module = type("Pixels", (), {"is_latent": False})()
+
+    def name(**kwargs) -> str:
+        callback.reference = Digits(image_size=8, **kwargs)
+        return callback.reference_images(trainer, module)[1]
+
+    base = name()
+    assert base.startswith("Digits-val-8px-n50-")
+    assert name(batch_size=7, num_workers=1) == base  # how images are loaded does not matter
+    callback.num_reference = 60
+    assert name() != base  # another subset
+
+
+def test_reference_fingerprint_follows_the_settings_that_decide_the_pixels():
+    def fingerprint(**changes) -> str:
+        hparams = {"data_dir": "/data/imagenet", "class_list": "in100.txt", "image_size": 64,
+                   "eval_crop_ratio": 0.875, "batch_size": 64, "num_workers": 8}
+        return reference_fingerprint(type("DM", (), {"hparams": {**hparams, **changes}})(), [0, 3, 5])
+
+    base = fingerprint()
+    assert len(base) == 8 and fingerprint(batch_size=256, num_workers=0) == base
+    for changes in ({"data_dir": "/data/other"}, {"class_list": None}, {"eval_crop_ratio": 1.0}):
+        assert fingerprint(**changes) != base, changes
+    assert reference_fingerprint(type("DM", (), {"hparams": {}})(), [0, 3]) != \
+        reference_fingerprint(type("DM", (), {"hparams": {}})(), [0, 4])
 
 
 def test_latent_model_needs_an_image_reference(tmp_path):
@@ -173,7 +203,7 @@ def test_cli_validate_from_a_checkpoint_computes_fid_with_the_cached_reference(t
     fitted = cli.main(["fit", *args])
     assert "val/fid" in fitted.trainer.callback_metrics
     image_size = yaml.safe_load(CONFIG.read_text())["data"]["init_args"]["image_size"]
-    stats = tmp_path / "cache" / f"Digits-val-{image_size}px-n50-{TINY_EXTRACTOR}-stat-fid-pool.pt"
+    [stats] = (tmp_path / "cache").glob(f"Digits-val-{image_size}px-n50-*-{TINY_EXTRACTOR}-stat-fid-pool.pt")
     stamp = stats.stat().st_mtime_ns
     validated = cli.main(["validate", *args, "--ckpt_path", fitted.trainer.checkpoint_callback.last_model_path])
     fid = validated.trainer.callback_metrics["val/fid"].item()
