@@ -304,7 +304,9 @@ class DiffusionModule(LightningModule):
         """Samples in diffusion space (pixels in [-1, 1] or latents), ``N x C x H x W``.
 
         ``labels=None`` samples unconditionally (the null class for a class-conditional model).
-        Deterministic for a given ``seed``: the generator lives on the CPU.
+        Deterministic for a given ``seed``: the generator lives on the CPU. DDPM and DDIM clip
+        their predicted ``x0`` to ``[-1, 1]`` in pixel mode; DPM-Solver++ does not, so an
+        untrained model's samples can leave that range (``to_pixels`` clamps them).
         """
         sampler = sampler or self.hparams.sampler
         num_steps = num_steps or self.hparams.num_sampling_steps

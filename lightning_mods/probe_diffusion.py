@@ -182,7 +182,9 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--max-val", type=int, default=None, help="held-out images used")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-workers", type=int, default=None)
-    parser.add_argument("--probe-epochs", type=int, default=100)
+    parser.add_argument("--probe-epochs", type=int, default=100,
+                        help="linear-probe epochs per (block, noise level) pair; SPEC section 2's protocol uses 200 "
+                             "for one probe, a sweep trains one per pair")
     parser.add_argument("--probe-lr", type=float, default=1e-2)
     parser.add_argument("--probe-batch-size", type=int, default=1024)
     parser.add_argument("--knn-k", type=int, default=20)

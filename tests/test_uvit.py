@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 from torch import nn
 
@@ -28,7 +29,12 @@ def reference_uvit(model: UViT, x: torch.Tensor, t: torch.Tensor, y=None) -> tor
     ins = [stock_block(b, d, h) for b in model.in_blocks]
     mid = stock_block(model.mid_block, d, h)
     outs = [stock_block(b, d, h) for b in model.out_blocks]
-    tokens = model.embed(x, t, y)
+    # tokens as Bao et al. lay them out: [class,] time, patches; plus the position embedding
+    time = model.time_embed(timestep_embedding(t, d))[:, None]
+    proj = model.patch_embed.proj
+    patch_tokens = F.conv2d(x, proj.weight, proj.bias, stride=model.patch_size).flatten(2).transpose(1, 2)
+    prefix = [model.label_emb(y)[:, None], time] if model.num_classes else [time]
+    tokens = torch.cat([*prefix, patch_tokens], dim=1) + model.pos_embed
     skips = []
     for blk in ins:
         tokens = blk(tokens)
