@@ -44,6 +44,27 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, torch.Tenso
     return ckpt["state_dict"]
 
 
+def load_into(backbone: nn.Module, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``backbone.load_state_dict(state, strict=True)`` with a one-line error naming the first
+    missing, unexpected or differently shaped weight (a backbone built with other settings
+    than the pre-training run: image_size, patch_size, embed_dim, depth ...)."""
+    own = backbone.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [k for k in own if k in state and own[k].shape != state[k].shape]
+    if shapes:
+        k = shapes[0]
+        raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the backbone: {k} is "
+                         f"{tuple(state[k].shape)} there and {tuple(own[k].shape)} here ({len(shapes)} weights differ); "
+                         "build the backbone with the pre-training settings (image_size, patch_size, embed_dim, ...)")
+    if missing or unexpected:
+        first = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the backbone: {first} "
+                         f"({len(missing)} missing, {len(unexpected)} unexpected); is it a checkpoint of "
+                         f"{type(backbone).__name__} with the same depth?")
+    backbone.load_state_dict(state, strict=True)
+
+
 class ProbeHead(nn.Module):
     """``Linear(BatchNorm1d(x, affine=False))`` on detached features."""
 
@@ -122,7 +143,7 @@ class LinearProbe(LightningModule):
         self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
         if checkpoint is not None:
-            self.backbone.load_state_dict(load_checkpoint_state_dict(checkpoint), strict=True)
+            load_into(self.backbone, load_checkpoint_state_dict(checkpoint), checkpoint)
         self.backbone.requires_grad_(False)
         self.backbone.eval()
         dim = getattr(backbone, "num_features", None)

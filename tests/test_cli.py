@@ -19,7 +19,8 @@ TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.init_args.p
             "--model.init_args.embed_dim=32", "--model.init_args.depth=4", "--model.init_args.num_heads=2",
             "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=2",
             "--model.init_args.decoder_num_heads=2", "--model.init_args.num_reconstructions=4"]
-DIGITS = ["--data=datamodules.digits.Digits", "--data.init_args.batch_size=32"]
+DIGITS = ["--data=datamodules.digits.Digits", "--data.init_args.batch_size=32",
+          "--data.init_args.image_size=16"]  # the quickstart's geometry (configs/digits_mae.yaml)
 
 
 def run_fit(tmp_path: Path, *extra: str) -> Path:
@@ -42,7 +43,7 @@ def mae_checkpoint(tmp_path_factory) -> Path:
 def test_links_image_geometry_from_the_datamodule(mae_checkpoint):
     ckpt = torch.load(mae_checkpoint, map_location="cpu", weights_only=True)
     hp = ckpt["hyper_parameters"]
-    assert hp["in_chans"] == 1 and hp["image_size"] == 32
+    assert hp["in_chans"] == 1 and hp["image_size"] == 16
     assert hp["shortcut"]["alpha_min"] == 0.6  # the paper's default schedule
 
 
@@ -60,7 +61,7 @@ def test_validate_from_checkpoint(mae_checkpoint, tmp_path):
 
 def test_linear_probe_loads_the_mae_checkpoint(mae_checkpoint):
     state = load_checkpoint_state_dict(mae_checkpoint)
-    backbone = MaskedAutoencoder(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
+    backbone = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
                                  decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
     probe = LinearProbe(backbone, checkpoint=str(mae_checkpoint), num_classes=10)
     for name, value in state.items():
@@ -82,7 +83,20 @@ def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
                     "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false",
                     f"--trainer.default_root_dir={tmp_path}"])
-    assert "probe/val_top1" in out.trainer.callback_metrics
+    assert {"probe/val_top1", "probe/val_top5"} <= set(out.trainer.callback_metrics)
+
+
+def test_linear_probe_refuses_a_checkpoint_of_another_geometry(mae_checkpoint):
+    other = MaskedAutoencoder(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
+                              decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+    with pytest.raises(ValueError, match=r"checkpoint: .* does not fit the backbone: .*pos_embed is \(1, 5, 32\) "
+                                         r"there and \(1, 17, 32\) here") as err:
+        LinearProbe(other, checkpoint=str(mae_checkpoint), num_classes=10)
+    assert "\n" not in str(err.value)
+    shallow = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                                decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+    with pytest.raises(ValueError, match="unexpected encoder.blocks.2"):
+        LinearProbe(shallow, checkpoint=str(mae_checkpoint), num_classes=10)
 
 
 @pytest.mark.parametrize("content", [b"not a checkpoint at all", b""])
