@@ -91,6 +91,15 @@ class MaskedAutoencoder(LightningModule):
             raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
         if image_size % patch_size:
             raise ValueError(f"image_size ({image_size}) must be divisible by patch_size ({patch_size})")
+        if not isinstance(depth, int) or depth <= 0:
+            raise ValueError(f"depth must be a positive integer (encoder blocks), got {depth!r}")
+        if unet_skips and depth % 2:
+            raise ValueError(f"depth must be even with unet_skips=True (skips leave blocks 1, 3, 5, ...; the last "
+                             f"of {depth} blocks would get no training signal), got {depth}")
+        if unet_skips and encoder_final_norm:
+            raise ValueError("encoder_final_norm: with unet_skips=True the decoder reads the blocks' outputs, so a "
+                             "final norm would never be trained; set encoder_final_norm=false (the authors have none) "
+                             "or unet_skips=false")
         if feature_pool not in ("mean", "cls"):
             raise ValueError(f"feature_pool must be 'mean' or 'cls', got {feature_pool!r}")
         self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6))

@@ -73,6 +73,9 @@ class DecayedVisionTransformer(VisionTransformer):
                  **kwargs: Any) -> None:
         if "block_fn" in kwargs:
             raise ValueError("block_fn is fixed to DecayedBlock in DecayedVisionTransformer")
+        depth = kwargs.get("depth", 12)
+        if not isinstance(depth, int) or depth <= 0:
+            raise ValueError(f"depth must be a positive integer (number of transformer blocks), got {depth!r}")
         super().__init__(block_fn=DecayedBlock, **kwargs)
         self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)

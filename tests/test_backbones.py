@@ -210,3 +210,10 @@ def test_resnet_built_like_the_cli_matches_timm(cls, timm_name, zero_flag):
                {k: v.shape for k, v in ref.state_dict().items()}
     last_bn = [m.bn3 if hasattr(m, "bn3") else m.bn2 for m in residual_blocks(model)]
     assert all(bn.weight.abs().min().item() > 0 for bn in last_bn)
+
+
+@pytest.mark.parametrize("depth", [0, -1])
+def test_vit_depth_must_be_positive(depth):
+    with pytest.raises(ValueError, match="depth must be a positive integer") as err:
+        DecayedVisionTransformer(**{**VIT, "depth": depth})
+    assert "\n" not in str(err.value)

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from lightning_mods.mae import MaskedAutoencoder, masked_patch_loss, normalise_patches
 from lightning_mods.mae_decoder import ClassicDecoder, SkipFusion, UNetSkipDecoder
@@ -142,9 +143,37 @@ def test_initial_prediction_depends_only_on_biases(unet_skips):
     torch.testing.assert_close(pred_b, bias.expand_as(pred_b), rtol=0, atol=0)
 
 
-def test_classic_decoder_reads_the_encoder_output():
-    model = MaskedAutoencoder(**TINY, unet_skips=False)
-    assert isinstance(model.decoder, ClassicDecoder)
+class ZeroOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+@pytest.mark.parametrize("unet_skips", [True, False])
+def test_classic_decoder_reads_the_encoder_output_and_the_unet_decoder_does_not(unet_skips):
+    """Zeroing the encoder's output (its final-norm slot) wipes the input out of the classic
+    decoder's prediction and leaves the U-Net decoder's, which reads the blocks, unchanged."""
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**TINY, unet_skips=unet_skips, zero_init_branches=False)
+    assert isinstance(model.decoder, ClassicDecoder) != unet_skips
+    with torch.no_grad():
+        model.decoder.pred.weight.normal_()
+        for fusion in getattr(model.decoder, "fusions", []):
+            for p in fusion.parameters():
+                p.normal_(std=0.2)
+    a, b = torch.randn(2, 2, 16, 16), torch.randn(2, 2, 16, 16)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        pred_a = model(a)[1]
+        model.encoder.norm = ZeroOut()
+        torch.manual_seed(1)
+        zeroed_a = model(a)[1]
+        torch.manual_seed(1)
+        zeroed_b = model(b)[1]  # same mask (same seed), other images
+    if unet_skips:
+        torch.testing.assert_close(zeroed_a, pred_a, rtol=0, atol=0)
+    else:
+        assert not torch.allclose(zeroed_a, pred_a)
+        torch.testing.assert_close(zeroed_a, zeroed_b, rtol=0, atol=0)
 
 
 def test_forward_features_is_mean_of_last_block_tokens():
@@ -178,8 +207,18 @@ def test_pos_embed_is_fixed_and_other_parameters_learn():
     assert missing == []
 
 
+def test_without_skips_an_odd_depth_and_a_final_norm_all_learn():
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**{**TINY, "depth": 3}, unet_skips=False, encoder_final_norm=True)
+    model(torch.randn(2, 2, 16, 16))[0].backward()
+    assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
 @pytest.mark.parametrize("kwargs,field", [({"mask_ratio": 1.0}, "mask_ratio"), ({"image_size": 18}, "image_size"),
-                                          ({"feature_pool": "max"}, "feature_pool")])
+                                          ({"feature_pool": "max"}, "feature_pool"), ({"depth": 0}, "depth"),
+                                          ({"depth": -2}, "depth"), ({"depth": 5}, "depth must be even"),
+                                          ({"encoder_final_norm": True}, "encoder_final_norm")])
 def test_bad_settings(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as err:
         MaskedAutoencoder(**{**TINY, **kwargs})
+    assert "\n" not in str(err.value)
