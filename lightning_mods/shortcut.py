@@ -136,6 +136,9 @@ class ShortcutSchedule:
         """
         _check_depth(num_sublayers)
         if sublayer_types is None:
+            if self.branches != "both":
+                raise ValueError(f"sublayer_types: with branches={self.branches!r} only some sub-layers decay; pass "
+                                 "their types, e.g. transformer_sublayer_types(depth) for a ViT")
             sublayer_types = ["block"] * num_sublayers
         if len(sublayer_types) != num_sublayers:
             raise ValueError(f"sublayer_types has {len(sublayer_types)} entries for {num_sublayers} sub-layers")

@@ -59,6 +59,19 @@ def test_branch_choice_keeps_other_sublayers_standard(branches, decayed):
         assert a == (full[k] if k % 2 == decayed else 1.0)
 
 
+def test_branch_choice_counts_in_alpha_eff_and_solve_needs_the_sublayer_types():
+    types = transformer_sublayer_types(12)
+    attn_only = ShortcutSchedule("linear", 0.6, branches="attn")
+    expected = float(np.prod(linear_reference(24, 0.6)[0::2]))  # the attention sub-layers only
+    assert attn_only.alpha_eff(24, types) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(0.0684, abs=1e-4)  # vs 0.0036 when both branches decay
+    solved = attn_only.solve_alpha_min(expected, 24, types)
+    assert solved == pytest.approx(0.6, abs=1e-9)
+    for call in (lambda: attn_only.alpha_eff(24), lambda: attn_only.solve_alpha_min(5e-3, 24)):
+        with pytest.raises(ValueError, match="sublayer_types"):
+            call()
+
+
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
 @pytest.mark.parametrize("K,target", [(24, 3.6e-3), (36, 1e-3), (48, 5.7e-3), (8, 0.5)])
 def test_solve_alpha_min_reaches_target(kind, K, target):
