@@ -14,7 +14,6 @@ from typing import Sequence
 
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import find_classes
 
 from datamodules.base import ImageDataModule
 
@@ -101,7 +100,7 @@ class ImageNet(ImageDataModule):
     def class_folders(self, train: bool) -> list[str]:
         """Sorted class folder names of a split; one-line FileNotFoundError when there are none."""
         directory = self.split_dir(train)
-        found = find_classes(directory)[0] if os.path.isdir(directory) else []
+        found = sorted(e.name for e in os.scandir(directory) if e.is_dir()) if os.path.isdir(directory) else []
         if not found:
             raise FileNotFoundError(
                 f"ImageNet: no class folders under '{directory}' (expected data_dir/train/<wnid>/<image> "
@@ -121,4 +120,9 @@ class ImageNet(ImageDataModule):
     def load_split(self, train: bool) -> Dataset:
         classes = self.resolve_classes()
         self.class_folders(train)
-        return SelectedClassFolder(self.split_dir(train), classes)
+        try:
+            return SelectedClassFolder(self.split_dir(train), classes)
+        except FileNotFoundError as err:  # torchvision: "Found no valid file for the classes ..."
+            first = str(err).strip().splitlines()[0][:300]
+            raise FileNotFoundError(f"ImageNet: class folders without images under '{self.split_dir(train)}' "
+                                    f"({first})") from None

@@ -299,6 +299,21 @@ def test_missing_and_incomplete_roots(tmp_path):
         assert one_line(excinfo).startswith(f"ImageNet: no class folders under '{tmp_path / sub / 'train'}'")
 
 
+def test_imagenet_empty_train_folder_and_class_folders_without_images(tmp_path):
+    (tmp_path / "train").mkdir()  # exists, but holds no class folders
+    with pytest.raises(FileNotFoundError) as excinfo:
+        ImageNet(data_dir=str(tmp_path), num_classes=1).setup("fit")
+    assert one_line(excinfo).startswith(f"ImageNet: no class folders under '{tmp_path / 'train'}'")
+    make_imagefolder(tmp_path, ["a", "b"], n_per_class=1)
+    for image in (tmp_path / "train" / "b").iterdir():  # a class folder with no images
+        image.unlink()
+    (tmp_path / "train" / "b" / "notes.txt").write_text("not an image")
+    with pytest.raises(FileNotFoundError) as excinfo:
+        ImageNet(data_dir=str(tmp_path), num_classes=2).setup("fit")
+    assert one_line(excinfo).startswith(f"ImageNet: class folders without images under '{tmp_path / 'train'}'")
+    assert "b" in one_line(excinfo)
+
+
 def test_imagenet_val_folder_missing(tmp_path):
     make_imagefolder(tmp_path, ["x"], n_per_class=1, splits=("train",))
     dm = ImageNet(data_dir=str(tmp_path), num_classes=1)
