@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -156,9 +157,28 @@ def main(args: Optional[list[str]] = None) -> ShortcutLabCLI:
     )
 
 
+def root_message(err: BaseException) -> str:
+    """First line of the innermost cause: jsonargparse wraps a class's own one-line
+    ``ValueError`` ("alpha_min must be ...") in multi-line reports of every Union member tried."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def console_main() -> None:
-    """The ``shortcutlab`` console command (returns None: a console script exits with its value)."""
-    main()
+    """The ``shortcutlab`` console command (returns None: a console script exits with its value).
+
+    A bad setting or a missing file ends with one line on stderr and exit status 2;
+    ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
+    """
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        if os.environ.get("SHORTCUTLAB_TRACEBACK"):
+            raise
+        print(f"shortcutlab: error: {root_message(err)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -133,10 +133,19 @@ def test_linear_probe_refuses_a_pickle_with_code(tmp_path):
 
 
 def test_bad_shortcut_value_is_a_one_line_error(tmp_path):
-    with pytest.raises((SystemExit, ValueError)) as err:
+    with pytest.raises(ValueError) as err:
         cli.main(["fit", *TINY_MAE, *DIGITS, "--model.init_args.shortcut.init_args.alpha_min=1.5",
                   "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}"])
-    assert err.type is SystemExit or "alpha_min" in str(err.value)
+    assert cli.root_message(err.value) == "alpha_min must be a finite number in [0, 1], got 1.5"
+    exe = Path(sys.executable).with_name("shortcutlab")
+    out = subprocess.run([str(exe), "fit", *TINY_MAE, *DIGITS, "--model.init_args.shortcut.init_args.alpha_min=1.5",
+                          "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == \
+        "shortcutlab: error: alpha_min must be a finite number in [0, 1], got 1.5"
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 def test_bf16_on_cpu_without_amx_warns(monkeypatch):
