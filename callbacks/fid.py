@@ -18,7 +18,11 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 
+from datamodules.base import check_positive
 from lightning_mods.fid import GeneratedImages, UInt8Images, generation_metrics, subset_indices
+
+from .distributed import log_identical
+from .schedule import check_every_n_epochs
 
 
 # datamodule settings that change how images are loaded, never which images or their pixels
@@ -39,6 +43,9 @@ def reference_fingerprint(datamodule: Any, indices: Optional[Sequence[int]]) -> 
 
 class GenerationMetrics(Callback):
     """FID/KID/IS of ``num_samples`` generated images against a reference split.
+
+    The model provides ``generate_images(n, labels, seed=..., ...)`` and ``grid_labels(n, start)``
+    (``lightning_mods.diffusion.DiffusionModule`` does).
 
     Args:
         num_samples: images generated per evaluation (the paper: 50000).
@@ -82,10 +89,9 @@ class GenerationMetrics(Callback):
         guidance_scale: Optional[float] = None,
         seed: int = 0,
     ) -> None:
-        for name, value in (("num_samples", num_samples), ("every_n_epochs", every_n_epochs),
-                            ("batch_size", batch_size), ("kid_subset_size", kid_subset_size)):
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        check_positive("GenerationMetrics", num_samples=num_samples, batch_size=batch_size,
+                       kid_subset_size=kid_subset_size)
+        every_n_epochs = check_every_n_epochs("GenerationMetrics", every_n_epochs)
         if reference_split not in ("train", "val"):
             raise ValueError(f"reference_split must be 'train' or 'val', got {reference_split!r}")
         self.num_samples = num_samples
@@ -123,8 +129,7 @@ class GenerationMetrics(Callback):
         metrics = self.evaluate(trainer, pl_module) if trainer.is_global_zero else {}
         metrics = trainer.strategy.broadcast(metrics, src=0)
         self.last_metrics = dict(metrics)
-        for name, value in metrics.items():
-            pl_module.log(f"val/{name}", float(value), on_step=False, on_epoch=True, batch_size=1)
+        log_identical(pl_module, {f"val/{name}": value for name, value in metrics.items()}, batch_size=1)
 
     # --- what --------------------------------------------------------------------------------
     def reference_images(self, trainer: Trainer, pl_module: LightningModule) -> tuple[UInt8Images, str]:
@@ -155,10 +160,7 @@ class GenerationMetrics(Callback):
         reference, cache_name = self.reference_images(trainer, pl_module)
 
         def generate(batch_index: int, size: int) -> torch.Tensor:
-            labels = None
-            if getattr(pl_module, "class_conditional", False):
-                start = batch_index * self.batch_size  # balanced classes over the whole set
-                labels = torch.arange(start, start + size, device=pl_module.device) % pl_module.hparams.num_classes
+            labels = pl_module.grid_labels(size, start=batch_index * self.batch_size)  # balanced over the set
             return pl_module.generate_images(size, labels, seed=self.seed + batch_index, sampler=self.sampler,
                                              num_steps=self.num_sampling_steps, guidance_scale=self.guidance_scale)
 

@@ -144,10 +144,9 @@ class ResidualDroppath(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step, self._micro = None, 0
         if self._seed is None:  # not restored from a checkpoint
-            seed = int(self.seed) if self.seed is not None else int(torch.initial_seed())
             # without seed_everything every process has its own initial seed; rank 0's is the one
             # a checkpoint keeps, so it must be the one every rank draws (and later replays) from
-            self._seed = int(trainer.strategy.broadcast(seed, src=0))
+            self._seed = int(trainer.strategy.broadcast(self._own_seed(), src=0))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -155,7 +154,7 @@ class ResidualDroppath(Callback):
         self._micro = self._micro + 1 if step == self._step else 0
         self._step = step
         if self._seed is None:  # driven without on_train_start (by hand, in tests): this process's seed
-            self._seed = int(self.seed) if self.seed is not None else int(torch.initial_seed())
+            self._seed = self._own_seed()
         rank = int(trainer.global_rank)
         if self._replay_for_rank:
             self._replay_for_rank = False
@@ -185,6 +184,9 @@ class ResidualDroppath(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._remove()
+
+    def _own_seed(self) -> int:
+        return int(self.seed) if self.seed is not None else int(torch.initial_seed())
 
     def _install(self) -> None:
         for blk in self._blocks:

@@ -36,6 +36,11 @@ def read_class_list(path: str) -> list[str]:
     return classes
 
 
+def subfolders(directory: str) -> list[str]:
+    """Sorted names of the folders directly under ``directory`` (none if it does not exist)."""
+    return sorted(e.name for e in os.scandir(directory) if e.is_dir()) if os.path.isdir(directory) else []
+
+
 class SelectedClassFolder(ImageFolder):
     """ImageFolder over the given ``classes`` only, labelled by their position in that list."""
 
@@ -44,7 +49,7 @@ class SelectedClassFolder(ImageFolder):
         super().__init__(root)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
-        present = {entry.name for entry in os.scandir(directory) if entry.is_dir()}
+        present = set(subfolders(directory))
         missing = [name for name in self.selected_classes if name not in present]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -100,7 +105,7 @@ class ImageNet(ImageDataModule):
     def class_folders(self, train: bool) -> list[str]:
         """Sorted class folder names of a split; one-line FileNotFoundError when there are none."""
         directory = self.split_dir(train)
-        found = sorted(e.name for e in os.scandir(directory) if e.is_dir()) if os.path.isdir(directory) else []
+        found = subfolders(directory)
         if not found:
             raise FileNotFoundError(
                 f"ImageNet: no class folders under '{directory}' (expected data_dir/train/<wnid>/<image> "

@@ -334,11 +334,12 @@ class DiffusionModule(LightningModule):
         samples = self.sample(num_samples, labels, seed, sampler, num_steps, guidance_scale)
         return self.to_pixels(samples)
 
-    def grid_labels(self, num_samples: int) -> Optional[torch.Tensor]:
-        """Labels ``0, 1, ..., K-1, 0, ...`` for a class-conditional grid, else ``None``."""
+    def grid_labels(self, num_samples: int, start: int = 0) -> Optional[torch.Tensor]:
+        """Labels ``start, start + 1, ...`` modulo the number of classes (balanced classes) for a
+        class-conditional model, else ``None``."""
         if not self.class_conditional:
             return None
-        return torch.arange(num_samples, device=self.device) % self.hparams.num_classes
+        return torch.arange(start, start + num_samples, device=self.device) % self.hparams.num_classes
 
     def log_sample_grid(self) -> None:
         n, steps = self.hparams.num_sample_images, None

@@ -23,7 +23,7 @@ from .mae_decoder import ClassicDecoder, UNetSkipDecoder
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from .patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
-from .shortcut import ShortcutSchedule
+from .shortcut import ShortcutSchedule, check_depth
 from .vit import DecayedVisionTransformer
 
 
@@ -91,8 +91,7 @@ class MaskedAutoencoder(LightningModule):
             raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
         if image_size % patch_size:
             raise ValueError(f"image_size ({image_size}) must be divisible by patch_size ({patch_size})")
-        if not isinstance(depth, int) or depth <= 0:
-            raise ValueError(f"depth must be a positive integer (encoder blocks), got {depth!r}")
+        check_depth(depth, "depth", " (encoder blocks)")
         if unet_skips and depth % 2:
             raise ValueError(f"depth must be even with unet_skips=True (skips leave blocks 1, 3, 5, ...; the last "
                              f"of {depth} blocks would get no training signal), got {depth}")

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.knn import knn_predict
 from callbacks.pictures import figure_to_array, save_png
-from .linear_probe import load_checkpoint_state_dict, train_linear_probe_on_features
+from .linear_probe import load_checkpoint_state_dict, load_into, train_linear_probe_on_features
 from .fid import subset_indices
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
@@ -166,7 +166,7 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
         raise ValueError(f"config: the model {type(module).__name__} has no noised_block_features; "
                          "expected lightning_mods.diffusion.DiffusionModule")
     if ckpt is not None:
-        module.load_state_dict(load_checkpoint_state_dict(ckpt), strict=True)
+        load_into(module, load_checkpoint_state_dict(ckpt), ckpt)
     return module, datamodule
 
 

@@ -43,10 +43,11 @@ def _check_unit_interval(name: str, value: float) -> float:
     return value
 
 
-def _check_depth(num_sublayers: int) -> int:
-    if isinstance(num_sublayers, bool) or not isinstance(num_sublayers, int) or num_sublayers <= 0:
-        raise ValueError(f"num_sublayers must be a positive integer, got {num_sublayers!r}")
-    return num_sublayers
+def check_depth(value: int, name: str = "num_sublayers", what: str = "") -> int:
+    """``value`` as a positive integer, or a one-line ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer{what}, got {value!r}")
+    return value
 
 
 class ShortcutSchedule:
@@ -134,7 +135,7 @@ class ShortcutSchedule:
         ``sublayer_types[k]`` says whether sub-layer ``k`` is an ``attn``, ``mlp`` or ResNet
         ``block``; sub-layers whose type is not decayed get ``(1, 1)``.
         """
-        _check_depth(num_sublayers)
+        check_depth(num_sublayers)
         if sublayer_types is None:
             if self.branches != "both":
                 raise ValueError(f"sublayer_types: with branches={self.branches!r} only some sub-layers decay; pass "
@@ -174,7 +175,7 @@ class ShortcutSchedule:
             raise ValueError(
                 f"kind must be one of {', '.join(_SOLVABLE)} to solve for alpha_eff; "
                 f"a {self.kind!r} schedule has no alpha_min to solve for")
-        _check_depth(num_sublayers)
+        check_depth(num_sublayers)
         target = float(target_alpha_eff)
         if not math.isfinite(target) or not 0.0 < target <= 1.0:
             raise ValueError(f"target_alpha_eff must be a finite number in (0, 1], got {target_alpha_eff!r}")

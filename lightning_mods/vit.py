@@ -15,7 +15,7 @@ from torch import nn
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from .residual import DecayedResidual, apply_shortcut_schedule, residual_blocks
-from .shortcut import ShortcutSchedule
+from .shortcut import ShortcutSchedule, check_depth
 
 
 class DecayedBlock(DecayedResidual, Block):
@@ -73,9 +73,7 @@ class DecayedVisionTransformer(VisionTransformer):
                  **kwargs: Any) -> None:
         if "block_fn" in kwargs:
             raise ValueError("block_fn is fixed to DecayedBlock in DecayedVisionTransformer")
-        depth = kwargs.get("depth", 12)
-        if not isinstance(depth, int) or depth <= 0:
-            raise ValueError(f"depth must be a positive integer (number of transformer blocks), got {depth!r}")
+        check_depth(kwargs.get("depth", 12), "depth", " (number of transformer blocks)")
         super().__init__(block_fn=DecayedBlock, **kwargs)
         self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)
