@@ -2,7 +2,6 @@
 when it takes images (TensorBoard's ``add_image``). Only global rank 0 writes."""
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Union

@@ -186,14 +186,18 @@ class ImageDataModule(L.LightningDataModule):
             self.held_out_eval_dataset()
         if stage in (None, "fit"):
             if self.train_dataset is None or self.bank_dataset is None:
-                train_samples = self.load_split(train=True)
-                self.bank_dataset = self.wrap_eval(train_samples)
-                self.train_dataset = (TransformedDataset(train_samples, self.train_transform())
-                                      if self.train_augmentation else self.bank_dataset)
+                self.bank_dataset, self.train_dataset = self.make_train_datasets()
         if stage in (None, "test") and self.test_dataset is None:
             self.test_dataset = self.held_out_eval_dataset()
         if stage in (None, "predict") and self.predict_dataset is None:
             self.predict_dataset = self.held_out_eval_dataset()
+
+    def make_train_datasets(self) -> tuple[Dataset, Dataset]:
+        """``(bank, train)``: the train split through the eval transform and through the
+        augmentation (the bank itself when ``train_augmentation`` is off)."""
+        train_samples = self.load_split(train=True)
+        bank = self.wrap_eval(train_samples)
+        return bank, (TransformedDataset(train_samples, self.train_transform()) if self.train_augmentation else bank)
 
     def wrap_eval(self, samples: Dataset) -> Dataset:
         """``samples`` seen through the eval transform."""

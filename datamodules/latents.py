@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from datamodules.base import ImageDataModule
 
-METADATA_FILE = "metadata.json"  # as lightning_mods.encode_latents writes it
+METADATA_FILE = "metadata.json"  # written by lightning_mods.encode_latents
 
 
 def read_metadata(latent_dir: str) -> dict:
@@ -99,7 +99,6 @@ class Latents(ImageDataModule):
                          num_workers=num_workers, image_size=int(meta["latent_size"]),
                          mean=(0.0,) * self.in_chans, std=(1.0,) * self.in_chans, pin_memory=pin_memory,
                          drop_last_train=drop_last_train, persistent_workers=persistent_workers)
-        self.latent_dir = latent_dir
         self.sample_posterior = sample_posterior
         self.random_flip = bool(meta.get("hflip", False)) if random_flip is None else random_flip
 
@@ -107,38 +106,29 @@ class Latents(ImageDataModule):
         """The shards of ``split``, memory-mapped (weights-only loads)."""
         info = self.metadata["splits"].get(split)
         if info is None:
-            raise FileNotFoundError(f"Latents: '{self.latent_dir}' has no {split!r} split; encoded: "
+            raise FileNotFoundError(f"Latents: '{self.data_dir}' has no {split!r} split; encoded: "
                                     f"{', '.join(self.metadata['splits']) or 'none'}")
         shards = []
         for entry in info["shards"]:
-            path = os.path.join(self.latent_dir, entry["file"])
+            path = os.path.join(self.data_dir, entry["file"])
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"Latents: shard '{path}' listed in {METADATA_FILE} is missing")
             shards.append(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         return shards
 
-    def make_dataset(self, split: str, train: bool) -> LatentDataset:
-        return LatentDataset(self.load_shards(split), self.scaling_factor, self.shift_factor,
+    def make_dataset(self, shards: list[dict], train: bool) -> LatentDataset:
+        return LatentDataset(shards, self.scaling_factor, self.shift_factor,
                              sample_posterior=train and self.sample_posterior,
                              random_flip=train and self.random_flip)
 
     def load_split(self, train: bool) -> Dataset:
         """Evaluation view of a split: posterior means, no flip."""
-        return self.make_dataset("train" if train else "val", train=False)
+        return self.make_dataset(self.load_shards("train" if train else "val"), train=False)
+
+    def make_train_datasets(self) -> tuple[Dataset, Dataset]:
+        """Bank (posterior means) and train (posterior samples, flips) views of the same shards."""
+        shards = self.load_shards("train")
+        return self.make_dataset(shards, train=False), self.make_dataset(shards, train=True)
 
     def wrap_eval(self, samples: Dataset) -> Dataset:
         return samples  # no image transform: latents are ready
-
-    def setup(self, stage: str | None = None) -> None:
-        """fit: train (augmented), bank and val datasets; validate/test/predict: val."""
-        if stage in (None, "fit", "validate"):
-            self.held_out_eval_dataset()
-        if stage in (None, "fit"):
-            if self.bank_dataset is None:
-                self.bank_dataset = self.load_split(train=True)
-            if self.train_dataset is None:
-                self.train_dataset = self.make_dataset("train", train=True)
-        if stage in (None, "test") and self.test_dataset is None:
-            self.test_dataset = self.held_out_eval_dataset()
-        if stage in (None, "predict") and self.predict_dataset is None:
-            self.predict_dataset = self.held_out_eval_dataset()

@@ -25,14 +25,14 @@ from __future__ import annotations
 import contextlib
 import math
 from functools import partial
-from typing import Iterator, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
-from torch import nn
 
+from callbacks.feature_collection import isolated_eval
 from callbacks.pictures import image_grid, log_picture
 from .diffusion_sampling import (check_sampler, make_sampler, run_sampler, schedule_config,
                                  training_scheduler)
@@ -56,21 +56,6 @@ def drop_labels(labels: torch.Tensor, probability: float, null_class: int,
 def guided_noise(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     """Classifier-free guidance: ``eps_u + s (eps_c - eps_u)``."""
     return eps_uncond + guidance_scale * (eps_cond - eps_uncond)
-
-
-def warmup_constant(step: int, warmup_steps: int) -> float:
-    """LR multiplier: linear warm-up over ``warmup_steps`` optimiser steps, then 1 (U-ViT)."""
-    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
-
-
-@contextlib.contextmanager
-def eval_mode(module: nn.Module) -> Iterator[None]:
-    was_training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(was_training)
 
 
 class DiffusionModule(LightningModule):
@@ -168,6 +153,7 @@ class DiffusionModule(LightningModule):
 
         self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.7))
         self.save_hyperparameters(ignore=["shortcut"])
+        self._pixel_stats_cache: Optional[tuple] = None  # (key, mean, std) on the last device used
         self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
 
         self.vae: Optional[FrozenVAE] = None
@@ -219,8 +205,11 @@ class DiffusionModule(LightningModule):
         c = self.hparams.in_chans
         mean = self.hparams.pixel_mean if self.hparams.pixel_mean is not None else [0.5] * c
         std = self.hparams.pixel_std if self.hparams.pixel_std is not None else [0.5] * c
-        return (torch.tensor(mean, device=device).view(1, -1, 1, 1),
-                torch.tensor(std, device=device).view(1, -1, 1, 1))
+        key = (device, tuple(mean), tuple(std))
+        if self._pixel_stats_cache is None or self._pixel_stats_cache[0] != key:  # no host-to-device copy per step
+            self._pixel_stats_cache = (key, torch.tensor(mean, device=device).view(1, -1, 1, 1),
+                                       torch.tensor(std, device=device).view(1, -1, 1, 1))
+        return self._pixel_stats_cache[1], self._pixel_stats_cache[2]
 
     def to_model_space(self, images: torch.Tensor) -> torch.Tensor:
         """Datamodule batch -> diffusion space: ``[-1, 1]`` pixels, or the latents as they are."""
@@ -322,7 +311,7 @@ class DiffusionModule(LightningModule):
         shape = (num_samples, self.hparams.in_chans, self.hparams.image_size, self.hparams.image_size)
         noise = torch.randn(shape, generator=generator).to(self.device)
         scheduler = make_sampler(sampler, self.schedule_config, self.clip_sample)
-        with eval_mode(self), self._forward_context():
+        with isolated_eval(self), self._forward_context():
             return run_sampler(partial(self.predict_noise, labels=labels, guidance_scale=scale),
                                noise, scheduler, num_steps, generator)
 
@@ -393,9 +382,6 @@ class DiffusionModule(LightningModule):
         optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(self.hparams.warmup_steps, max(0, total - 1))
-        if self.hparams.lr_schedule == "cosine":
-            scheduler = warmup_cosine_scheduler(optimizer, warmup, total, self.hparams.min_lr_ratio)
-        else:
-            scheduler = {"scheduler": torch.optim.lr_scheduler.LambdaLR(
-                optimizer, partial(warmup_constant, warmup_steps=warmup)), "interval": "step", "frequency": 1}
-        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+        # "constant" (U-ViT): the same warm-up, then a "cosine" whose floor is the peak
+        floor = self.hparams.min_lr_ratio if self.hparams.lr_schedule == "cosine" else 1.0
+        return {"optimizer": optimizer, "lr_scheduler": warmup_cosine_scheduler(optimizer, warmup, total, floor)}

@@ -26,9 +26,10 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.latents import METADATA_FILE
+
 from .latent_vae import FrozenVAE
 
-METADATA_FILE = "metadata.json"
 SPLITS = ("train", "val")
 
 
@@ -67,7 +68,7 @@ def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std:
         for v in buffer.values():
             v.clear()
 
-    count = 0
+    buffered = 0
     for images, labels in loader:
         pixels = to_vae_input(images.to(device), mean_t, std_t, vae.image_channels)
         moments = list(vae.encode_moments(pixels))
@@ -76,11 +77,12 @@ def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std:
         for key, value in zip(keys, moments):
             buffer[key].append(value.to(dtype).cpu())
         buffer["labels"].append(torch.as_tensor(labels, dtype=torch.int64))
-        count += len(labels)
-        if sum(len(v) for v in buffer["labels"]) >= shard_size:
+        buffered += len(labels)
+        if buffered >= shard_size:
             flush()
+            buffered = 0
     flush()
-    return {"num_samples": count, "shards": shards}
+    return {"num_samples": sum(s["num_samples"] for s in shards), "shards": shards}
 
 
 def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, num_workers: int = 0,  # noqa: ANN001

@@ -41,7 +41,6 @@ class FrozenVAE:
 
     def __init__(self, path: str | os.PathLike, scaling_factor: Optional[float] = None,
                  shift_factor: Optional[float] = None) -> None:
-        self.path = os.fspath(path)
         self.vae = load_vae(path)
         config = self.vae.config
         self.scaling_factor = float(scaling_factor if scaling_factor is not None else config.scaling_factor)
@@ -49,7 +48,6 @@ class FrozenVAE:
         self.shift_factor = float(shift_factor if shift_factor is not None else (config_shift or 0.0))
         self.latent_channels = int(config.latent_channels)
         self.image_channels = int(config.in_channels)
-        self.out_channels = int(config.out_channels)
         self.downsample_factor = 2 ** (len(config.block_out_channels) - 1)
 
     def __deepcopy__(self, memo: dict) -> "FrozenVAE":

@@ -79,7 +79,7 @@ class ProbeHead(nn.Module):
         return self.linear(self.norm(features.detach()))
 
 
-def _topk(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
+def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
     k = min(k, logits.shape[1])
     return (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float().mean().item()
 
@@ -118,7 +118,7 @@ def train_linear_probe_on_features(
     head.eval()
     with torch.no_grad():
         logits = head(val_features.float())
-    return {"top1": _topk(logits, val_labels.long(), 1), "top5": _topk(logits, val_labels.long(), 5)}
+    return {"top1": topk_accuracy(logits, val_labels.long(), 1), "top5": topk_accuracy(logits, val_labels.long(), 5)}
 
 
 class LinearProbe(LightningModule):

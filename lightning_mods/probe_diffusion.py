@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.knn import knn_predict
 from callbacks.pictures import figure_to_array, save_png
-from .linear_probe import load_checkpoint_state_dict, load_into, train_linear_probe_on_features
+from .linear_probe import load_checkpoint_state_dict, load_into, topk_accuracy, train_linear_probe_on_features
 from .fid import subset_indices
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
@@ -49,11 +49,6 @@ def extract_block_features(module, loader: DataLoader, blocks: Sequence[int], ti
     return {b: torch.cat(v) for b, v in feats.items()}, torch.cat(labels)
 
 
-def _topk(scores: torch.Tensor, labels: torch.Tensor, k: int) -> float:
-    k = min(k, scores.shape[1])
-    return (scores.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float().mean().item()
-
-
 def probe_sweep(module, train_loader: DataLoader, val_loader: DataLoader, blocks: Sequence[int],  # noqa: ANN001
                 timesteps: Sequence[int], num_classes: int, probe_epochs: int = 100, probe_lr: float = 1e-2,
                 probe_batch_size: int = 1024, knn_k: int = 20, knn_temperature: float = 0.07,
@@ -70,8 +65,8 @@ def probe_sweep(module, train_loader: DataLoader, val_loader: DataLoader, blocks
             scores = knn_predict(train_feats[b], train_labels, val_feats[b], num_classes, k=knn_k,
                                  temperature=knn_temperature)
             rows.append({"block": int(b), "timestep": int(t), "linear_top1": linear["top1"],
-                         "linear_top5": linear["top5"], "knn_top1": _topk(scores, val_labels, 1),
-                         "knn_top5": _topk(scores, val_labels, 5)})
+                         "linear_top5": linear["top5"], "knn_top1": topk_accuracy(scores, val_labels, 1),
+                         "knn_top5": topk_accuracy(scores, val_labels, 5)})
     return rows
 
 

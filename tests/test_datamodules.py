@@ -5,7 +5,6 @@ never by the datamodule's own code.
 """
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
 import cli
-from lightning_mods.diffusion import DiffusionModule, drop_labels, guided_noise, warmup_constant
+from lightning_mods.diffusion import DiffusionModule, drop_labels, guided_noise
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"
 TINY = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
@@ -173,7 +173,15 @@ def test_bad_arguments_raise_one_line_errors():
                           ({"feature_timestep": 1000}, "feature_timestep")]:
         with pytest.raises(ValueError, match=field):
             DiffusionModule(**{**TINY, **kwargs})
-    assert warmup_constant(0, 10) == 0.1 and warmup_constant(9, 10) == 1.0 and warmup_constant(50, 10) == 1.0
+
+
+def test_constant_lr_schedule_warms_up_then_holds_the_peak():
+    from types import SimpleNamespace
+    module = DiffusionModule(**{**TINY, "warmup_steps": 10, "lr_schedule": "constant"})
+    module.trainer = SimpleNamespace(estimated_stepping_batches=100)
+    scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    multiplier = scheduler.lr_lambdas[0]
+    assert multiplier(0) == 0.1 and multiplier(9) == 1.0 and multiplier(50) == 1.0 and multiplier(99) == 1.0
 
 
 class RecordWeights(Callback):
