@@ -2,7 +2,6 @@
 import numpy as np
 import pytest
 import torch
-from torch import nn
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
@@ -10,16 +9,9 @@ from lightning_mods.residual import residual_blocks, shortcut_alphas
 from lightning_mods.resnet import DecayedResNet, ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.vit import DecayedBlock, DecayedVisionTransformer
+from reference_stems import reference_cifar_stem
 
 VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=5)
-
-
-def reference_cifar_stem(model: nn.Module, in_chans: int) -> nn.Module:
-    """The CIFAR stem written out here, independently of lightning_mods.resnet.cifar_stem_:
-    a 3x3 stride-1 convolution to 64 channels and no max-pool."""
-    model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
 
 
 def small_resnet_kwargs():

@@ -14,16 +14,9 @@ from lightning_mods.classifier import ImageClassifier
 from lightning_mods.resnet import ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.vit import DecayedVisionTransformer
+from reference_stems import reference_cifar_stem
 
 NONE = ShortcutSchedule("none")
-
-
-def reference_cifar_stem(model: nn.Module, in_chans: int) -> nn.Module:
-    """The CIFAR stem written out here, independently of lightning_mods.resnet.cifar_stem_:
-    a 3x3 stride-1 convolution to 64 channels and no max-pool."""
-    model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
 
 
 def randomise_batchnorm_(model: nn.Module) -> None:

@@ -23,12 +23,23 @@ def stock_block(decayed, dim: int, num_heads: int) -> Block:
     return block.eval()
 
 
-def reference_uvit(model: UViT, x: torch.Tensor, t: torch.Tensor, y=None) -> torch.Tensor:
-    """Bao et al.'s forward, written out here with stock timm blocks carrying the same weights."""
+def decayed(block: Block, a_attn: float, a_mlp: float):
+    """A stock timm block's forward with shortcut weights: ``x <- a x + f(x)`` per sub-layer."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = a_attn * x + block.attn(block.norm1(x))
+        return a_mlp * x + block.mlp(block.norm2(x))
+    return forward
+
+
+def reference_uvit(model: UViT, x: torch.Tensor, t: torch.Tensor, y=None, alphas=None) -> torch.Tensor:
+    """Bao et al.'s forward, written out here with stock timm blocks carrying the same weights;
+    ``alphas``: one shortcut weight per sub-layer in depth order in -> mid -> out (None: all 1)."""
     d, h = model.embed_dim, model.in_blocks[0].attn.num_heads
-    ins = [stock_block(b, d, h) for b in model.in_blocks]
-    mid = stock_block(model.mid_block, d, h)
-    outs = [stock_block(b, d, h) for b in model.out_blocks]
+    stock = [stock_block(b, d, h) for b in [*model.in_blocks, model.mid_block, *model.out_blocks]]
+    if alphas is not None:
+        stock = [decayed(b, alphas[2 * i], alphas[2 * i + 1]) for i, b in enumerate(stock)]
+    n_in = len(model.in_blocks)
+    ins, mid, outs = stock[:n_in], stock[n_in], stock[n_in + 1:]
     # tokens as Bao et al. lay them out: [class,] time, patches; plus the position embedding
     time = model.time_embed(timestep_embedding(t, d))[:, None]
     proj = model.patch_embed.proj
@@ -74,10 +85,13 @@ def test_none_schedule_equals_stock_timm_uvit(num_classes, final_conv):
 
 def test_decayed_schedule_changes_the_output():
     torch.manual_seed(0)
-    model = UViT(**TINY, shortcut=ShortcutSchedule("linear", 0.6)).eval()
+    model = UViT(**TINY, shortcut=ShortcutSchedule("linear", 0.6), zero_init_branches=False).eval()
     x, t = torch.randn(2, 3, 8, 8), torch.tensor([3, 300])
+    alphas = [1.0 - k / 9 * 0.4 for k in range(10)]  # 5 blocks x 2 sub-layers, in -> mid -> out, by hand
     with torch.no_grad():
-        assert (model(x, t) - reference_uvit(model, x, t)).abs().max().item() > 1e-3
+        out = model(x, t)
+        assert (out - reference_uvit(model, x, t)).abs().max().item() > 1e-3
+        torch.testing.assert_close(out, reference_uvit(model, x, t, alphas=alphas), rtol=1e-5, atol=1e-6)
 
 
 def test_schedule_runs_over_in_mid_and_out_blocks_in_depth_order():
