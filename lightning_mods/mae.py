@@ -3,10 +3,16 @@ decoder (SPEC section 2; "Residual Connections Harm Generative Representation Le
 section 3.2 and appendix A).
 
 Encoder: a :class:`~lightning_mods.vit.DecayedVisionTransformer` (patch embed, fixed 2-D
-sin-cos position embedding, cls token, no final LayerNorm by default) run on the visible
-patches of a per-sample random mask. Decoder: :mod:`lightning_mods.mae_decoder`. Loss: MSE on
+sin-cos position embedding, cls token) run on the visible patches of a per-sample random mask
+(``int(L * (1 - mask_ratio))`` kept). Decoder: :mod:`lightning_mods.mae_decoder`. Loss: MSE on
 masked patches only, optionally against per-patch normalised pixels (``norm_pix_loss``).
-Evaluation features: mean over all tokens (cls included) of the last encoder block.
+Evaluation features: mean over all tokens (cls included) of the encoder's output.
+
+Two layouts, parameter for parameter: with ``unet_skips=True`` the decay paper's model
+(``xiao7199/decayed_Identity_shortcuts``, ``MAE/models_mae.py``: no final encoder norm, every
+branch end, fusion output and the prediction zero-initialised); with ``unet_skips=False`` and
+``alpha_min=1`` He et al.'s MAE (``facebookresearch/mae``: final encoder LayerNorm, no zero
+starts). Both use MAE's initialisation (:mod:`lightning_mods.mae_init`) and LayerNorm eps 1e-6.
 """
 from __future__ import annotations
 
@@ -20,9 +26,10 @@ from torch import nn
 
 from callbacks.pictures import image_grid, log_picture
 from .mae_decoder import ClassicDecoder, UNetSkipDecoder
+from .mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
-from .patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from .patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from .shortcut import ShortcutSchedule, check_depth
 from .vit import DecayedVisionTransformer
 
@@ -47,8 +54,12 @@ class MaskedAutoencoder(LightningModule):
         image_size, in_chans: input geometry (linked from the datamodule by the CLI).
         patch_size, embed_dim, depth, num_heads, mlp_ratio: encoder ViT.
         shortcut: decay schedule of the encoder's ``2 * depth`` sub-layers.
-        zero_init_branches: zero the last linear layer of every encoder residual branch.
-        encoder_final_norm: LayerNorm after the last encoder block (the authors have none).
+        zero_init_branches: start the last linear layer of every residual branch (encoder and
+            decoder blocks, skip fusions) and the pixel prediction at zero weight, as the
+            decay paper's authors; ``None`` = ``unet_skips`` (He et al.'s MAE zeroes none).
+        encoder_final_norm: LayerNorm after the last encoder block, read by the classic
+            decoder and the features; ``None`` = ``not unet_skips`` (the authors have none,
+            He et al. have one).
         decoder_embed_dim, decoder_depth, decoder_num_heads: decoder transformer.
         unet_skips: the paper's skip decoder; ``False`` = classic MAE decoder (ablation).
         norm_pix_loss: per-patch normalised pixel target.
@@ -70,8 +81,8 @@ class MaskedAutoencoder(LightningModule):
         num_heads: int = 12,
         mlp_ratio: float = 4.0,
         shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.6),
-        zero_init_branches: bool = True,
-        encoder_final_norm: bool = False,
+        zero_init_branches: Optional[bool] = None,
+        encoder_final_norm: Optional[bool] = None,
         decoder_embed_dim: int = 512,
         decoder_depth: int = 8,
         decoder_num_heads: int = 16,
@@ -101,30 +112,42 @@ class MaskedAutoencoder(LightningModule):
                              "or unet_skips=false")
         if feature_pool not in ("mean", "cls"):
             raise ValueError(f"feature_pool must be 'mean' or 'cls', got {feature_pool!r}")
+        grid = image_size // patch_size
+        num_kept(grid * grid, mask_ratio)  # one-line error when no patch stays visible
+        zero_init_branches = unet_skips if zero_init_branches is None else bool(zero_init_branches)
+        encoder_final_norm = (not unet_skips) if encoder_final_norm is None else bool(encoder_final_norm)
         self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6))
         self.save_hyperparameters(ignore=["shortcut"])
         self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
+        # the resolved layout, so a checkpoint rebuilds the same network if the defaults change
+        self.hparams["zero_init_branches"] = zero_init_branches
+        self.hparams["encoder_final_norm"] = encoder_final_norm
 
         self.encoder = DecayedVisionTransformer(
-            shortcut=self.shortcut, zero_init_branches=zero_init_branches,
+            shortcut=self.shortcut, zero_init_branches=False,
             img_size=image_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
             num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True, class_token=True, global_pool="",
-            num_classes=0)
-        if not encoder_final_norm:
-            self.encoder.norm = nn.Identity()
-        grid = image_size // patch_size
+            num_classes=0, final_norm=encoder_final_norm)
+        # MAE's initialisation replaces timm's (trunc-normal 0.02 linears, cls token 1e-6)
+        init_linear_and_norm_(self.encoder)
+        init_patch_embed_(self.encoder.patch_embed.proj)
         with torch.no_grad():  # fixed sin-cos position embedding, cls position = 0
+            nn.init.normal_(self.encoder.cls_token, std=0.02)
             self.encoder.pos_embed.copy_(sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0))
         self.encoder.pos_embed.requires_grad_(False)
+        if zero_init_branches:
+            zero_branch_ends_(self.encoder.blocks)
 
         num_patches = grid * grid
         patch_dim = patch_size * patch_size * in_chans
         if unet_skips:
             self.decoder: nn.Module = UNetSkipDecoder(
-                num_patches, embed_dim, depth, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim)
+                num_patches, embed_dim, depth, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim,
+                zero_init=zero_init_branches)
         else:
             self.decoder = ClassicDecoder(
-                num_patches, embed_dim, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim)
+                num_patches, embed_dim, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim,
+                zero_init=zero_init_branches)
         self.num_features = embed_dim
         self._val_images: Optional[torch.Tensor] = None
 

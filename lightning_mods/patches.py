@@ -51,8 +51,13 @@ def unpatchify(patches: torch.Tensor, patch_size: int, channels: int) -> torch.T
 
 
 def num_kept(num_patches: int, mask_ratio: float) -> int:
-    """Visible patches per sample: ``round(L * (1 - mask_ratio))``, at least one."""
-    return max(1, int(round(num_patches * (1.0 - mask_ratio))))
+    """Visible patches per sample: ``int(L * (1 - mask_ratio))`` as both MAE codes (196 patches
+    at 0.9 keep 19); a ratio that leaves none is a one-line ValueError."""
+    keep = int(num_patches * (1 - mask_ratio))
+    if keep < 1:
+        raise ValueError(f"mask_ratio {mask_ratio} leaves no visible patch of {num_patches} "
+                         f"(int(L * (1 - mask_ratio)) = 0); lower it")
+    return keep
 
 
 def random_masking(
@@ -61,7 +66,7 @@ def random_masking(
     """Keep a random subset of tokens per sample (argsort of uniform noise).
 
     Returns ``(visible tokens B x K x D, mask B x L with 1 = masked, ids_restore B x L,
-    ids_keep B x K)``; ``K = round(L * (1 - mask_ratio))``.
+    ids_keep B x K)``; ``K = int(L * (1 - mask_ratio))``.
     """
     b, length, d = tokens.shape
     keep = num_kept(length, mask_ratio)

@@ -13,12 +13,13 @@ TINY = dict(image_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_
             decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
 
 
-@pytest.mark.parametrize("L,ratio", [(16, 0.75), (49, 0.75), (64, 0.6), (10, 0.33), (196, 0.75)])
-def test_masking_keeps_round_of_visible_fraction(L, ratio):
+@pytest.mark.parametrize("L,ratio,keep", [(16, 0.75, 4), (49, 0.75, 12), (64, 0.6, 25), (10, 0.33, 6),
+                                          (196, 0.75, 49), (196, 0.9, 19)])
+def test_masking_keeps_int_of_visible_fraction(L, ratio, keep):
+    """Both MAE codes keep ``int(L * (1 - ratio))`` patches (rounding would keep 26, 7 and 20)."""
     torch.manual_seed(0)
     tokens = torch.randn(5, L, 3)
     visible, mask, ids_restore, ids_keep = random_masking(tokens, ratio)
-    keep = int(round(L * (1 - ratio)))
     assert visible.shape == (5, keep, 3)
     assert torch.all(mask.sum(dim=1) == L - keep)
     for b in range(5):
@@ -109,31 +110,36 @@ def test_skip_sources_deepest_first_and_fusion_shapes():
     short = UNetSkipDecoder(num_patches=16, enc_dim=32, enc_depth=12, dec_dim=16, depth=4, num_heads=2, patch_dim=10)
     assert short.skip_sources == [11, 9, 7, 5]
     fusion = SkipFusion(16, 32)
-    assert fusion.fc1.in_features == 48 and fusion.fc2.out_features == 16
-    out = fusion(torch.randn(3, 17, 16), torch.randn(3, 17, 32))
+    assert fusion.fc1.in_features == 48 and fusion.fc2.out_features == 16 and fusion.mask_token.shape == (1, 1, 32)
+    ids_restore = torch.argsort(torch.rand(3, 16), dim=1)
+    out = fusion(torch.randn(3, 17, 16), torch.randn(3, 5, 32), ids_restore)  # cls + 4 visible of 16
     assert out.shape == (3, 17, 16)
 
 
-def test_skips_carry_masked_positions_as_mask_token():
+def test_skips_carry_masked_positions_as_their_fusions_mask_token():
+    """Each fusion reads ``[skip, stream]``: the skip (encoder width) comes first, with that
+    fusion's own mask token at masked positions."""
     torch.manual_seed(0)
-    dec = UNetSkipDecoder(num_patches=4, enc_dim=8, enc_depth=2, dec_dim=8, depth=1, num_heads=2, patch_dim=3)
-    seen = {}
-    dec.fusions[0].register_forward_hook(lambda m, inp, out: seen.setdefault("skip", inp[1]))
-    tokens = torch.randn(1, 1 + 2, 8)  # cls + 2 visible
+    dec = UNetSkipDecoder(num_patches=4, enc_dim=8, enc_depth=4, dec_dim=4, depth=2, num_heads=2, patch_dim=3)
+    seen = []
+    for fusion in dec.fusions:
+        fusion.fc1.register_forward_hook(lambda m, inp, out: seen.append(inp[0][0, :, :8]))
+    assert not torch.equal(dec.fusions[0].mask_token, dec.fusions[1].mask_token)
+    deep, shallow = torch.randn(1, 1 + 2, 8), torch.randn(1, 1 + 2, 8)  # cls + 2 visible
     ids_restore = torch.tensor([[2, 0, 3, 1]])  # patch 0 -> shuffled slot 2 (masked), patch 1 -> slot 0 ...
-    dec([torch.zeros(1, 3, 8), tokens], ids_restore)
-    skip = seen["skip"][0]
-    torch.testing.assert_close(skip[0], tokens[0, 0])          # cls
-    torch.testing.assert_close(skip[2], tokens[0, 1])          # patch 1 was visible slot 0
-    torch.testing.assert_close(skip[4], tokens[0, 2])          # patch 3 was visible slot 1
-    torch.testing.assert_close(skip[1], dec.mask_token[0, 0])  # patch 0 masked
-    torch.testing.assert_close(skip[3], dec.mask_token[0, 0])  # patch 2 masked
+    dec([torch.zeros(1, 3, 8), shallow, torch.zeros(1, 3, 8), deep], ids_restore)
+    for skip, tokens, fusion in zip(seen, (deep, shallow), dec.fusions):
+        torch.testing.assert_close(skip[0], tokens[0, 0])             # cls
+        torch.testing.assert_close(skip[2], tokens[0, 1])             # patch 1 was visible slot 0
+        torch.testing.assert_close(skip[4], tokens[0, 2])             # patch 3 was visible slot 1
+        torch.testing.assert_close(skip[1], fusion.mask_token[0, 0])  # patch 0 masked
+        torch.testing.assert_close(skip[3], fusion.mask_token[0, 0])  # patch 2 masked
 
 
 @pytest.mark.parametrize("unet_skips", [True, False])
-def test_initial_prediction_depends_only_on_biases(unet_skips):
+def test_zero_init_prediction_depends_only_on_biases(unet_skips):
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY, unet_skips=unet_skips)
+    model = MaskedAutoencoder(**TINY, unet_skips=unet_skips, zero_init_branches=True)
     with torch.no_grad():
         model.decoder.pred.bias.normal_()
     _, pred_a, _ = model(torch.randn(2, 2, 16, 16))
@@ -217,7 +223,8 @@ def test_without_skips_an_odd_depth_and_a_final_norm_all_learn():
 @pytest.mark.parametrize("kwargs,field", [({"mask_ratio": 1.0}, "mask_ratio"), ({"image_size": 18}, "image_size"),
                                           ({"feature_pool": "max"}, "feature_pool"), ({"depth": 0}, "depth"),
                                           ({"depth": -2}, "depth"), ({"depth": 5}, "depth must be even"),
-                                          ({"encoder_final_norm": True}, "encoder_final_norm")])
+                                          ({"encoder_final_norm": True}, "encoder_final_norm"),
+                                          ({"mask_ratio": 0.95}, "leaves no visible patch")])
 def test_bad_settings(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:
         MaskedAutoencoder(**{**TINY, **kwargs})
