@@ -12,10 +12,12 @@ order, so the pre-training is the same run with and without the callback.
 
 Cost: the extra forward runs over ALL tokens while an MAE training step encodes a quarter of
 them, so probing every full batch costs about half a training step (+50-57 % on a quickstart
-epoch, measured side by side). The defaults (every 4th batch, its first 16 of 128 images)
-embed 1/32 of that; the head still sees a fresh, shuffled sample of the training set at every
-step it takes (README, Performance). ``every_n_steps=1, max_samples=None`` is lightly's
-every-batch probe.
+epoch, measured side by side). The defaults (every 4th batch, its first 32 of 128 images)
+embed 1/16 of that; the head still sees a fresh, shuffled sample of the training set at every
+step it takes, and its AdamW learning rate (1e-2) makes up for the fewer steps: on fixed
+digits features its validation accuracy after 25 epochs was 84 % against 86 % for the
+every-batch probe at 1e-3 (README, Performance). ``every_n_steps=1, max_samples=None`` is
+lightly's every-batch probe.
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
@@ -36,7 +38,7 @@ from torch import nn
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from .feature_collection import isolated_eval
 
-DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.1}
+DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 
 
 class ProbeHead(nn.Module):
@@ -71,7 +73,7 @@ class OnlineLinearProbe(Callback):
         feature_dim: width of ``forward_features`` (default: the module's ``num_features``,
             else found from the first batch).
         optimizer: ``"adamw"`` or ``"sgd"`` (momentum); weight decay 0 either way.
-        lr: learning rate (default 1e-3 for AdamW, 0.1 for SGD).
+        lr: learning rate (default 1e-2 for AdamW, 0.1 for SGD).
         momentum: SGD momentum.
         batch_norm: BatchNorm1d without affine before the linear layer (MAE's linear probe).
         seed: seed of the head's initialisation (same head on every rank, no global RNG draw).
@@ -83,7 +85,7 @@ class OnlineLinearProbe(Callback):
     def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
                  optimizer: Literal["adamw", "sgd"] = "adamw", lr: Optional[float] = None,
                  momentum: float = 0.9, batch_norm: bool = True, seed: int = 0, every_n_steps: int = 4,
-                 max_samples: Optional[int] = 16) -> None:
+                 max_samples: Optional[int] = 32) -> None:
         super().__init__()
         if num_classes is not None and num_classes < 2:
             raise ValueError(f"OnlineLinearProbe: num_classes must be >= 2 or None, got {num_classes!r}")
