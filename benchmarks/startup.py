@@ -44,7 +44,7 @@ def startup(settings: Settings) -> list[Row]:
         if not settings.quick:
             for cmd in commands.values():  # warm the file cache once
                 wall_time(cmd, env)
-        for _ in range(settings.pick(3, 1)):
+        for _ in range(min(settings.rounds, 3)):  # at most 3: a fresh interpreter per call is slow
             for name, cmd in commands.items():
                 times[name].append(wall_time(cmd, env))
     finally:
@@ -54,7 +54,8 @@ def startup(settings: Settings) -> list[Row]:
     return [
         ratio_row(section, "`shortcutlab --help` / `python -c \"import torch\"`",
                   [a / b for a, b in zip(times["--help"], times["import torch"])], "<= 2.0",
-                  f"--help {statistics.median(times['--help']):.1f} s, import torch {torch_s:.1f} s"),
+                  f"--help {statistics.median(times['--help']):.1f} s, import torch {torch_s:.1f} s; "
+                  f"{len(times['--help'])} rounds"),
         ratio_row(section, "quickstart `fit` to the end of step 1 / `import torch`",
                   [a / b for a, b in zip(times["first step"], times["import torch"])],
                   detail=f"{statistics.median(times['first step']):.1f} s (parse, build, data, one step)"),
