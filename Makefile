@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test install clean
+.PHONY: demo test bench install clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The benchmark suite (README, Performance): writes benchmarks/results.md and .json.
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache

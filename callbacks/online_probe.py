@@ -2,18 +2,28 @@
 (issue 3, callbacks; the MAE linear probe's head of SPEC section 2, trained online as in lightly's
 ``OnlineLinearClassifier``).
 
-At every training batch the callback embeds the batch's (augmented, full, unmasked) images
-with an EXTRA forward pass ``pl_module.forward_features(images)``, in eval mode, under
-``torch.no_grad`` and with forked RNG states, then takes one optimiser step of its own head
-(BatchNorm without affine, as MAE's linear probe, then Linear) on those features. Nothing the
-pre-training sees changes: not the module's gradients, weights, batch-norm statistics or
-train/eval modes, nor the global RNG streams that draw the MAE masks and the data order, so
-the pre-training is the same run with and without the callback.
+Every ``every_n_steps``-th training batch the callback embeds the first ``max_samples`` images of
+the batch (augmented, full, unmasked) with an EXTRA forward pass ``pl_module.forward_features``,
+in eval mode, under ``torch.no_grad`` and with forked RNG states, then takes one optimiser step of
+its own head (BatchNorm without affine, as MAE's linear probe, then Linear) on those features.
+Nothing the pre-training sees changes: not the module's gradients, weights, batch-norm
+statistics or train/eval modes, nor the global RNG streams that draw the MAE masks and the data
+order, so the pre-training is the same run with and without the callback.
+
+Cost: the extra forward runs over ALL tokens while an MAE training step encodes a quarter of
+them, so probing every full batch costs about half a training step (+50-57 % on a quickstart
+epoch, measured side by side). The defaults (every 4th batch, its first 32 of 128 images)
+embed 1/16 of that; the head still sees a fresh, shuffled sample of the training set at every
+step it takes, and its AdamW learning rate (1e-2) makes up for the fewer steps: on fixed
+digits features its validation accuracy after 25 epochs was 84 % against 86 % for the
+every-batch probe at 1e-3 (README, Performance). ``every_n_steps=1, max_samples=None`` is
+lightly's every-batch probe.
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
-the same head. Validation accuracy counts every validation sample once (the duplicates a
-DistributedSampler pads with are masked out) and is summed over ranks.
+the same head (every rank probes the same batches: the cadence counts training batches, the
+same number on every rank). Validation accuracy counts every validation sample once (the
+duplicates a DistributedSampler pads with are masked out) and is summed over ranks.
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from torch import nn
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from .feature_collection import isolated_eval
 
-DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.1}
+DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 
 
 class ProbeHead(nn.Module):
@@ -52,8 +62,8 @@ class ProbeHead(nn.Module):
 class OnlineLinearProbe(Callback):
     """Train a linear probe on detached features during pre-training (see module docstring).
 
-    The head takes one optimiser step per training batch (per micro-batch under gradient
-    accumulation). Logs ``online_probe/train_loss`` and ``online_probe/train_top1`` every training step (this
+    The head takes one optimiser step every ``every_n_steps`` training batches (micro-batches
+    under gradient accumulation), on the first ``max_samples`` samples of the batch. Logs ``online_probe/train_loss`` and ``online_probe/train_top1`` every training step (this
     rank's batch) and ``online_probe/val_top1`` after validation epochs (all validation
     samples, the same on every rank; skipped in the sanity check and while the head is
     untrained, e.g. in ``validate``, where Lightning does not restore callback states).
@@ -63,15 +73,19 @@ class OnlineLinearProbe(Callback):
         feature_dim: width of ``forward_features`` (default: the module's ``num_features``,
             else found from the first batch).
         optimizer: ``"adamw"`` or ``"sgd"`` (momentum); weight decay 0 either way.
-        lr: learning rate (default 1e-3 for AdamW, 0.1 for SGD).
+        lr: learning rate (default 1e-2 for AdamW, 0.1 for SGD).
         momentum: SGD momentum.
         batch_norm: BatchNorm1d without affine before the linear layer (MAE's linear probe).
         seed: seed of the head's initialisation (same head on every rank, no global RNG draw).
+        every_n_steps: probe every n-th training batch (1: every batch).
+        max_samples: probe at most this many samples of a batch (``None``: all of it); the
+            loader shuffles, so the first ones are a random sample.
     """
 
     def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
                  optimizer: Literal["adamw", "sgd"] = "adamw", lr: Optional[float] = None,
-                 momentum: float = 0.9, batch_norm: bool = True, seed: int = 0) -> None:
+                 momentum: float = 0.9, batch_norm: bool = True, seed: int = 0, every_n_steps: int = 4,
+                 max_samples: Optional[int] = 32) -> None:
         super().__init__()
         if num_classes is not None and num_classes < 2:
             raise ValueError(f"OnlineLinearProbe: num_classes must be >= 2 or None, got {num_classes!r}")
@@ -83,6 +97,11 @@ class OnlineLinearProbe(Callback):
             raise ValueError(f"OnlineLinearProbe: lr must be > 0 or None, got {lr!r}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"OnlineLinearProbe: momentum must be in [0, 1), got {momentum!r}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"OnlineLinearProbe: every_n_steps must be an integer >= 1, got {every_n_steps!r}")
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                        or max_samples < 2):
+            raise ValueError(f"OnlineLinearProbe: max_samples must be an integer >= 2 or None, got {max_samples!r}")
         self.num_classes = num_classes
         self.feature_dim = feature_dim
         self.optimizer_name = optimizer
@@ -90,9 +109,12 @@ class OnlineLinearProbe(Callback):
         self.momentum = float(momentum)
         self.batch_norm = batch_norm
         self.seed = int(seed)
+        self.every_n_steps = every_n_steps
+        self.max_samples = max_samples
         self.head: Optional[ProbeHead] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.steps = 0  # optimiser steps of the head
+        self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
         self._device = torch.device("cpu")
         self._pending_state: Optional[dict[str, Any]] = None
         self._val_counts = torch.zeros(2, dtype=torch.int64)  # correct, total
@@ -140,7 +162,11 @@ class OnlineLinearProbe(Callback):
     # --- training ---------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        images, labels = batch[0], batch[1].to(self._device)
+        probe_now = self.batches % self.every_n_steps == 0
+        self.batches += 1
+        if not probe_now:
+            return
+        images, labels = batch[0][: self.max_samples], batch[1][: self.max_samples].to(self._device)
         if self.batch_norm and len(labels) < 2:
             return  # batch norm cannot train on one sample (DistributedSampler: same size on every rank)
         features = self._features(trainer, pl_module, images)
@@ -192,6 +218,7 @@ class OnlineLinearProbe(Callback):
         if self.head is None:
             return dict(self._pending_state or {})
         return {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
+                "batches": self.batches,
                 "head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
                 "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 
@@ -201,6 +228,7 @@ class OnlineLinearProbe(Callback):
         if self.head is None:  # before setup, or a lazily sized head: applied when it is built
             self._pending_state = dict(state_dict)
             self.feature_dim = self.feature_dim or state_dict.get("feature_dim")
+            self.batches = int(state_dict.get("batches", state_dict.get("steps", 0)))
             return
         self._load_head_state(state_dict)
 
@@ -212,3 +240,4 @@ class OnlineLinearProbe(Callback):
         self.head.load_state_dict(state_dict["head"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = int(state_dict.get("steps", 0))
+        self.batches = int(state_dict.get("batches", self.steps))  # older checkpoints: probed every batch

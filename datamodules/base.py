@@ -75,7 +75,8 @@ class ImageDataModule(L.LightningDataModule):
         eval_crop_ratio: eval resizes to ``image_size / eval_crop_ratio`` then centre-crops
             (1.0: resize straight to ``image_size``; ImageNet uses 0.875).
         mean, std: per-channel normalisation (None: the dataset's usual statistics).
-        pin_memory: page-locked batches for faster host-to-GPU copies.
+        pin_memory: page-locked batches for faster host-to-GPU copies (applied only when the
+            batches go to a CUDA device: on a CPU run it would only cost time and a warning).
         drop_last_train: drop the last incomplete train batch (kept when it would be the only one).
         persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
     """
@@ -219,7 +220,15 @@ class ImageDataModule(L.LightningDataModule):
             raise RuntimeError(f"{self.dataset_name}: call setup({stage!r}) before asking for its loader")
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None,
                           sampler=sampler, drop_last=drop_last, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=self.persistent_workers)
+                          pin_memory=self.pin_memory and self.feeds_cuda(), persistent_workers=self.persistent_workers)
+
+    def feeds_cuda(self) -> bool:
+        """Whether the batches go to a CUDA device: the attached trainer's device, else whether
+        CUDA is available at all (a loader built outside a Trainer)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return trainer.strategy.root_device.type == "cuda"
+        return torch.cuda.is_available()
 
     def train_dataloader(self) -> DataLoader:
         # Dropping the last batch of a split smaller than one batch would leave an empty epoch.

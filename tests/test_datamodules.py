@@ -389,3 +389,19 @@ def test_train_augmentation_off_gives_the_eval_images():
         pixels = img[0].numpy() * dm.std[0] + dm.mean[0]
         match = np.flatnonzero(np.abs(raw.images / 16.0 - pixels).reshape(len(raw.images), -1).max(1) < 1e-5)
         assert len(match) >= 1 and raw.target[match[0]] == int(label)
+
+
+def test_pin_memory_only_when_batches_go_to_cuda(monkeypatch):
+    """pin_memory=True pins on a CUDA run only: on CPU it would cost time and warn."""
+    from types import SimpleNamespace
+
+    data = Digits(batch_size=32, image_size=8, pin_memory=True)
+    data.setup("fit")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert data.train_dataloader().pin_memory is False  # no trainer, no CUDA
+    on = lambda kind: SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(kind)))  # noqa: E731
+    data.trainer = on("cpu")
+    assert data.train_dataloader().pin_memory is False
+    data.trainer = on("cuda")
+    assert data.train_dataloader().pin_memory is True and data.val_dataloader().pin_memory is True
+    assert Digits(batch_size=32, image_size=8).feeds_cuda() is False

@@ -1,0 +1,59 @@
+"""Smoke test of the benchmark suite (benchmarks/): the network and training groups run on tiny
+sizes and write a well-formed Markdown table and JSON; ``--device cuda`` without a GPU skips
+cleanly. (The start-up group spawns fresh interpreters and is left to ``python -m benchmarks``.)
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.__main__ import main
+from benchmarks.timing import Row
+
+STATUSES = {"PASS", "MISS", "info", "SKIP"}
+
+
+@pytest.mark.slow
+def test_quick_suite_writes_markdown_and_json(tmp_path):
+    out = tmp_path / "results.md"
+    assert main(["--quick", "--only", "models", "training", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["rows"]
+    assert report["environment"]["quick"] is True and report["environment"]["rounds"] == 1
+    sections = {row["section"] for row in rows}
+    for expected in ("backbones vs timm (fwd+bwd)", "U-ViT vs plain U-ViT from timm Blocks (fwd+bwd)",
+                     "MAE train step vs He et al.'s MAE (timm Blocks)", "achieved FLOP/s / matmul rate",
+                     "peak memory, MAE step vs He et al.'s MAE", "Lightning overhead (quickstart, callbacks off)",
+                     "evaluation callbacks' share of a quickstart run", "ResidualDroppath"):
+        assert expected in sections, expected
+    for row in rows:
+        assert row["status"] in STATUSES
+        if row["status"] != "SKIP":
+            assert row["median"] is not None and row["minimum"] <= row["median"] + 1e-12, row
+        if row["status"] in ("PASS", "MISS"):
+            assert row["goal"].split()[0] in ("<=", ">=")
+    lines = out.read_text().splitlines()
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| figure")]
+    assert len(table) == len(rows)
+    assert all(line.count(" | ") == 5 for line in table)  # six columns per row
+    mfu = [row for row in rows if row["section"] == "achieved FLOP/s / matmul rate"]
+    assert all(row["median"] > 0 for row in mfu)
+
+
+def test_status_compares_the_median_with_the_goal():
+    assert Row("s", "n", 1.01, 0.99, "<= 1.02").status == "PASS"
+    assert Row("s", "n", 1.03, 0.99, "<= 1.02").status == "MISS"
+    assert Row("s", "n", 0.55, 0.50, ">= 0.60").status == "MISS"
+    assert Row("s", "n", 0.70, 0.50, ">= 0.60").status == "PASS"
+    assert Row("s", "n", 1.5).status == "info" and Row("s", "n", None).status == "SKIP"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_cuda_without_a_gpu_skips_cleanly(tmp_path):
+    out = tmp_path / "cuda.md"
+    assert main(["--device", "cuda", "--precision", "bf16-mixed", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [row["status"] for row in rows] == ["SKIP"]
+    assert "no CUDA device" in out.read_text()
