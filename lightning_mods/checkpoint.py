@@ -25,7 +25,7 @@ from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
 from torch import nn
 
-from .residual import SHORTCUT_KEY
+from .residual import SHORTCUT_KEY, DecayedResidual
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -54,15 +54,18 @@ def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, torch.Tenso
     return load_checkpoint(path)["state_dict"]
 
 
-def state_dict_mismatch(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> Optional[str]:
-    """``None`` when ``state`` fits a module whose state_dict is ``own`` (same keys and shapes),
-    else one line naming the first differing weight."""
+def state_dict_mismatch(module: nn.Module, state: dict[str, torch.Tensor]) -> Optional[str]:
+    """``None`` when ``state`` loads strictly into ``module`` (same keys and shapes; a standard
+    block may lack its shortcut entry), else one line naming the first differing weight."""
+    own = module.state_dict()
+    optional = {f"{name}.{SHORTCUT_KEY}" if name else SHORTCUT_KEY
+                for name, blk in module.named_modules() if isinstance(blk, DecayedResidual) and blk.is_standard()}
     shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
     if shapes:
         k = shapes[0]
         return (f"{k} is {tuple(state[k].shape)} there and {tuple(own[k].shape)} here "
                 f"({len(shapes)} weights differ in shape)")
-    missing = [k for k in own if k not in state]
+    missing = [k for k in own if k not in state and k not in optional]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:
         first = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
@@ -73,7 +76,7 @@ def state_dict_mismatch(own: dict[str, torch.Tensor], state: dict[str, torch.Ten
 def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
     """``module.load_state_dict(state, strict=True)`` with a one-line error naming the first
     missing, unexpected or differently shaped weight."""
-    mismatch = state_dict_mismatch(module.state_dict(), state)
+    mismatch = state_dict_mismatch(module, state)
     if mismatch is not None:
         raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the {type(module).__name__}: {mismatch}; "
                          "build it with the settings of the run that wrote the checkpoint")
