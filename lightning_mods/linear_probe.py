@@ -84,13 +84,13 @@ class LinearProbe(LightningModule):
     """Linear probe of a frozen backbone loaded from a ``shortcutlab fit`` checkpoint.
 
     Args:
-        checkpoint: path of the pre-training checkpoint. The backbone is the network that wrote
-            it: class, architecture and shortcut schedule come from its hyper-parameters, the
-            weights (resolved shortcut weights included) from its state_dict.
         backbone: optional settings in LightningCLI's ``class_path``/``init_args`` form, checked
             against the checkpoint: one that disagrees is a one-line error naming both values.
             Without a checkpoint, the full configuration to build (or, from Python, a built
             LightningModule). It must provide ``forward_features(images) -> B x D`` and ``num_features``.
+        checkpoint: path of the pre-training checkpoint. The backbone is the network that wrote
+            it: class, architecture and shortcut schedule come from its hyper-parameters, the
+            weights (resolved shortcut weights included) from its state_dict.
         allow_backbone_override: build with the given ``backbone`` settings where they disagree
             with the checkpoint (a warning says so), on purpose.
         num_classes: linked from the datamodule by the CLI.
@@ -98,7 +98,7 @@ class LinearProbe(LightningModule):
         batch_norm: BatchNorm without affine parameters before the linear layer.
     """
 
-    def __init__(self, checkpoint: Optional[str] = None, backbone: Optional[dict] = None,
+    def __init__(self, backbone: Optional[dict] = None, checkpoint: Optional[str] = None,
                  num_classes: int = 1000, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
                  warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False) -> None:
         super().__init__()
