@@ -226,3 +226,26 @@ def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith(
         "shortcutlab: error: --ckpt_path: ") and "ImageClassifier" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_probe_diffusion_rebuilds_the_model_from_its_checkpoint(tmp_path):
+    from lightning_mods.probe_diffusion import load_model_and_data
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml")
+    small = ["--model.init_args.depth=2", "--model.init_args.embed_dim=16", "--model.init_args.num_heads=2",
+             "--model.init_args.feature_block=1"]
+    writer, _ = load_model_and_data(config, None, small)
+    for p in writer.parameters():
+        p.data.normal_(0, 0.1)
+    path = tmp_path / "diffusion.ckpt"
+    torch.save({"state_dict": writer.state_dict(), "hyper_parameters": dict(writer.hparams)}, path)
+    images = torch.randn(2, 1, writer.hparams.image_size, writer.hparams.image_size)
+    with torch.no_grad():
+        want = writer.eval().noised_block_features(images, [0, 1, 2], 50, seed=0)
+    module, _ = load_model_and_data(config, str(path), small)
+    np.testing.assert_array_equal(shortcut_alphas(module), linear_alphas(6, 0.7))  # 3 blocks in, mid, out
+    with torch.no_grad():
+        got = module.eval().noised_block_features(images, [0, 1, 2], 50, seed=0)
+    assert all(torch.equal(u, v) for u, v in zip(got, want))
+    with pytest.raises(ValueError, match=r"^model.shortcut.alpha_min: 1.0 given, checkpoint .* has 0.7"):
+        load_model_and_data(config, str(path), [*small, "--model.init_args.shortcut.init_args.alpha_min=1.0"])
