@@ -187,7 +187,8 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
     ``given`` is an optional ``{"class_path", "init_args"}`` (LightningCLI's form, any subset):
     a value that disagrees with the checkpoint is a one-line ValueError naming both values
     (``name`` prefixes the setting), unless ``allow_override``, which builds with the given
-    values (a warning says so) and still loads the checkpoint's weights.
+    values (a warning says so), the given shortcut schedule included, and loads the
+    checkpoint's other weights.
     """
     ckpt = load_checkpoint(path)
     given = dict(given or {})
@@ -213,9 +214,13 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
                           "with the given settings and the checkpoint's weights", stacklevel=2)
     module = _instantiate(parser, cfg)
     state = ckpt["state_dict"]
-    if not overridden and not any(k.endswith(SHORTCUT_KEY) for k in state):
+    own_entries = {k: v for k, v in module.state_dict().items() if k.endswith(SHORTCUT_KEY)}
+    if overridden:
+        # the given settings, the checkpoint's weights: its shortcut entries would undo a given schedule
+        state = {**{k: v for k, v in state.items() if not k.endswith(SHORTCUT_KEY)}, **own_entries}
+    elif not any(k.endswith(SHORTCUT_KEY) for k in state):
         # written before checkpoints carried the shortcut weights: the module was just built
         # with the checkpoint's own schedule, so its entries are the ones that network had
-        state = {**state, **{k: v for k, v in module.state_dict().items() if k.endswith(SHORTCUT_KEY)}}
+        state = {**state, **own_entries}
     load_into(module, state, path)
     return module, _dump(parser, cfg)

@@ -169,8 +169,24 @@ def test_probe_of_an_alpha_one_checkpoint_with_an_alpha_0_6_setting_is_refused(t
     assert torch.equal(features(probe.backbone, "mae"), features(writer, "mae"))
     with pytest.warns(UserWarning, match="allow_backbone_override"):
         other = LinearProbe(backbone=given, checkpoint=str(path), num_classes=3, allow_backbone_override=True)
-    # on purpose: the 0.6 network with the checkpoint's weights, whose shortcut entries win (warned)
-    assert shortcut_alphas(other.backbone) == [1.0] * 4
+    # on purpose: the 0.6 schedule with the checkpoint's other weights
+    np.testing.assert_array_equal(shortcut_alphas(other.backbone), linear_alphas(4, 0.6))
+    assert not torch.equal(features(other.backbone, "mae"), features(writer, "mae"))
+
+
+def test_probe_of_a_checkpoint_written_before_the_shortcut_entries(tmp_path):
+    """Older checkpoints have the schedule only in hyper_parameters: the probe fills the entries
+    from it; a bare strict load into the decayed network still refuses them."""
+    path = tmp_path / "old.ckpt"
+    writer = write_checkpoint(path, MAE, 0.6)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["state_dict"] = {k: v for k, v in ckpt["state_dict"].items() if not k.endswith("shortcut_weights")}
+    torch.save(ckpt, path)
+    probe = LinearProbe(checkpoint=str(path), num_classes=3)
+    np.testing.assert_array_equal(shortcut_alphas(probe.backbone), linear_alphas(4, 0.6))
+    assert torch.equal(features(probe.backbone, "mae"), features(writer, "mae"))
+    with pytest.raises(RuntimeError, match="encoder.blocks.0.shortcut_weights"):
+        type(writer)(**MAE["init_args"]).load_state_dict(ckpt["state_dict"])
 
 
 TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.init_args.patch_size=8",
@@ -195,7 +211,7 @@ def test_ckpt_path_of_another_class_is_a_one_line_error(subcommand, tmp_path):
 
 def test_ckpt_path_with_other_settings_or_weights_is_a_one_line_error(tmp_path):
     path = tmp_path / "mae_alpha1.ckpt"
-    write_checkpoint(path, {**MAE, "init_args": {**MAE["init_args"], "num_reconstructions": 0}}, 1.0)
+    writer = write_checkpoint(path, MAE, 1.0)
     base = ["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"]
     with pytest.raises(ValueError) as err:  # the default schedule is alpha_min 0.6
         cli.main(base)
@@ -208,6 +224,7 @@ def test_ckpt_path_with_other_settings_or_weights_is_a_one_line_error(tmp_path):
     out = cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false", "--trainer.logger=false"])
     assert shortcut_alphas(out.model) == [1.0] * 4 and "val/loss" in out.trainer.callback_metrics
+    assert torch.equal(features(out.model.cpu().eval(), "mae"), features(writer, "mae"))
 
 
 def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
