@@ -8,8 +8,6 @@ linked from the datamodule to the model; a model that has no such argument ignor
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import sys
 import warnings
@@ -17,9 +15,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 
+from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, load_checkpoint,
+                                       setting_conflicts, state_dict_mismatch)
+
+LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
@@ -50,19 +53,6 @@ def warn_on_slow_precision(precision: Optional[str], accelerator: Optional[str])
             "build and model; run benchmarks/bf16_cpu.py here); use precision=32-true on this CPU.",
             stacklevel=2,
         )
-
-
-def _init_parameters(class_path: str) -> Optional[set[str]]:
-    """Names of the ``__init__`` parameters of ``class_path``; ``None`` if it takes ``**kwargs``."""
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError):
-        return None
-    params = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params} - {"self"}
 
 
 def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
@@ -96,7 +86,7 @@ class ShortcutLabCLI(LightningCLI):
     """LightningCLI with the data -> model links and the default callbacks."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
-        for name in ("image_size", "in_chans", "num_classes"):
+        for name in LINKED_FROM_DATA:
             parser.link_arguments(
                 "data", f"model.init_args.{name}", compute_fn=lambda data, name=name: getattr(data, name, None),
                 apply_on="instantiate",
@@ -110,32 +100,53 @@ class ShortcutLabCLI(LightningCLI):
                                      prepend=True)
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning's version, minus hyper-parameters the model's ``__init__`` does not take.
+        """The model is the network that wrote ``--ckpt_path``: Lightning's version (the
+        checkpoint's hyper-parameters rebuild the model, those its ``__init__`` does not take
+        dropped), refusing a checkpoint of another class or with other settings.
 
-        A CLI-built module records every linked value in its hyper-parameters, also one its
-        class has no argument for (``num_classes`` on an MAE); fed back as keyword arguments
-        those would break ``validate --ckpt_path``.
+        A model class or setting of the config that disagrees with the checkpoint is a one-line
+        ValueError naming both values (nothing is built, nothing trains); values linked from the
+        data are checked as weight shapes once the model is built (:meth:`instantiate_classes`).
         """
+        self._ckpt_weights: Optional[tuple[str, dict]] = None
         if not self.config.get("subcommand"):
             return
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+        subcommand = self.config.subcommand
+        ckpt_path = self.config[subcommand].get("ckpt_path")
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        ckpt = torch.load(ckpt_path, weights_only=True, map_location="cpu")
-        hparams = dict(ckpt.get("hyper_parameters", {}))
-        hparams.pop("_instantiator", None)
-        if "_class_path" not in hparams:
+        ckpt = load_checkpoint(ckpt_path)
+        if "_class_path" not in (ckpt.get("hyper_parameters") or {}):
             return super()._parse_ckpt_path()
-        class_path = hparams.pop("_class_path")
-        accepted = _init_parameters(class_path)
-        if accepted is not None:
-            hparams = {k: v for k, v in hparams.items() if k in accepted}
-        model = {"class_path": class_path, "dict_kwargs": hparams}
+        written = checkpoint_model_config(ckpt, ckpt_path)
+        given = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+        given = (given.get(subcommand) or {}).get("model") or {}
+        if given.get("class_path") != written["class_path"]:
+            raise ValueError(f"--ckpt_path: {ckpt_path!r} is a checkpoint of {written['class_path']}, the model is "
+                             f"{given.get('class_path')}; give the config the checkpoint was trained with")
+        settings = {k: v for k, v in flat_settings(given).items() if k.split(".")[0] not in LINKED_FROM_DATA}
+        conflicts = setting_conflicts(settings, flat_settings(written))
+        if conflicts:
+            raise ValueError(conflict_message(conflicts, "--ckpt_path: model.", ckpt_path, "in the config")
+                             + "; the checkpoint's network is rebuilt from its own settings: drop or match them")
+        self._ckpt_weights = (ckpt_path, {k: v for k, v in ckpt["state_dict"].items() if isinstance(v, torch.Tensor)})
+        model = {"class_path": written["class_path"], "dict_kwargs": written["init_args"]}
         try:
-            self.config = self.parser.parse_object({self.config.subcommand: {"model": model}}, self.config)
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
         except SystemExit:
             sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
             raise
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        if getattr(self, "_ckpt_weights", None) is not None:
+            # links from the data (image size, channels, classes) can still give other shapes
+            ckpt_path, state = self._ckpt_weights
+            self._ckpt_weights = None
+            mismatch = state_dict_mismatch(self.model, state)
+            if mismatch is not None:
+                raise ValueError(f"--ckpt_path: {ckpt_path!r} does not fit the model: {mismatch}; give the config "
+                                 "(data included) the checkpoint was trained with")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config

@@ -2,16 +2,15 @@
 a linear head (after a BatchNorm without affine parameters, as MAE's probe) trained without
 augmentation, SGD with cosine decay to 0.
 
-Two entry points: :class:`LinearProbe`, a LightningModule that loads a checkpoint written by
-``shortcutlab fit`` (weights only, through ``torch.load(weights_only=True)``: no arbitrary
+Two entry points: :class:`LinearProbe`, a LightningModule that rebuilds the network a
+``shortcutlab fit`` checkpoint was written by (class, architecture, shortcut schedule and
+weights all come from the checkpoint, read with ``torch.load(weights_only=True)``: no arbitrary
 pickle) and trains on image batches; and :func:`train_linear_probe_on_features` for features
 already extracted (e.g. the diffusion feature sweep).
 """
 from __future__ import annotations
 
 import math
-import os
-import pickle
 from typing import Optional
 
 import torch
@@ -20,49 +19,9 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
+                         module_from_checkpoint)
 from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
-
-
-def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The ``state_dict`` of a Lightning checkpoint, loaded with ``weights_only=True``.
-
-    Raises one-line errors for a missing file, a file that is not a torch checkpoint, and a
-    torch file without a ``state_dict``.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint: no file at {path!r}; expected a .ckpt written by `shortcutlab fit`")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"checkpoint: {path!r} is not a loadable torch checkpoint "
-                         f"(weights-only load failed: {first[:200]})") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise ValueError(f"checkpoint: {path!r} has no 'state_dict'; expected a Lightning .ckpt written by "
-                         "`shortcutlab fit`")
-    return ckpt["state_dict"]
-
-
-def load_into(backbone: nn.Module, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """``backbone.load_state_dict(state, strict=True)`` with a one-line error naming the first
-    missing, unexpected or differently shaped weight (a backbone built with other settings
-    than the pre-training run: image_size, patch_size, embed_dim, depth ...)."""
-    own = backbone.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in own if k in state and own[k].shape != state[k].shape]
-    if shapes:
-        k = shapes[0]
-        raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the backbone: {k} is "
-                         f"{tuple(state[k].shape)} there and {tuple(own[k].shape)} here ({len(shapes)} weights differ); "
-                         "build the backbone with the pre-training settings (image_size, patch_size, embed_dim, ...)")
-    if missing or unexpected:
-        first = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-        raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the backbone: {first} "
-                         f"({len(missing)} missing, {len(unexpected)} unexpected); is it a checkpoint of "
-                         f"{type(backbone).__name__} with the same depth?")
-    backbone.load_state_dict(state, strict=True)
 
 
 class ProbeHead(nn.Module):
@@ -125,25 +84,41 @@ class LinearProbe(LightningModule):
     """Linear probe of a frozen backbone loaded from a ``shortcutlab fit`` checkpoint.
 
     Args:
-        backbone: the pre-trained LightningModule's configuration (``class_path``/``init_args``,
-            e.g. the same ``MaskedAutoencoder`` settings as in pre-training); it must provide
-            ``forward_features(images) -> B x D``.
-        checkpoint: path of the pre-training checkpoint; ``None`` probes the backbone as built.
+        backbone: optional settings in LightningCLI's ``class_path``/``init_args`` form, checked
+            against the checkpoint: one that disagrees is a one-line error naming both values.
+            Without a checkpoint, the full configuration to build (or, from Python, a built
+            LightningModule). It must provide ``forward_features(images) -> B x D`` and ``num_features``.
+        checkpoint: path of the pre-training checkpoint. The backbone is the network that wrote
+            it: class, architecture and shortcut schedule come from its hyper-parameters, the
+            weights (resolved shortcut weights included) from its state_dict.
+        allow_backbone_override: build with the given ``backbone`` settings where they disagree
+            with the checkpoint (a warning says so), on purpose.
         num_classes: linked from the datamodule by the CLI.
         lr: peak learning rate (SPEC: 1e-2 at batch 1024), cosine to 0 over the run.
         batch_norm: BatchNorm without affine parameters before the linear layer.
     """
 
-    def __init__(self, backbone: LightningModule, checkpoint: Optional[str] = None, num_classes: int = 1000,
-                 lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0, warmup_epochs: float = 0.0,
-                 batch_norm: bool = True) -> None:
+    def __init__(self, backbone: Optional[dict] = None, checkpoint: Optional[str] = None,
+                 num_classes: int = 1000, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
+                 warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False) -> None:
         super().__init__()
+        self.save_hyperparameters(ignore=["backbone"])
+        if isinstance(backbone, nn.Module):
+            if checkpoint is not None:
+                load_into(backbone, load_checkpoint_state_dict(checkpoint), checkpoint)
+            config = {"class_path": f"{type(backbone).__module__}.{type(backbone).__qualname__}"}
+        elif checkpoint is not None:
+            backbone, config = module_from_checkpoint(checkpoint, backbone, allow_backbone_override)
+        elif isinstance(backbone, dict) and backbone.get("class_path"):
+            backbone, config = build_module(backbone)
+        else:
+            raise ValueError("LinearProbe: give checkpoint (a .ckpt of `shortcutlab fit`), or a backbone to probe "
+                             "as built (class_path and init_args)")
+        # plain data, so a probe checkpoint says which network it probed (weights_only-safe)
+        self.hparams["backbone"] = config
         if not hasattr(backbone, "forward_features"):
             raise ValueError(f"backbone must provide forward_features(images); {type(backbone).__name__} does not")
-        self.save_hyperparameters(ignore=["backbone"])
         self.backbone = backbone
-        if checkpoint is not None:
-            load_into(self.backbone, load_checkpoint_state_dict(checkpoint), checkpoint)
         self.backbone.requires_grad_(False)
         self.backbone.eval()
         dim = getattr(backbone, "num_features", None)

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.knn import knn_predict
 from callbacks.pictures import figure_to_array, save_png
-from .linear_probe import load_checkpoint_state_dict, load_into, topk_accuracy, train_linear_probe_on_features
+from .checkpoint import module_from_checkpoint
+from .linear_probe import topk_accuracy, train_linear_probe_on_features
 from .fid import subset_indices
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
@@ -146,11 +147,15 @@ def subset_loader(dataset: Dataset, num: Optional[int], batch_size: int, num_wor
     return DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=num_workers)
 
 
-def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[str] = ()):  # noqa: ANN201
-    """Model (checkpoint weights, EMA ones when trained with the EMA callback) and datamodule of a config."""
+def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[str] = (),  # noqa: ANN201
+                        allow_model_override: bool = False):
+    """Datamodule of a config and the model: with ``ckpt``, the network that wrote it (settings
+    from its hyper-parameters, weights, EMA ones when trained with the EMA callback); a model
+    setting of the config that disagrees with the checkpoint is a one-line error unless
+    ``allow_model_override``. Without ``ckpt``, the config's untrained model."""
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    from cli import ShortcutLabCLI
+    from cli import LINKED_FROM_DATA, ShortcutLabCLI
 
     args = [f"--config={config}", "--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.devices=1",
             "--trainer.num_nodes=1", "--trainer.strategy=auto", "--trainer.accelerator=cpu", *overrides]
@@ -161,7 +166,11 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
         raise ValueError(f"config: the model {type(module).__name__} has no noised_block_features; "
                          "expected lightning_mods.diffusion.DiffusionModule")
     if ckpt is not None:
-        load_into(module, load_checkpoint_state_dict(ckpt), ckpt)
+        given = built.config_dump["model"]
+        settings = {k: v for k, v in (given.get("init_args") or {}).items()
+                    if k not in LINKED_FROM_DATA and v is not None}
+        module, _ = module_from_checkpoint(ckpt, {"class_path": given["class_path"], "init_args": settings},
+                                           allow_model_override, name="model")
     return module, datamodule
 
 
@@ -169,7 +178,10 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m lightning_mods.probe_diffusion",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the training config (model and data sections)")
-    parser.add_argument("--ckpt", default=None, help="checkpoint of `shortcutlab fit` (default: the untrained model)")
+    parser.add_argument("--ckpt", default=None, help="checkpoint of `shortcutlab fit`: the model is rebuilt from it "
+                        "(default: the config's untrained model)")
+    parser.add_argument("--allow-model-override", action="store_true",
+                        help="build with the config's model settings where they disagree with the checkpoint")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--blocks", type=int, nargs="+", default=None, help="block indices (default: all)")
     parser.add_argument("--timesteps", type=int, nargs="+", default=[0, 25, 50, 100, 200, 400, 700])
@@ -187,7 +199,7 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--device", default="auto")
     parsed, overrides = parser.parse_known_args(args)
 
-    module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides)
+    module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides, parsed.allow_model_override)
     num_blocks = module.model.num_blocks
     blocks = list(range(num_blocks)) if parsed.blocks is None else parsed.blocks
     bad = [b for b in blocks if not 0 <= b < num_blocks]

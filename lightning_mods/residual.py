@@ -7,10 +7,25 @@ depth order by :func:`apply_shortcut_schedule`, so a block never needs to know i
 
 The optional ``branch_hook`` sees each branch output before the sum; the ResidualDroppath
 callback uses it to mask branches without the model knowing.
+
+Checkpoints describe themselves: every block writes its resolved weights as the float64
+``N x 2`` tensor ``<block>.shortcut_weights`` (rows ``(a_j, b_j)``; for a learnable ``a_j`` the
+initial value, the trained one is the ``alpha_*`` parameter) into its ``state_dict``, and
+``load_state_dict`` sets them back, so a state_dict alone rebuilds the network that wrote it.
+The forward keeps Python floats (the bit-exact ``a == 1`` path costs nothing). Policy:
+
+- entries present: the loaded weights win; if they differ from the schedule the network was
+  built with, the network that owns the schedule warns once, in one line, naming the first
+  differing sub-layer and both values;
+- entries absent (a stock timm state_dict): accepted only for a block whose weights are all
+  ``(1, 1)`` (the standard network); a decayed block reports its entry as missing, so a strict
+  load fails naming it. :func:`timm_state_dict` strips the entries for export to timm.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
+
+import warnings
 
 import torch
 from torch import nn
@@ -18,6 +33,8 @@ from torch import nn
 from .shortcut import ShortcutSchedule, SubLayerType
 
 BranchHook = Callable[["DecayedResidual", int, torch.Tensor], torch.Tensor]
+
+SHORTCUT_KEY = "shortcut_weights"
 
 
 class DecayedResidual:
@@ -64,6 +81,35 @@ class DecayedResidual:
             return shortcut + branch  # bit-identical to the standard residual network
         return a * shortcut + branch
 
+    def is_standard(self) -> bool:
+        """Whether every sub-layer is the plain ``x + f(x)`` (fixed ``a = b = 1``)."""
+        return not any(self._learnable) and all(w == (1.0, 1.0) for w in self._fixed_weights)
+
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:  # noqa: ANN001
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # not a registered buffer: float64 whatever .to()/.half() does, never broadcast by DDP
+        destination[prefix + SHORTCUT_KEY] = torch.tensor(self._fixed_weights, dtype=torch.float64)
+
+    def _load_from_state_dict(self, state_dict, prefix: str, local_metadata, strict: bool,  # noqa: ANN001
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + SHORTCUT_KEY
+        if key not in state_dict:
+            if not self.is_standard():
+                missing_keys.append(key)
+            return
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        value = state_dict[key]
+        n = len(self.sublayer_types)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (n, 2):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            error_msgs.append(f"size mismatch for {key}: copying {shape}, the block has {n} sub-layers "
+                              f"so it expects ({n}, 2) rows (a, b)")
+            return
+        self._fixed_weights = [(float(a), float(b)) for a, b in value.double().tolist()]
+
     def shortcut_extra_repr(self) -> str:
         parts = []
         for j, name in enumerate(self.alpha_names):
@@ -79,24 +125,67 @@ def residual_blocks(model: nn.Module) -> list[DecayedResidual]:
     return [m for m in model.modules() if isinstance(m, DecayedResidual)]
 
 
+def schedule_weights(model: nn.Module, schedule: ShortcutSchedule) -> list[tuple[float, float]]:
+    """``(a_k, b_k)`` that ``schedule`` gives the sub-layers of ``model``, in depth order."""
+    types: list[SubLayerType] = [t for blk in residual_blocks(model) for t in blk.sublayer_types]
+    return schedule.weights(len(types), types)
+
+
 def apply_shortcut_schedule(model: nn.Module, schedule: ShortcutSchedule | None) -> int:
     """Give every residual sub-layer of ``model`` its weights, in depth order.
 
     Returns ``K``, the number of residual sub-layers. ``None`` means the standard network.
+    ``model`` then warns when a ``load_state_dict`` brings other weights (module docstring).
     """
     schedule = schedule if schedule is not None else ShortcutSchedule("none")
     blocks = residual_blocks(model)
     if not blocks:
         raise ValueError(f"model has no shortcut-aware residual blocks: {type(model).__name__}")
-    types: list[SubLayerType] = [t for blk in blocks for t in blk.sublayer_types]
-    weights = schedule.weights(len(types), types)
+    weights = schedule_weights(model, schedule)
     k = 0
     for blk in blocks:
         n = len(blk.sublayer_types)
         learnable = [schedule.learnable and schedule.decays(t) for t in blk.sublayer_types]
         blk.set_shortcut_weights(weights[k:k + n], learnable)
         k += n
+    model._built_shortcut = schedule
+    if not getattr(model, "_warns_on_other_shortcut", False):
+        model.register_load_state_dict_post_hook(_warn_on_other_shortcut)
+        model._warns_on_other_shortcut = True
     return k
+
+
+def _warn_on_other_shortcut(model: nn.Module, incompatible_keys) -> None:  # noqa: ANN001
+    """Post-load hook of a schedule's owner: one line when the loaded weights are not its schedule's."""
+    schedule = model._built_shortcut
+    loaded = [w for blk in residual_blocks(model) for w in blk._fixed_weights]
+    built = schedule_weights(model, schedule)
+    if loaded == built:
+        return
+    k = next(i for i, (u, v) in enumerate(zip(loaded, built)) if u != v)
+    differ = sum(u != v for u, v in zip(loaded, built))
+    warnings.warn(
+        f"{type(model).__name__}.load_state_dict: the state_dict's shortcut weights are not those of {schedule}: "
+        f"sub-layer {k} has (a, b) = {loaded[k][0]:.6g}, {loaded[k][1]:.6g} there and {built[k][0]:.6g}, "
+        f"{built[k][1]:.6g} here ({differ} of {len(built)} differ); the loaded weights are used",
+        stacklevel=2)
+
+
+def timm_state_dict(model: nn.Module, force: bool = False) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without the ``shortcut_weights`` entries: loadable into timm's own
+    ``VisionTransformer``/``ResNet`` with ``strict=True``.
+
+    Refuses (ValueError) a network that is not the standard one (some ``a`` or ``b`` not 1, or
+    learnable shortcuts), whose weights timm could not represent; ``force=True`` exports anyway.
+    """
+    if not force:
+        for name, blk in model.named_modules():
+            if isinstance(blk, DecayedResidual) and not blk.is_standard():
+                raise ValueError(f"timm_state_dict: {name or type(model).__name__} has decayed or learnable "
+                                 f"shortcuts ({blk.shortcut_extra_repr()}); timm's blocks compute x + f(x), so "
+                                 "its weights would give another network; pass force=True to export anyway")
+    return {k: v for k, v in model.state_dict().items()
+            if not (k == SHORTCUT_KEY or k.endswith("." + SHORTCUT_KEY))}
 
 
 def shortcut_alphas(model: nn.Module) -> list[float]:

@@ -5,13 +5,21 @@ import torch
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from timm.models.vision_transformer import VisionTransformer
 
-from lightning_mods.residual import residual_blocks, shortcut_alphas
+from lightning_mods.residual import residual_blocks, shortcut_alphas, timm_state_dict
 from lightning_mods.resnet import DecayedResNet, ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.vit import DecayedBlock, DecayedVisionTransformer
 from reference_stems import reference_cifar_stem
 
 VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=5)
+
+
+def assert_timm_keys_plus_shortcut_entries(ours, stock):
+    """Our state_dict is timm's, key for key and in order, plus one ``shortcut_weights`` per block."""
+    keys = list(ours.state_dict())
+    blocks = [name for name, m in ours.named_modules() if m in residual_blocks(ours)]
+    assert [k for k in keys if not k.endswith(".shortcut_weights")] == list(stock.state_dict())
+    assert [k for k in keys if k.endswith(".shortcut_weights")] == [f"{b}.shortcut_weights" for b in blocks]
 
 
 def small_resnet_kwargs():
@@ -24,8 +32,9 @@ def test_vit_equals_timm_at_alpha_one(shortcut):
     torch.manual_seed(0)
     ours = DecayedVisionTransformer(shortcut=shortcut, zero_init_branches=False, **VIT).eval()
     stock = VisionTransformer(**VIT).eval()
-    assert list(ours.state_dict()) == list(stock.state_dict())
-    stock.load_state_dict(ours.state_dict())
+    assert_timm_keys_plus_shortcut_entries(ours, stock)
+    stock.load_state_dict(timm_state_dict(ours))  # strict both ways
+    ours.load_state_dict(stock.state_dict())
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         assert (ours(x) - stock(x)).abs().max().item() == 0.0
@@ -52,14 +61,15 @@ def stock_resnet(block, layers, cifar=False, **kw):
 def test_resnet_equals_timm_at_alpha_one(build, stock):
     torch.manual_seed(0)
     ours, ref = build(), stock()
-    assert list(ours.state_dict()) == list(ref.state_dict())
-    ref.load_state_dict(ours.state_dict())
+    assert_timm_keys_plus_shortcut_entries(ours, ref)
+    ref.load_state_dict(timm_state_dict(ours))
+    ours.load_state_dict(ref.state_dict())
     # non-trivial BN statistics so the comparison covers them
     for m in list(ours.modules()):
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 1.5)
-    ref.load_state_dict(ours.state_dict())
+    ref.load_state_dict(timm_state_dict(ours))
     ours.eval(), ref.eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -198,7 +208,7 @@ def test_resnet_built_like_the_cli_matches_timm(cls, timm_name, zero_flag):
     model = parser.instantiate(cfg).model
     if timm_name is not None:
         ref = timm.create_model(timm_name, pretrained=False, num_classes=3)
-        assert {k: v.shape for k, v in model.state_dict().items()} == \
+        assert {k: v.shape for k, v in timm_state_dict(model).items()} == \
                {k: v.shape for k, v in ref.state_dict().items()}
     last_bn = [m.bn3 if hasattr(m, "bn3") else m.bn2 for m in residual_blocks(model)]
     assert all(bn.weight.abs().min().item() > 0 for bn in last_bn)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mods.classifier import ImageClassifier
+from lightning_mods.residual import timm_state_dict
 from lightning_mods.resnet import ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.vit import DecayedVisionTransformer
@@ -54,7 +55,7 @@ def test_kind_none_logits_equal_stock_timm(name, in_chans):
     model = ImageClassifier(build(), num_classes=7, in_chans=in_chans)
     randomise_batchnorm_(model)
     ref = stock(7, in_chans)
-    ref.load_state_dict(without_prefix(model.state_dict()))  # strict: same keys and shapes
+    ref.load_state_dict(without_prefix(timm_state_dict(model)))  # strict: same keys and shapes
     images = torch.randn(2, in_chans, 32, 32)
     model.eval(), ref.eval()
     with torch.no_grad():

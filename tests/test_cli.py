@@ -73,13 +73,7 @@ def test_linear_probe_loads_the_mae_checkpoint(mae_checkpoint):
 
 def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
     out = cli.main(["fit", f"--config={ROOT / 'configs' / 'linear_probe_digits.yaml'}",
-                    f"--model.init_args.checkpoint={mae_checkpoint}",
-                    "--model.init_args.backbone.init_args.patch_size=8",
-                    "--model.init_args.backbone.init_args.embed_dim=32",
-                    "--model.init_args.backbone.init_args.depth=4", "--model.init_args.backbone.init_args.num_heads=2",
-                    "--model.init_args.backbone.init_args.decoder_embed_dim=16",
-                    "--model.init_args.backbone.init_args.decoder_depth=2",
-                    "--model.init_args.backbone.init_args.decoder_num_heads=2",
+                    f"--model.init_args.checkpoint={mae_checkpoint}",  # the architecture comes from it
                     "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false",
                     f"--trainer.default_root_dir={tmp_path}"])
@@ -89,7 +83,7 @@ def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
 def test_linear_probe_refuses_a_checkpoint_of_another_geometry(mae_checkpoint):
     other = MaskedAutoencoder(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
                               decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
-    with pytest.raises(ValueError, match=r"checkpoint: .* does not fit the backbone: .*pos_embed is \(1, 5, 32\) "
+    with pytest.raises(ValueError, match=r"checkpoint: .* does not fit the MaskedAutoencoder: .*pos_embed is \(1, 5, 32\) "
                                          r"there and \(1, 17, 32\) here") as err:
         LinearProbe(other, checkpoint=str(mae_checkpoint), num_classes=10)
     assert "\n" not in str(err.value)

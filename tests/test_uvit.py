@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from lightning_mods.residual import shortcut_alphas
+from lightning_mods.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.uvit import UViT, timestep_embedding
 
@@ -19,7 +19,7 @@ TINY = dict(img_size=8, patch_size=2, in_chans=3, embed_dim=32, depth=4, num_hea
 def stock_block(decayed, dim: int, num_heads: int) -> Block:
     # U-ViT's norm is torch's LayerNorm (eps 1e-5), not timm's default (eps 1e-6)
     block = Block(dim, num_heads, mlp_ratio=4.0, qkv_bias=False, norm_layer=nn.LayerNorm)
-    block.load_state_dict(decayed.state_dict(), strict=True)
+    block.load_state_dict(timm_state_dict(decayed, force=True), strict=True)  # weights; alphas come by hand
     return block.eval()
 
 

@@ -1,0 +1,226 @@
+"""Reading ``shortcutlab fit`` checkpoints back: the network that wrote one, and nothing else.
+
+A Lightning checkpoint written through the CLI carries the module's class
+(``hyper_parameters["_class_path"]``), its settings (the other hyper-parameters, the shortcut
+schedule included) and its weights, the resolved shortcut weights of every residual block
+included (``<block>.shortcut_weights``, see :mod:`lightning_mods.residual`). So the checkpoint
+alone rebuilds the trained network: :func:`module_from_checkpoint`. Settings given on top of it
+are compared with the checkpoint's; one that disagrees is a one-line error naming both values,
+unless the caller allows the override on purpose.
+
+Files are read with ``torch.load(weights_only=True)``: a checkpoint never runs code.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pickle
+import warnings
+from typing import Any, Optional
+
+import torch
+import yaml
+from jsonargparse import ArgumentParser, Namespace
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
+from torch import nn
+
+from .residual import SHORTCUT_KEY, DecayedResidual
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A Lightning checkpoint loaded with ``weights_only=True``.
+
+    Raises one-line errors for a missing file, a file that is not a torch checkpoint, and a
+    torch file without a ``state_dict``.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint: no file at {path!r}; expected a .ckpt written by `shortcutlab fit`")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint: {path!r} is not a loadable torch checkpoint "
+                         f"(weights-only load failed: {first[:200]})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(f"checkpoint: {path!r} has no 'state_dict'; expected a Lightning .ckpt written by "
+                         "`shortcutlab fit`")
+    return ckpt
+
+
+def load_checkpoint_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` of :func:`load_checkpoint`."""
+    return load_checkpoint(path)["state_dict"]
+
+
+def state_dict_mismatch(module: nn.Module, state: dict[str, torch.Tensor]) -> Optional[str]:
+    """``None`` when ``state`` loads strictly into ``module`` (same keys and shapes; a standard
+    block may lack its shortcut entry), else one line naming the first differing weight."""
+    own = module.state_dict()
+    optional = {f"{name}.{SHORTCUT_KEY}" if name else SHORTCUT_KEY
+                for name, blk in module.named_modules() if isinstance(blk, DecayedResidual) and blk.is_standard()}
+    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+    if shapes:
+        k = shapes[0]
+        return (f"{k} is {tuple(state[k].shape)} there and {tuple(own[k].shape)} here "
+                f"({len(shapes)} weights differ in shape)")
+    missing = [k for k in own if k not in state and k not in optional]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        first = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        return f"{first} ({len(missing)} missing, {len(unexpected)} unexpected)"
+    return None
+
+
+def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``module.load_state_dict(state, strict=True)`` with a one-line error naming the first
+    missing, unexpected or differently shaped weight."""
+    mismatch = state_dict_mismatch(module, state)
+    if mismatch is not None:
+        raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the {type(module).__name__}: {mismatch}; "
+                         "build it with the settings of the run that wrote the checkpoint")
+    module.load_state_dict(state, strict=True)
+
+
+def init_parameters(class_path: str) -> Optional[set[str]]:
+    """Names of the ``__init__`` parameters of ``class_path``; ``None`` if it takes ``**kwargs``
+    or cannot be imported."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params} - {"self"}
+
+
+def checkpoint_model_config(ckpt: dict[str, Any], path: str | os.PathLike,
+                            class_path: Optional[str] = None) -> dict[str, Any]:
+    """``{"class_path", "init_args"}`` of the module that wrote ``ckpt``: its ``_class_path``
+    (or ``class_path`` for a checkpoint written outside the CLI) and the hyper-parameters its
+    ``__init__`` takes (linked values it has no argument for, e.g. an MAE's ``num_classes``, are dropped)."""
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    hparams.pop("_instantiator", None)
+    written = hparams.pop("_class_path", None) or class_path
+    if written is None:
+        raise ValueError(f"checkpoint: {os.fspath(path)!r} does not name its module class (no "
+                         "hyper_parameters['_class_path']: not written by `shortcutlab fit`); give the class_path")
+    accepted = init_parameters(written)
+    if accepted is not None:
+        hparams = {k: v for k, v in hparams.items() if k in accepted}
+    return {"class_path": written, "init_args": hparams}
+
+
+def flat_settings(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"shortcut.alpha_min": 0.6, ...}``: nested settings as dotted leaves; a ``class_path``/
+    ``init_args`` node gives ``<node>.class_path`` and its arguments directly under ``<node>``, so
+    a schedule written as ``as_dict()`` and one written in LightningCLI's form compare equal."""
+    if isinstance(value, Namespace):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        if "class_path" in value:
+            out[prefix + "class_path"] = value["class_path"]
+            value = {**(value.get("init_args") or {}), **(value.get("dict_kwargs") or {})}
+        for key, item in value.items():
+            out.update(flat_settings(item, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: list(value) if isinstance(value, tuple) else value}
+
+
+def setting_conflicts(given: dict[str, Any], written: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, given value, written value)`` for every flat setting both have and that differs;
+    a given ``None`` means "not set" and never conflicts."""
+    return [(k, v, written[k]) for k, v in given.items()
+            if k in written and v is not None and v != written[k]]
+
+
+def conflict_message(conflicts: list[tuple[str, Any, Any]], prefix: str, path: str | os.PathLike,
+                     given_word: str = "given") -> str:
+    key, given, written = conflicts[0]
+    more = f" ({len(conflicts) - 1} more setting(s) differ)" if len(conflicts) > 1 else ""
+    return f"{prefix}{key}: {given!r} {given_word}, checkpoint {os.fspath(path)!r} has {written!r}{more}"
+
+
+def _module_parser() -> ArgumentParser:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(nn.Module, "module", required=True)
+    return parser
+
+
+def _parse(parser: ArgumentParser, config: dict, previous: Optional[Namespace] = None) -> Namespace:
+    try:
+        return parser.parse_object({"module": config}, previous)
+    except Exception as err:  # jsonargparse's multi-line report of every type tried
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint settings: {first}") from None
+
+
+def _dump(parser: ArgumentParser, cfg: Namespace) -> dict[str, Any]:
+    return yaml.safe_load(parser.dump(cfg, skip_none=False))["module"]
+
+
+def _instantiate(parser: ArgumentParser, cfg: Namespace) -> nn.Module:
+    """The module of ``cfg``; a LightningModule records the settings as LightningCLI would
+    (``_class_path`` + init args), not those of a LightningModule being built around it."""
+    config = _dump(parser, cfg)
+    hparams = {"_class_path": config["class_path"], **(config.get("init_args") or {})}
+    with _given_hyperparameters_context(hparams, instantiator="lightning.pytorch.cli.instantiate_module"):
+        return parser.instantiate(cfg).module
+
+
+def build_module(config: dict) -> tuple[nn.Module, dict[str, Any]]:
+    """A module from its LightningCLI ``{"class_path", "init_args"}`` and its resolved settings."""
+    parser = _module_parser()
+    cfg = _parse(parser, config)
+    return _instantiate(parser, cfg), _dump(parser, cfg)
+
+
+def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None, allow_override: bool = False,
+                           name: str = "backbone") -> tuple[nn.Module, dict[str, Any]]:
+    """The network that wrote the checkpoint at ``path``, its weights loaded strictly, and its
+    settings ``{"class_path", "init_args"}``.
+
+    ``given`` is an optional ``{"class_path", "init_args"}`` (LightningCLI's form, any subset):
+    a value that disagrees with the checkpoint is a one-line ValueError naming both values
+    (``name`` prefixes the setting), unless ``allow_override``, which builds with the given
+    values (a warning says so), the given shortcut schedule included, and loads the
+    checkpoint's other weights.
+    """
+    ckpt = load_checkpoint(path)
+    given = dict(given or {})
+    given_class = given.pop("class_path", None)
+    config = checkpoint_model_config(ckpt, path, given_class)
+    if given_class is not None and given_class != config["class_path"] and not allow_override:
+        raise ValueError(conflict_message([("class_path", given_class, config["class_path"])], f"{name}.", path))
+    parser = _module_parser()
+    cfg = _parse(parser, config if given_class is None else {**config, "class_path": given_class})
+    written = _dump(parser, cfg)
+    overridden = False
+    if given:
+        cfg = _parse(parser, given, cfg)
+        conflicts = setting_conflicts(flat_settings(_dump(parser, cfg)), flat_settings(written))
+        if given_class is not None and given_class != config["class_path"]:
+            conflicts.insert(0, ("class_path", given_class, config["class_path"]))
+        if conflicts and not allow_override:
+            raise ValueError(conflict_message(conflicts, f"{name}.", path)
+                             + f"; drop the setting to use the checkpoint's, or set allow_{name}_override")
+        if conflicts:
+            overridden = True
+            warnings.warn(conflict_message(conflicts, f"{name}.", path) + f"; allow_{name}_override: building "
+                          "with the given settings and the checkpoint's weights", stacklevel=2)
+    module = _instantiate(parser, cfg)
+    state = ckpt["state_dict"]
+    own_entries = {k: v for k, v in module.state_dict().items() if k.endswith(SHORTCUT_KEY)}
+    if overridden:
+        # the given settings, the checkpoint's weights: its shortcut entries would undo a given schedule
+        state = {**{k: v for k, v in state.items() if not k.endswith(SHORTCUT_KEY)}, **own_entries}
+    elif not any(k.endswith(SHORTCUT_KEY) for k in state):
+        # written before checkpoints carried the shortcut weights: the module was just built
+        # with the checkpoint's own schedule, so its entries are the ones that network had
+        state = {**state, **own_entries}
+    load_into(module, state, path)
+    return module, _dump(parser, cfg)
