@@ -194,7 +194,7 @@ def import_checkpoint(src: str, layout: str = "auto", alpha_min: Optional[float]
     elif new_decoder:
         raise ValueError(f"new_decoder: {src!r} has its own decoder ({layout} layout); drop --new-decoder")
     ratio = mask_ratio if mask_ratio is not None else float(args.get("mask_ratio", 0.75))
-    norm_pix = norm_pix_loss if norm_pix_loss is not None else bool(args.get("norm_pix_loss", True))
+    norm_pix = norm_pix_loss if norm_pix_loss is not None else bool(args.get("norm_pix_loss", False))
     torch.manual_seed(seed)  # the fresh decoder, when there is one
     model = MaskedAutoencoder(**arch, shortcut=ShortcutSchedule("linear", alpha_min), norm_pix_loss=norm_pix,
                               mask_ratio=ratio)
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--decoder-embed-dim", type=int, default=512, help="with --new-decoder")
     imp.add_argument("--decoder-depth", type=int, default=8, help="with --new-decoder")
     imp.add_argument("--norm-pix-loss", action=argparse.BooleanOptionalAction, default=None,
-                     help="default: the file's args, else true")
+                     help="default: the file's args, else false (both repositories' default)")
     imp.add_argument("--mask-ratio", type=float, default=None, help="default: the file's args, else 0.75")
     imp.add_argument("--seed", type=int, default=0, help="initialisation of a new decoder")
     exp = sub.add_parser("export-timm", help="a shortcutlab MAE .ckpt -> a timm VisionTransformer state_dict")

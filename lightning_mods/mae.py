@@ -30,7 +30,7 @@ from .mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from .patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
-from .shortcut import ShortcutSchedule, check_depth
+from .shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
 from .vit import DecayedVisionTransformer
 
 
@@ -56,7 +56,8 @@ class MaskedAutoencoder(LightningModule):
         shortcut: decay schedule of the encoder's ``2 * depth`` sub-layers.
         zero_init_branches: start the last linear layer of every residual branch (encoder and
             decoder blocks, skip fusions) and the pixel prediction at zero weight, as the
-            decay paper's authors; ``None`` = ``unet_skips`` (He et al.'s MAE zeroes none).
+            decay paper's authors; ``None`` = ``unet_skips`` or a decayed encoder (He et al.'s
+            standard MAE zeroes none).
         encoder_final_norm: LayerNorm after the last encoder block, read by the classic
             decoder and the features; ``None`` = ``not unet_skips`` (the authors have none,
             He et al. have one).
@@ -114,9 +115,14 @@ class MaskedAutoencoder(LightningModule):
             raise ValueError(f"feature_pool must be 'mean' or 'cls', got {feature_pool!r}")
         grid = image_size // patch_size
         num_kept(grid * grid, mask_ratio)  # one-line error when no patch stays visible
-        zero_init_branches = unet_skips if zero_init_branches is None else bool(zero_init_branches)
-        encoder_final_norm = (not unet_skips) if encoder_final_norm is None else bool(encoder_final_norm)
         self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6))
+        # zero starts: the authors' with skips; SPEC needs them for any decayed encoder too (a
+        # decayed classic-decoder ablation), while He et al.'s standard MAE has none
+        standard = all(w == (1.0, 1.0) for w in self.shortcut.weights(2 * depth, transformer_sublayer_types(depth)))
+        if zero_init_branches is None:
+            zero_init_branches = unet_skips or not standard
+        zero_init_branches = bool(zero_init_branches)
+        encoder_final_norm = (not unet_skips) if encoder_final_norm is None else bool(encoder_final_norm)
         self.save_hyperparameters(ignore=["shortcut"])
         self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
         # the resolved layout, so a checkpoint rebuilds the same network if the defaults change
@@ -250,7 +256,9 @@ class MaskedAutoencoder(LightningModule):
     # --- optimisation ---------------------------------------------------------------------
     def configure_optimizers(self):
         peak = scaled_lr(self.hparams.base_lr, global_batch_size(self.trainer))
-        groups = param_groups_weight_decay(self, self.hparams.weight_decay)
+        # as both MAE repositories (add_weight_decay): only 1-D parameters (norms, biases) and the
+        # 0-D learnable alphas go undecayed; the cls and mask tokens are decayed
+        groups = param_groups_weight_decay(self, self.hparams.weight_decay, no_decay_name_parts=())
         optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(steps_from_epochs(self.trainer, self.hparams.warmup_epochs), max(0, total - 1))

@@ -61,7 +61,8 @@ def test_authors_checkpoint_with_args(tmp_path, decoder_depth):
 
 
 def test_authors_checkpoint_without_args_needs_alpha_min(tmp_path, capsys):
-    ref = randomise_(AuthorsMAE(**DIMS, depth=4, decoder_depth=2, min_decay=0.7), seed=2)
+    ref = randomise_(AuthorsMAE(**DIMS, depth=4, decoder_depth=2, min_decay=0.7, norm_pix_loss=False), seed=2)
+    # no args in the file: the converter takes the repositories' parser default, norm_pix_loss off
     src = tmp_path / "bare.pth"
     torch.save(ref.state_dict(), src)
     with pytest.raises(SystemExit) as exit_info:
@@ -74,7 +75,7 @@ def test_authors_checkpoint_without_args_needs_alpha_min(tmp_path, capsys):
 
 
 def test_official_checkpoint_and_timm_export(tmp_path):
-    ref = randomise_(OfficialMAE(**DIMS, depth=3, decoder_depth=2), seed=3)
+    ref = randomise_(OfficialMAE(**DIMS, depth=3, decoder_depth=2, norm_pix_loss=False), seed=3)
     src = tmp_path / "mae_visualize.pth"
     torch.save({"model": {f"module.{k}": v for k, v in ref.state_dict().items()}}, src)  # DDP prefix too
     convert("import", str(src), str(tmp_path / "mae.ckpt"), *HEADS)
@@ -132,16 +133,17 @@ def test_converted_checkpoint_validates_and_probes(tmp_path):
     torch.save({"model": ref.state_dict()}, tmp_path / "official.pth")
     ckpt = tmp_path / "mae.ckpt"
     convert("import", str(tmp_path / "official.pth"), str(ckpt), "--num-heads=2", "--decoder-num-heads=2")
-    out = cli.main(["validate", "--model=lightning_mods.mae.MaskedAutoencoder", "--data=datamodules.digits.Digits",
+    # the config must describe the checkpoint's network (another one is a one-line error)
+    arch = ["--model.patch_size=8", "--model.embed_dim=32", "--model.depth=2", "--model.num_heads=2",
+            "--model.decoder_embed_dim=16", "--model.decoder_depth=1", "--model.decoder_num_heads=2",
+            "--model.unet_skips=false", "--model.norm_pix_loss=false", "--model.shortcut.alpha_min=1.0"]
+    out = cli.main(["validate", "--model=lightning_mods.mae.MaskedAutoencoder", *arch, "--data=datamodules.digits.Digits",
                     "--data.init_args.batch_size=32", "--data.init_args.image_size=16", f"--ckpt_path={ckpt}",
                     "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
                     "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}"])
     assert "val/loss" in out.trainer.callback_metrics
     assert torch.equal(out.model.encoder.blocks[1].mlp.fc2.weight, ref.blocks[1].mlp.fc2.weight)
-    backbone = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=2, num_heads=2,
-                                 decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, unet_skips=False,
-                                 shortcut={"kind": "linear", "alpha_min": 1.0})
-    probe = LinearProbe(backbone, checkpoint=str(ckpt), num_classes=10)
+    probe = LinearProbe(checkpoint=str(ckpt), num_classes=10)  # the backbone comes from the checkpoint
     assert torch.equal(probe.backbone.encoder.norm.weight, ref.norm.weight)
 
 

@@ -115,7 +115,9 @@ def xavier_bound(fan_in: int, fan_out: int) -> float:
 @pytest.mark.parametrize("unet_skips", [True, False])
 def test_mae_initialisation_statistics(unet_skips):
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**INIT_DIMS, unet_skips=unet_skips)
+    # without skips at alpha_min 1: He et al.'s MAE
+    standard = {} if unet_skips else {"shortcut": {"kind": "linear", "alpha_min": 1.0}}
+    model = MaskedAutoencoder(**INIT_DIMS, unet_skips=unet_skips, **standard)
     zero_weights = set()
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -161,9 +163,36 @@ def test_explicit_flags_override_the_layout_defaults():
     assert not torch.all(authors_unzeroed.decoder.fusions[0].fc2.weight == 0)
 
 
+def test_decayed_classic_ablation_starts_its_branches_at_zero():
+    """SPEC section 1: a decayed encoder needs the zero starts, with or without the skips."""
+    model = MaskedAutoencoder(**INIT_DIMS, unet_skips=False, shortcut={"kind": "linear", "alpha_min": 0.6})
+    assert model.hparams.zero_init_branches is True
+    for i in range(4):
+        assert torch.all(model.encoder.blocks[i].attn.proj.weight == 0)
+        assert torch.all(model.encoder.blocks[i].mlp.fc2.weight == 0)
+    assert isinstance(model.encoder.norm, nn.LayerNorm)  # still He et al.'s layout otherwise
+
+
 def test_196_patches_at_mask_ratio_0_9_keep_19():
     model = MaskedAutoencoder(image_size=56, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
                               decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, mask_ratio=0.9)
     loss, pred, mask = model(torch.randn(2, 1, 56, 56))
     assert pred.shape == (2, 196, 16)
     assert mask.sum(1).tolist() == [177.0, 177.0]  # int(196 * 0.1) = 19 visible, not round() = 20
+
+
+def test_weight_decay_groups_follow_the_mae_repositories():
+    """add_weight_decay of both repositories: no decay exactly for 1-D parameters (norms, biases);
+    the cls and mask tokens (3-D) are decayed, the fixed position embeddings are not trained."""
+    model = MaskedAutoencoder(**INIT_DIMS)
+    model.trainer = type("T", (), {"estimated_stepping_batches": 10, "datamodule": type("D", (), {"batch_size": 4})(),
+                                   "world_size": 1, "num_nodes": 1, "num_devices": 1, "max_epochs": 10,
+                                   "accumulate_grad_batches": 1})()
+    decay, no_decay = set(), set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in model.configure_optimizers()["optimizer"].param_groups:
+        (decay if group["weight_decay"] > 0 else no_decay).update(names[id(p)] for p in group["params"])
+    expected_no_decay = {n for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1}
+    assert no_decay == expected_no_decay
+    assert {"encoder.cls_token", "decoder.cls_token", "decoder.fusions.0.mask_token"} <= decay
+    assert "encoder.pos_embed" not in decay | no_decay
