@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -19,11 +20,21 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from callbacks.nonfinite_guard import NonFiniteTrainingError
+from callbacks.preemption import received_signal
 
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    # reliability (README "Reliability"); a config's callback list replaces these, so each
+    # shipped config names them too
+    {"class_path": "callbacks.exact_resume.ExactResume"},
+    {"class_path": "callbacks.nonfinite_guard.NonFiniteGuard"},
+    {"class_path": "callbacks.preemption.PreemptionCheckpoint"},
 ]
+DIVERGED_EXIT_STATUS = 3
 
 
 def cpu_has_native_bf16() -> bool:
@@ -166,6 +177,20 @@ def root_message(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def run_reporting_stops(args: Optional[list[str]] = None) -> None:
+    """``main``, with the exit statuses of a stopped fit: a divergence (one line, status 3) and a
+    pre-emption (``128 + signal``: 143 for SIGTERM, 130 for SIGINT; callbacks/preemption.py)."""
+    try:
+        main(args)
+    except NonFiniteTrainingError as err:
+        if os.environ.get("SHORTCUTLAB_TRACEBACK"):
+            raise
+        print(f"shortcutlab: error: {err}", file=sys.stderr)
+        sys.exit(DIVERGED_EXIT_STATUS)
+    except SIGTERMException:
+        sys.exit(128 + (received_signal() or signal.SIGTERM))
+
+
 def console_main() -> None:
     """The ``shortcutlab`` console command (returns None: a console script exits with its value).
 
@@ -173,7 +198,7 @@ def console_main() -> None:
     ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
     """
     try:
-        main()
+        run_reporting_stops()
     except (ValueError, FileNotFoundError) as err:
         if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise
