@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import InterpolationMode, v2
 
-from datamodules.resumable import EpochShuffle, ResumableLoader
+from datamodules.resumable import ResumableTrainData
 
 
 class TransformedDataset(Dataset):
@@ -61,7 +61,7 @@ def check_positive(owner: str, **fields: int | float) -> None:
             raise ValueError(f"{owner}: {name} must be > 0, got {value}")
 
 
-class ImageDataModule(L.LightningDataModule):
+class ImageDataModule(ResumableTrainData, L.LightningDataModule):
     """Image classification data with the MAE train augmentation and plain eval transforms.
 
     Args:
@@ -143,7 +143,6 @@ class ImageDataModule(L.LightningDataModule):
         self.bank_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self.predict_dataset: Dataset | None = None
-        self._resume_position: dict[str, int] | None = None  # from a checkpoint, for the next train loader
 
     # --- what a subclass provides -------------------------------------------------------
     def record_resolved_hparam(self, name: str, value: Any) -> None:
@@ -225,32 +224,14 @@ class ImageDataModule(L.LightningDataModule):
                           pin_memory=self.pin_memory, persistent_workers=self.persistent_workers)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled by epoch (``EpochShuffle``), resumable mid-epoch (``ResumableLoader``)."""
+        """Shuffled by epoch, resumable mid-epoch (``datamodules.resumable``)."""
         if self.train_dataset is None:
             raise RuntimeError(f"{self.dataset_name}: call setup('fit') before asking for its loader")
         # Dropping the last batch of a split smaller than one batch would leave an empty epoch.
         drop_last = self.drop_last_train and len(self.train_dataset) >= self.batch_size
-        resume, self._resume_position = self._resume_position, None
-        return ResumableLoader(self.train_dataset, batch_size=self.batch_size,
-                               sampler=EpochShuffle(self.train_dataset), drop_last=drop_last,
-                               num_workers=self.num_workers, pin_memory=self.pin_memory,
-                               persistent_workers=self.persistent_workers, resume=resume)
-
-    # --- resume ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Where the train loader is: ``{"train_position": {"epoch", "batches"}}``, the next
-        batch to hand out (a finished epoch is the next epoch's batch 0)."""
-        trainer = self.trainer
-        loader = getattr(trainer, "train_dataloader", None) if trainer is not None else None
-        position = loader.position() if isinstance(loader, ResumableLoader) else None
-        if position is None:
-            return {}
-        if position["batches"] >= trainer.num_training_batches:  # limit_train_batches included
-            position = {"epoch": position["epoch"] + 1, "batches": 0}
-        return {"train_position": position}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume_position = state_dict.get("train_position")
+        return self.resumable_train_loader(self.train_dataset, self.batch_size, drop_last=drop_last,
+                                           num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                           persistent_workers=self.persistent_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self.make_loader(self.val_dataset, "validate", self.eval_batch_size)

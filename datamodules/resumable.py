@@ -12,8 +12,10 @@ resumed fit sees exactly the batches the uninterrupted one would have seen.
   generator, so creating an iterator draws nothing from the global RNG that the model's
   randomness (masks, noise) uses.
 
-The position is saved by ``ImageDataModule.state_dict`` and handed back by its
-``load_state_dict`` (Lightning calls both with the checkpoint); the RNG states are
+The position is saved by :class:`ResumableTrainData` (the datamodules' ``state_dict``) and handed
+to the next train loader by its ``load_state_dict``: Lightning restores a datamodule before it
+builds the train loader, while the loop state it restores later is too late for a loader that
+``configure_optimizers`` already built (to count ``estimated_stepping_batches``). The RNG states are
 ``callbacks.exact_resume.ExactResume``'s. With ``num_workers > 0`` the order is still exact;
 augmentation draws made in worker processes are not (the workers are seeded afresh on resume).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Iterator, Optional, Sized
+from typing import Any, ClassVar, Iterator, Optional, Sized
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
@@ -59,8 +61,8 @@ class _SkipFirstBatches:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        skip = self.loader._claim_skip()
-        return itertools.islice(iter(self.batch_sampler), skip, None)
+        # read when the loader's iterator is made (twice with workers: __init__ and _reset)
+        return itertools.islice(iter(self.batch_sampler), self.loader._skip, None)
 
 
 class ResumableLoader(DataLoader):
@@ -86,10 +88,6 @@ class ResumableLoader(DataLoader):
         sampler = super()._index_sampler
         return _SkipFirstBatches(self, sampler) if self._auto_collation else sampler
 
-    def _claim_skip(self) -> int:
-        skip, self._skip = self._skip, 0
-        return skip
-
     def _sampler_epoch(self) -> Optional[int]:
         epoch = getattr(self.sampler, "epoch", None)
         return None if epoch is None else int(epoch)
@@ -101,7 +99,11 @@ class ResumableLoader(DataLoader):
             if hasattr(self.sampler, "set_epoch"):  # before Lightning's own set_epoch: workers fetch ahead
                 self.sampler.set_epoch(int(resume["epoch"]))
             self._skip = self._yielded = min(int(resume["batches"]), len(self))
-        return self._count(super().__iter__())
+        try:
+            iterator = super().__iter__()
+        finally:
+            self._skip = 0
+        return self._count(iterator)
 
     def _count(self, iterator: Iterator[Any]) -> Iterator[Any]:
         for i, batch in enumerate(iterator):
@@ -110,9 +112,47 @@ class ResumableLoader(DataLoader):
             self._yielded += 1
             yield batch
 
+    # Lightning's own route (``_Stateful``): it saves this with the fit loop and loads it into a
+    # loader built after the loop state is restored; a position handed at construction wins.
+    def state_dict(self) -> dict[str, int]:
+        return self.position() or {}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if self._resume is None and state_dict:
+            epoch, batches = int(state_dict["epoch"]), int(state_dict["batches"])
+            self._resume = {"epoch": epoch + 1, "batches": 0} if batches >= len(self) else dict(state_dict)
+
     def position(self) -> Optional[dict[str, int]]:
         """``{"epoch", "batches"}`` handed out so far in the epoch being iterated (None before
         the first batch or with a sampler that has no epoch)."""
         if self._epoch is None:
             return None
         return {"epoch": self._epoch, "batches": self._yielded}
+
+
+class ResumableTrainData:
+    """Datamodule mixin: ``state_dict`` holds the train loader's position, ``load_state_dict``
+    hands it to the next :meth:`resumable_train_loader`."""
+
+    _resume_position: ClassVar[Optional[dict[str, int]]] = None
+
+    def resumable_train_loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> ResumableLoader:
+        """An epoch-shuffled :class:`ResumableLoader` of ``dataset`` (DataLoader ``kwargs``)."""
+        resume, self._resume_position = self._resume_position, None
+        return ResumableLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(dataset), resume=resume,
+                               **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"train_position": {"epoch", "batches"}}``: the next batch to hand out (a finished
+        epoch is the next epoch's batch 0)."""
+        trainer = getattr(self, "trainer", None)
+        loader = getattr(trainer, "train_dataloader", None) if trainer is not None else None
+        position = loader.position() if isinstance(loader, ResumableLoader) else None
+        if position is None:
+            return {}
+        if position["batches"] >= trainer.num_training_batches:  # limit_train_batches included
+            position = {"epoch": position["epoch"] + 1, "batches": 0}
+        return {"train_position": position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_position = state_dict.get("train_position")
