@@ -65,3 +65,22 @@ def test_signal_writes_a_resumable_checkpoint_and_exits_128_plus_signal(signum, 
     full = final_state(cli.main(fit_args(tmp_path / "full")))
     assert full["step"] == resumed["step"] == 9
     assert_identical(resumed, full)
+
+
+RELIABILITY = {"callbacks.exact_resume.ExactResume", "callbacks.nonfinite_guard.NonFiniteGuard",
+               "callbacks.preemption.PreemptionCheckpoint"}
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(config):
+    import yaml
+    callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+    names = {c["class_path"] for c in callbacks}
+    assert RELIABILITY <= names, sorted(RELIABILITY - names)
+    # ModelCheckpoint saves at the end of every training epoch (not only after validations)
+    every_epoch = [c.get("init_args", {}) for c in callbacks
+                   if c["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"
+                   and c.get("init_args", {}).get("save_on_train_epoch_end") is True
+                   and c.get("init_args", {}).get("every_n_epochs", 1) == 1
+                   and c.get("init_args", {}).get("save_top_k", 1) != 0]
+    assert every_epoch, "no ModelCheckpoint saving at every training epoch's end"
