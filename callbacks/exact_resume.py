@@ -16,9 +16,9 @@ count (a torchmetrics ``Metric`` logged as the value: its states); they are adde
 metric has had its first update after the resume (sums are exact whichever way round), so
 the epoch's values are the uninterrupted run's.
 
-Under DDP every rank restores its own states: a checkpoint keeps one entry per global rank
-(gathered to rank 0, which writes it); a rank missing from it (a different world size) keeps
-its fresh seeding and a warning says the draws differ from the interrupted run's.
+Under DDP every rank restores its own states and sums: a checkpoint keeps one entry per global
+rank (gathered to rank 0, which writes it); a rank missing from it (a different world size)
+keeps its fresh seeding and a warning says the draws differ from the interrupted run's.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class ExactResume(Callback):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Optional[Trainer] = None
-        self._pending: Optional[dict[int, dict[str, Any]]] = None
+        self._pending: Optional[dict[int, dict[str, Any]]] = None  # per rank: RNG states and metric sums
         self._pending_sums: Optional[dict[str, dict[str, Any]]] = None
         self._batch_starts = 0  # training batches begun since the resume
 
@@ -74,29 +74,30 @@ class ExactResume(Callback):
         self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        states = capture_rng_states()
         trainer = self._trainer
-        sums = epoch_metric_sums(trainer) if trainer is not None else {}
+        mine = {"rng": capture_rng_states(), "epoch_metric_sums": epoch_metric_sums(trainer) if trainer else {}}
         if trainer is None or trainer.world_size == 1 or not torch.distributed.is_initialized():
-            return {"rng": {0: states}, "epoch_metric_sums": sums}
+            return {"ranks": {0: mine}}
         gathered: list[Any] = [None] * trainer.world_size  # every rank dumps the checkpoint, rank 0 writes it
-        torch.distributed.all_gather_object(gathered, states)
-        return {"rng": dict(enumerate(gathered)), "epoch_metric_sums": sums}
+        torch.distributed.all_gather_object(gathered, mine)
+        return {"ranks": dict(enumerate(gathered))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = {int(rank): states for rank, states in state_dict.get("rng", {}).items()}
-        self._pending_sums = state_dict.get("epoch_metric_sums") or None
+        self._pending = {int(rank): states for rank, states in state_dict.get("ranks", {}).items()}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        states = pending.get(int(trainer.global_rank))
-        if states is None:
-            rank_zero_warn(f"ExactResume: the checkpoint has RNG states for ranks {sorted(pending)}, not for rank "
-                           f"{trainer.global_rank}: its random draws differ from the interrupted run's")
+        mine = pending.get(int(trainer.global_rank))
+        if mine is None:
+            rank_zero_warn(f"ExactResume: the checkpoint has states for ranks {sorted(pending)}, not for rank "
+                           f"{trainer.global_rank}: its random draws and epoch metrics differ from the interrupted "
+                           "run's")
             return
-        restore_rng_states(states)
+        restore_rng_states(mine["rng"])
+        self._pending_sums = mine["epoch_metric_sums"] or None
+        self._batch_starts = 0
 
     # --- running sums of on_epoch training metrics (mid-epoch checkpoints) --------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -118,7 +119,8 @@ class ExactResume(Callback):
             result = results.get(key)
             if "metric_attribute" in saved:
                 metric = pl_module.get_submodule(saved["metric_attribute"])
-                metric._reduce_states(saved["states"])  # current + saved: the sum over the whole epoch
+                states = {name: _to(state, metric.device) for name, state in saved["states"].items()}
+                metric._reduce_states(states)  # current + saved: the sum over the whole epoch
                 metric._computed = None
             elif result is not None and result.is_tensor:
                 result.value = result.value + saved["value"].to(result.value.device)
@@ -130,7 +132,7 @@ class ExactResume(Callback):
 def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
     """Running sums of the ``on_epoch`` training metrics of an unfinished epoch (else empty)."""
     loop = trainer.fit_loop.epoch_loop
-    if not trainer.training or loop.batch_progress.is_last_batch:
+    if trainer.sanity_checking or loop.batch_progress.is_last_batch:
         return {}
     sums: dict[str, dict[str, Any]] = {}
     for key, result in loop._results.items():
@@ -156,3 +158,6 @@ def _detached(state: Any) -> Any:
         return state.detach().cpu().clone()
     return [t.detach().cpu().clone() for t in state]
 
+
+def _to(state: Any, device: torch.device) -> Any:
+    return state.to(device) if isinstance(state, torch.Tensor) else [t.to(device) for t in state]
