@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, ClassVar, Iterator, Optional, Sized
+from typing import Any, Iterator, Optional, Sized
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
@@ -134,7 +134,7 @@ class ResumableTrainData:
     """Datamodule mixin: ``state_dict`` holds the train loader's position, ``load_state_dict``
     hands it to the next :meth:`resumable_train_loader`."""
 
-    _resume_position: ClassVar[Optional[dict[str, int]]] = None
+    _resume_position: Optional[dict[str, int]] = None  # from a checkpoint, for the next train loader
 
     def resumable_train_loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> ResumableLoader:
         """An epoch-shuffled :class:`ResumableLoader` of ``dataset`` (DataLoader ``kwargs``)."""
