@@ -14,7 +14,7 @@ stops all of them):
 The first two stop before ``optimizer.step``: the weights in memory are still the last good
 ones. A failure raises :class:`NonFiniteTrainingError` with one line naming the step and the
 value; the ``shortcutlab`` command prints it and exits with status 3. Nothing is saved on that
-exception (the pre-emption checkpoint of ``cli.py`` is written only for signals), so the last
+exception (``callbacks.preemption`` writes its checkpoint only for signals), so the last
 checkpoint on disk is the last good one.
 """
 from __future__ import annotations
