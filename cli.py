@@ -9,6 +9,7 @@ linked from the datamodule to the model; a model that has no such argument ignor
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -18,6 +19,10 @@ import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from callbacks.nonfinite_guard import NonFiniteTrainingError
+from callbacks.preemption import received_signal
 
 from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, load_checkpoint,
                                        setting_conflicts, state_dict_mismatch)
@@ -26,7 +31,13 @@ LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    # reliability (README "Reliability"); a config's callback list replaces these, so each
+    # shipped config names them too
+    {"class_path": "callbacks.exact_resume.ExactResume"},
+    {"class_path": "callbacks.nonfinite_guard.NonFiniteGuard"},
+    {"class_path": "callbacks.preemption.PreemptionCheckpoint"},
 ]
+DIVERGED_EXIT_STATUS = 3
 
 
 def cpu_has_native_bf16() -> bool:
@@ -177,6 +188,20 @@ def root_message(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def run_reporting_stops(args: Optional[list[str]] = None) -> None:
+    """``main``, with the exit statuses of a stopped fit: a divergence (one line, status 3) and a
+    pre-emption (``128 + signal``: 143 for SIGTERM, 130 for SIGINT; callbacks/preemption.py)."""
+    try:
+        main(args)
+    except NonFiniteTrainingError as err:
+        if os.environ.get("SHORTCUTLAB_TRACEBACK"):
+            raise
+        print(f"shortcutlab: error: {err}", file=sys.stderr)
+        sys.exit(DIVERGED_EXIT_STATUS)
+    except SIGTERMException:
+        sys.exit(128 + (received_signal() or signal.SIGTERM))
+
+
 def console_main() -> None:
     """The ``shortcutlab`` console command (returns None: a console script exits with its value).
 
@@ -184,7 +209,7 @@ def console_main() -> None:
     ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
     """
     try:
-        main()
+        run_reporting_stops()
     except (ValueError, FileNotFoundError) as err:
         if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise

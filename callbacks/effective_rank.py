@@ -19,7 +19,8 @@ Two sources of singular values (:func:`singular_values`):
 - ``"features"`` (RankMe): the singular values of ``X`` itself, uncentred.
 
 :class:`EffectiveRank` computes both numbers on the validation features gathered over all
-ranks (optionally per block: the rank-over-depth profile, drawn as a picture).
+ranks (optionally per block: the rank-over-depth profile, drawn as a picture); non-finite
+features (a diverged network) give NaN and a warning, not an SVD error.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any, Literal, NamedTuple, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
@@ -208,6 +210,11 @@ class EffectiveRank(Callback):
         values = torch.zeros(len(matrices), 2, dtype=torch.float64, device=collected.features.device)
         if trainer.is_global_zero:
             for i, x in enumerate(matrices):
+                if not bool(torch.isfinite(x).all()):  # a diverged network: no SVD of NaN (LinAlgError)
+                    rank_zero_warn(f"EffectiveRank: non-finite {'features' if i == 0 else f'block {i} features'}"
+                                   " at this evaluation; logging NaN")
+                    values[i] = float("nan")
+                    continue
                 values[i] = torch.tensor(rank_measures(x, self.source, DTYPES[self.dtype]), dtype=torch.float64)
         values = broadcast_from_rank_zero(values).cpu()
         metrics = {"rank/entropy": float(values[0, 0]), "rank/effective_rank": float(values[0, 1])}

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 
 from .distributed import all_reduce_sum, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
@@ -169,6 +170,10 @@ class KNNEvaluator(Callback):
         queries = collect_features(pl_module, query_set, batch_size, num_workers, gather=False,
                                    forward_context=context)
         ks = (1, 5) if num_classes > 5 else (1,)
+        finite = torch.isfinite(bank.features).all() & torch.isfinite(queries.features).all()
+        if int(all_reduce_sum(finite.logical_not().to(torch.int64).view(1))):  # same answer on every rank
+            rank_zero_warn("KNNEvaluator: non-finite features at this evaluation; logging NaN")
+            return {f"knn/top{k}": float("nan") for k in ks}
         if len(queries.labels):
             scores = knn_predict(bank.features, bank.labels, queries.features, num_classes, self.k,
                                  self.temperature, self.chunk_size)

@@ -33,6 +33,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
@@ -119,6 +120,7 @@ class OnlineLinearProbe(Callback):
         self._pending_state: Optional[dict[str, Any]] = None
         self._val_counts = torch.zeros(2, dtype=torch.int64)  # correct, total
         self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
+        self._val_nonfinite = False  # a non-finite feature seen this validation epoch
 
     # --- head -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -170,6 +172,9 @@ class OnlineLinearProbe(Callback):
         if self.batch_norm and len(labels) < 2:
             return  # batch norm cannot train on one sample (DistributedSampler: same size on every rank)
         features = self._features(trainer, pl_module, images)
+        if _any_rank_nonfinite(features):  # a diverged backbone: no step, and the same on every rank
+            rank_zero_warn("OnlineLinearProbe: non-finite features, the head skips this step")
+            return
         with torch.enable_grad():
             self.head.train()
             logits = self.head(features)
@@ -188,6 +193,7 @@ class OnlineLinearProbe(Callback):
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_counts = torch.zeros(2, dtype=torch.int64, device=self._device)
         self._val_seen = 0
+        self._val_nonfinite = False
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -199,6 +205,7 @@ class OnlineLinearProbe(Callback):
         real = distributed_padding_mask(loader, self._val_seen, len(labels))
         self._val_seen += len(labels)
         features = self._features(trainer, pl_module, images)
+        self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
         with torch.no_grad():
             self.head.eval()
             hits = self.head(features).argmax(dim=1) == labels
@@ -209,8 +216,12 @@ class OnlineLinearProbe(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self.steps == 0:
             return
+        nonfinite = int(all_reduce_sum(torch.tensor([int(self._val_nonfinite)], device=self._device)))
         correct, total = all_reduce_sum(self._val_counts).tolist()
-        if total:
+        if nonfinite:
+            rank_zero_warn("OnlineLinearProbe: non-finite validation features; logging NaN")
+            log_identical(pl_module, {"online_probe/val_top1": float("nan")})
+        elif total:
             log_identical(pl_module, {"online_probe/val_top1": correct / total})
 
     # --- checkpoint -------------------------------------------------------------------------
@@ -241,3 +252,8 @@ class OnlineLinearProbe(Callback):
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = int(state_dict.get("steps", 0))
         self.batches = int(state_dict.get("batches", self.steps))  # older checkpoints: probed every batch
+
+
+def _any_rank_nonfinite(features: torch.Tensor) -> bool:
+    flag = torch.logical_not(torch.isfinite(features).all()).to(torch.int64).view(1)
+    return bool(int(all_reduce_sum(flag)))

@@ -19,6 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import InterpolationMode, v2
 
+from datamodules.resumable import ResumableTrainData
+
 
 class TransformedDataset(Dataset):
     """Applies ``transform`` to the image of every ``(image, label)`` sample of ``samples``."""
@@ -59,7 +61,7 @@ def check_positive(owner: str, **fields: int | float) -> None:
             raise ValueError(f"{owner}: {name} must be > 0, got {value}")
 
 
-class ImageDataModule(L.LightningDataModule):
+class ImageDataModule(ResumableTrainData, L.LightningDataModule):
     """Image classification data with the MAE train augmentation and plain eval transforms.
 
     Args:
@@ -231,11 +233,14 @@ class ImageDataModule(L.LightningDataModule):
         return torch.cuda.is_available()
 
     def train_dataloader(self) -> DataLoader:
+        """Shuffled by epoch, resumable mid-epoch (``datamodules.resumable``)."""
+        if self.train_dataset is None:
+            raise RuntimeError(f"{self.dataset_name}: call setup('fit') before asking for its loader")
         # Dropping the last batch of a split smaller than one batch would leave an empty epoch.
-        drop_last = self.drop_last_train and self.train_dataset is not None \
-            and len(self.train_dataset) >= self.batch_size
-        return self.make_loader(self.train_dataset, "fit", self.batch_size, shuffle=True,
-                                drop_last=drop_last)
+        drop_last = self.drop_last_train and len(self.train_dataset) >= self.batch_size
+        return self.resumable_train_loader(self.train_dataset, self.batch_size, drop_last=drop_last,
+                                           num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                           persistent_workers=self.persistent_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self.make_loader(self.val_dataset, "validate", self.eval_batch_size)

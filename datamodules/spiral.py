@@ -17,6 +17,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from datamodules.resumable import ResumableTrainData
+
 ARM_SAMPLES = 4096
 
 
@@ -57,7 +59,7 @@ def nearest_arm_labels(points: torch.Tensor, arm_samples: int = ARM_SAMPLES) -> 
     return torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
 
 
-class Spiral(L.LightningDataModule):
+class Spiral(ResumableTrainData, L.LightningDataModule):
     """Spiral train/val points and the labelled grid as test/predict set.
 
     Args:
@@ -115,7 +117,10 @@ class Spiral(L.LightningDataModule):
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+        """Shuffled by epoch, resumable mid-epoch (``datamodules.resumable``)."""
+        if self.train_dataset is None:
+            raise RuntimeError("Spiral: call setup() before asking for a loader")
+        return self.resumable_train_loader(self.train_dataset, self.batch_size, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, self.eval_batch_size)

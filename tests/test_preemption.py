@@ -1,0 +1,86 @@
+"""Pre-emption (issue 9, item 5): a real SIGTERM / SIGINT sent to a ``shortcutlab fit``
+subprocess writes a resumable ``last.ckpt`` and exits with 143 / 130; resuming from it reaches
+the uninterrupted fit's weights and optimiser state bit for bit."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli
+from test_cli import DIGITS, TINY_MAE
+from test_resume import assert_identical
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_STEP = 3
+
+
+def fit_args(root: Path) -> list[str]:
+    return ["fit", *TINY_MAE, *DIGITS, "--seed_everything=0", "--trainer.max_epochs=3",
+            "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.accelerator=cpu",
+            "--trainer.devices=1", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+            f"--trainer.default_root_dir={root}"]
+
+
+def interrupted_fit(root: Path, signum: int) -> tuple[subprocess.CompletedProcess, Path]:
+    ready = root / "ready"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    command = [str(Path(sys.executable).parent / "shortcutlab"), *fit_args(root),
+               "--trainer.callbacks+=signal_helpers.WaitForSignal", f"--trainer.callbacks.step={STOP_STEP}",
+               f"--trainer.callbacks.ready_file={ready}"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        assert proc.poll() is None, f"fit ended before step {STOP_STEP}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, "fit did not reach the step in time"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(command, proc.returncode, "", stderr), root / "checkpoints" / "last.ckpt"
+
+
+def final_state(out: cli.ShortcutLabCLI) -> dict:
+    return {"weights": out.model.state_dict(), "optimizer": out.trainer.optimizers[0].state_dict(),
+            "step": out.trainer.global_step}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_signal_writes_a_resumable_checkpoint_and_exits_128_plus_signal(signum, status, tmp_path):
+    result, checkpoint = interrupted_fit(tmp_path / "interrupted", signum)
+    assert result.returncode == status, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shortcutlab:")]
+    assert len(lines) == 1 and f"stopped by {signal.Signals(signum).name} at step {STOP_STEP};" in lines[0], lines
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == STOP_STEP
+    if signum != signal.SIGTERM:
+        return  # the resume is the same for both signals: checked once
+    resumed = final_state(cli.main(fit_args(tmp_path / "resumed") + [f"--ckpt_path={checkpoint}"]))
+    full = final_state(cli.main(fit_args(tmp_path / "full")))
+    assert full["step"] == resumed["step"] == 9
+    assert_identical(resumed, full)
+
+
+RELIABILITY = {"callbacks.exact_resume.ExactResume", "callbacks.nonfinite_guard.NonFiniteGuard",
+               "callbacks.preemption.PreemptionCheckpoint"}
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(config):
+    import yaml
+    callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+    names = {c["class_path"] for c in callbacks}
+    assert RELIABILITY <= names, sorted(RELIABILITY - names)
+    # ModelCheckpoint saves at the end of every training epoch (not only after validations)
+    every_epoch = [c.get("init_args", {}) for c in callbacks
+                   if c["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"
+                   and c.get("init_args", {}).get("save_on_train_epoch_end") is True
+                   and c.get("init_args", {}).get("every_n_epochs", 1) == 1
+                   and c.get("init_args", {}).get("save_top_k", 1) != 0]
+    assert every_epoch, "no ModelCheckpoint saving at every training epoch's end"
