@@ -18,7 +18,10 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
+
+from callbacks.prediction_writer import PredictionWriter
 
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
@@ -145,6 +148,16 @@ class ShortcutLabCLI(LightningCLI):
             # honour enable_progress_bar=false instead of failing on the default Rich bar
             trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"]
                                         if not str(_class_path(c)).endswith("ProgressBar")]
+
+    def after_instantiate_classes(self) -> None:
+        if self.subcommand == "predict":
+            add_prediction_writer(self.trainer)
+
+
+def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)
+    """``predict`` saves its outputs (``callbacks/prediction_writer.py``) unless a writer is configured."""
+    if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
+        trainer.callbacks.append(PredictionWriter())
 
 
 def main(args: Optional[list[str]] = None) -> ShortcutLabCLI:
