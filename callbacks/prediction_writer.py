@@ -7,8 +7,9 @@ Each ``predict_step`` returns a dict of per-sample tensors (``embeddings`` from
     predictions = torch.load("predictions.pt", weights_only=True)  # {"embeddings": N x D, ...}
 
 plus ``indices`` (the sample's position in the predict dataset). Under DDP every rank writes
-its part, rank 0 merges the parts in dataset order, drops the samples a
-``DistributedSampler`` repeated to even out the ranks, and removes the parts.
+its part next to the output file (a folder every node sees, as the log directory is), rank 0
+merges the parts in dataset order, drops the samples a ``DistributedSampler`` repeated to even
+out the ranks, and removes the parts.
 """
 from __future__ import annotations
 
