@@ -6,12 +6,18 @@ ImageFolder layout; the official val images must be sorted into class folders fi
 are used, labelled 0..n-1 in the file's order (ImageNet-100 is such a list of 100 wnids).
 Without it every class folder is used, labelled in sorted order, and their count must equal
 ``num_classes``. Eval: resize to image_size / 0.875 (256 for 224) then centre crop, as MAE.
+
+An image that cannot be decoded (corrupt, truncated, empty) stops the run with a one-line
+:class:`CorruptImageError` naming the file; ``skip_corrupt=True`` warns and uses the next
+readable image of the split in its place, so batch sizes and epoch length stay the same.
 """
 from __future__ import annotations
 
 import os
-from typing import Sequence
+import warnings
+from typing import Any, Sequence
 
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
@@ -41,12 +47,43 @@ def subfolders(directory: str) -> list[str]:
     return sorted(e.name for e in os.scandir(directory) if e.is_dir()) if os.path.isdir(directory) else []
 
 
-class SelectedClassFolder(ImageFolder):
-    """ImageFolder over the given ``classes`` only, labelled by their position in that list."""
+class CorruptImageError(ValueError):
+    """An image file that PIL cannot decode; the message names the file (one line)."""
 
-    def __init__(self, root: str, classes: Sequence[str]) -> None:
+
+def read_rgb_image(path: str) -> Image.Image:
+    """The RGB image at ``path``, fully decoded; a :class:`CorruptImageError` if it cannot be."""
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise CorruptImageError(f"ImageNet: cannot read image '{path}' ({'empty file' if size == 0 else reason}); "
+                                "set data.init_args.skip_corrupt=true to skip such files") from None
+
+
+class SelectedClassFolder(ImageFolder):
+    """ImageFolder over the given ``classes`` only, labelled by their position in that list.
+
+    ``skip_corrupt``: an unreadable image is replaced, with a warning, by the next readable one.
+    """
+
+    def __init__(self, root: str, classes: Sequence[str], skip_corrupt: bool = False) -> None:
         self.selected_classes = list(classes)
-        super().__init__(root)
+        self.skip_corrupt = skip_corrupt
+        super().__init__(root, loader=read_rgb_image)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        for offset in range(len(self)):
+            try:
+                return super().__getitem__((index + offset) % len(self))
+            except CorruptImageError as err:
+                if not self.skip_corrupt:
+                    raise
+                warnings.warn(f"{str(err).split('; set data')[0]}; skipped, using the next readable image",
+                              stacklevel=2)
+        raise CorruptImageError(f"ImageNet: no readable image under '{self.root}'")
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         present = set(subfolders(directory))
@@ -66,6 +103,8 @@ class ImageNet(ImageDataModule):
         class_list: text file of the wnids to use, one per line (None: every class folder).
         num_classes: number of classes (None: the class list's length, else 1000); checked
             against the folders in ``setup``.
+        skip_corrupt: warn about an unreadable image and use the next readable one in its place
+            (default: stop with a one-line error naming the file).
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
         centre-crops.
     """
@@ -81,7 +120,7 @@ class ImageNet(ImageDataModule):
                  crop_scale: tuple[float, float] = (0.2, 1.0), eval_crop_ratio: float = 0.875,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  pin_memory: bool = False, drop_last_train: bool = True,
-                 persistent_workers: bool = True) -> None:
+                 persistent_workers: bool = True, skip_corrupt: bool = False) -> None:
         classes = read_class_list(class_list) if class_list is not None else None
         if num_classes is not None and num_classes <= 0:
             raise ValueError(f"ImageNet: num_classes must be > 0, got {num_classes}")
@@ -95,6 +134,7 @@ class ImageNet(ImageDataModule):
                          pin_memory=pin_memory, drop_last_train=drop_last_train,
                          persistent_workers=persistent_workers)
         self.class_list = class_list
+        self.skip_corrupt = skip_corrupt
         self.classes: list[str] | None = classes
         self.num_classes = num_classes
         self.record_resolved_hparam("num_classes", num_classes)  # the CLI links it into the model
@@ -126,7 +166,7 @@ class ImageNet(ImageDataModule):
         classes = self.resolve_classes()
         self.class_folders(train)
         try:
-            return SelectedClassFolder(self.split_dir(train), classes)
+            return SelectedClassFolder(self.split_dir(train), classes, skip_corrupt=self.skip_corrupt)
         except FileNotFoundError as err:  # torchvision: "Found no valid file for the classes ..."
             first = str(err).strip().splitlines()[0][:300]
             raise FileNotFoundError(f"ImageNet: class folders without images under '{self.split_dir(train)}' "

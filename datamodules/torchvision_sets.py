@@ -3,22 +3,24 @@
 ``download=True`` fetches the files with torchvision into ``data_dir`` (``prepare_data``, rank 0);
 otherwise nothing is fetched and a missing root fails in ``setup`` with one line saying which
 files were expected where. The splits are read straight from torchvision's on-disk layout
-into one uint8 tensor each (CIFAR: the python pickle batches, read here because torchvision
-also insists on the files' md5 sums; MNIST: torchvision's idx reader), so an item costs only
-its transform.
+into one uint8 tensor each (CIFAR: the python pickle batches, read here with an unpickler that
+runs no code from them, ``datamodules/cifar_pickle.py``, where torchvision would ``pickle.load``
+them and insist on the official md5 sums; MNIST: torchvision's idx reader), so an item costs
+only its transform.
 """
 from __future__ import annotations
 
 import os
-import pickle
 from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
 import torchvision
 from torch.utils.data import Dataset
+from torchvision.datasets.utils import download_and_extract_archive
 
 from datamodules.base import ImageDataModule, InMemoryImages
+from datamodules.cifar_pickle import UnsafeDataFileError, load_cifar_batch
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -36,10 +38,12 @@ def read_cifar_batches(paths: Sequence[str], label_key: str) -> InMemoryImages:
     """
     images, labels = [], []
     for path in paths:
-        with open(path, "rb") as f:
-            # The official files are Python 2 pickles; latin1 decodes their keys to str.
-            batch = pickle.load(f, encoding="latin1")
-        images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+        batch = load_cifar_batch(path, required=("data", label_key))
+        data = np.asarray(batch["data"])
+        if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(batch[label_key]):
+            raise UnsafeDataFileError(f"'{path}' is not a CIFAR python batch (data is {data.dtype} "
+                                      f"{data.shape} for {len(batch[label_key])} labels; expected uint8 N x 3072)")
+        images.append(data.reshape(-1, 3, 32, 32))
         labels.extend(batch[label_key])
     return InMemoryImages(torch.from_numpy(np.concatenate(images)), torch.as_tensor(labels, dtype=torch.int64))
 
@@ -82,10 +86,14 @@ class TorchvisionDataModule(ImageDataModule):
     def files_folder(self) -> str:
         return os.path.join(str(self.data_dir), *self.folder_parts)
 
+    def missing_files(self) -> list[str]:
+        folder = self.files_folder()
+        return [name for name in self.file_names if not os.path.isfile(os.path.join(folder, name))]
+
     def check_files(self) -> None:
         """One-line ``FileNotFoundError`` when any expected file is absent."""
         folder = self.files_folder()
-        missing = [name for name in self.file_names if not os.path.isfile(os.path.join(folder, name))]
+        missing = self.missing_files()
         if not missing:
             return
         found = "no" if len(missing) == len(self.file_names) else f"missing {', '.join(missing)} of the"
@@ -100,6 +108,13 @@ class CIFARPickles(TorchvisionDataModule):
     train_files: ClassVar[tuple[str, ...]]
     test_files: ClassVar[tuple[str, ...]]
     label_key: ClassVar[str]
+
+    def prepare_data(self) -> None:
+        """Fetch and unpack torchvision's md5-checked archive when a file is missing; unlike
+        building torchvision's dataset, this never unpickles the files."""
+        if self.download and self.missing_files():
+            source = self.torchvision_class
+            download_and_extract_archive(source.url, str(self.data_dir), filename=source.filename, md5=source.tgz_md5)
 
     def load_split(self, train: bool) -> Dataset:
         self.check_files()

@@ -195,8 +195,13 @@ class ImageClassifier(LightningModule):
     def test_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_top1, self.test_top5)
 
-    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self(batch[0] if isinstance(batch, (tuple, list)) else batch).softmax(dim=-1)
+    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """``embeddings`` (``forward_features``), ``logits`` and ``labels``, for
+        ``callbacks.prediction_writer``."""
+        images, labels = batch[0], batch[1]
+        features = self.backbone.forward_features(images)
+        return {"embeddings": self.backbone.forward_head(features, pre_logits=True),
+                "logits": self.backbone.forward_head(features), "labels": labels}
 
     # --- optimisation ----------------------------------------------------------------------
     def configure_optimizers(self):

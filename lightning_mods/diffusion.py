@@ -372,6 +372,12 @@ class DiffusionModule(LightningModule):
         """One pooled feature per block (depth order in -> mid -> out) at ``feature_timestep``."""
         return self.noised_block_features(images, list(range(self.model.num_blocks)))
 
+    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """``embeddings`` (``forward_features``: the probe's noised block features) and ``labels``,
+        for ``callbacks.prediction_writer``."""
+        images, labels = batch[0], batch[1]
+        return {"embeddings": self.forward_features(images), "labels": labels}
+
     # --- optimisation ----------------------------------------------------------------------
     def configure_optimizers(self):
         peak = self.hparams.lr

@@ -167,6 +167,14 @@ class LinearProbe(LightningModule):
     def test_step(self, batch, batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
 
+    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """The backbone's ``embeddings``, the probe's ``logits`` and ``labels``, for
+        ``callbacks.prediction_writer``."""
+        images, labels = batch[0], batch[1]
+        with torch.no_grad():
+            features = self.backbone.forward_features(images)
+        return {"embeddings": features, "logits": self.head(features), "labels": labels}
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.head.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
                                     weight_decay=self.hparams.weight_decay)

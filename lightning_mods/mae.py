@@ -194,6 +194,11 @@ class MaskedAutoencoder(LightningModule):
         """Pooled output of every encoder block (the rank-over-depth profile)."""
         return [self._pool(t) for t in self.encode(images)[1]]
 
+    def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.prediction_writer``."""
+        images, labels = batch[0], batch[1]
+        return {"embeddings": self.forward_features(images), "labels": labels}
+
     # --- reconstruction --------------------------------------------------------------------
     def forward(self, images: torch.Tensor, mask_ratio: Optional[float] = None,
                 generator: Optional[torch.Generator] = None):

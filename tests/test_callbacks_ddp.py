@@ -98,6 +98,11 @@ SCRIPT = textwrap.dedent("""
     (out / f"rank{{trainer.global_rank}}.json").write_text(json.dumps(seen))
     if trainer.is_global_zero:
         torch.save({{"model": model.state_dict(), "probe": probe.state_dict()}}, out / "final.pt")
+    # predict: each rank writes its part, rank 0 merges them (23 samples, padded to 24 by the sampler)
+    from callbacks.prediction_writer import PredictionWriter
+    predictor = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[PredictionWriter(str(out / "predictions.pt"))])
+    predictor.predict(model, dataloaders=ImageData().val_dataloader(), return_predictions=False)
 """)
 
 
@@ -146,6 +151,12 @@ def test_ddp_two_processes_match_one_process(tmp_path):
         warnings.simplefilter("ignore")
         trainer.validate(model, datamodule=ImageData(), verbose=False)
     single = {k: float(trainer.callback_metrics[k]) for k in COMPARED}
+    predictions = torch.load(tmp_path / "predictions.pt", weights_only=True)
+    images, labels = ImageData().val_dataset.tensors
+    assert torch.equal(predictions["indices"], torch.arange(23)) and torch.equal(predictions["labels"], labels)
+    with torch.no_grad():
+        torch.testing.assert_close(predictions["embeddings"], model.eval().forward_features(images))
+    assert sorted(p.name for p in tmp_path.glob("predictions*")) == ["predictions.pt"]  # the parts are merged
     ddp = ranks[0]["metrics"]
     for name in ("knn/top1", "knn/top5", "online_probe/val_top1"):
         assert ddp[name] == single[name], name  # counts of the same 23 queries: exact
