@@ -181,7 +181,7 @@ def test_constant_lr_schedule_warms_up_then_holds_the_peak():
     module.trainer = SimpleNamespace(estimated_stepping_batches=100)
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
     multiplier = scheduler.lr_lambdas[0]
-    assert multiplier(0) == 0.1 and multiplier(9) == 1.0 and multiplier(50) == 1.0 and multiplier(99) == 1.0
+    assert multiplier(0) == 0.0 and multiplier(1) == 0.1 and multiplier(10) == 1.0 and multiplier(50) == 1.0 and multiplier(99) == 1.0
 
 
 class RecordWeights(Callback):
