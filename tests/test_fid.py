@@ -254,7 +254,7 @@ def test_checkpoint_choice_by_fid_then_report_with_more_samples(tmp_path):
 
     class CountSamples(Callback):
         def on_validation_start(self, trainer, pl_module):
-            original, self.calls = pl_module.generate_images, []
+            original, self.calls = DiffusionModule.generate_images.__get__(pl_module), []
 
             def counting(n, labels=None, seed=0, sampler=None, num_steps=None, guidance_scale=None):
                 self.calls.append((n, sampler, num_steps))
