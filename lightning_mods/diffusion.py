@@ -3,8 +3,8 @@ Connections Harm Generative Representation Learning", section 5; Bao et al. 2023
 
 Training: ``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps`` with ``t`` uniform over the
 training timesteps (``noise_process: discrete``) or over ``[0, 1]`` on U-ViT's continuous VP SDE
-(``vp_sde``, network input ``t * 999``), and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``. Class-conditional
-models replace the label by the null class with probability ``label_dropout`` and sample with
+(``vp_sde``, network input ``t * 999``), and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``.
+Class-conditional models replace the label by the null class with probability ``label_dropout`` and sample with
 classifier-free guidance ``eps_u + guidance_scale * (eps_c - eps_u)`` (1 = no guidance;
 U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods.diffusion_sampling`.
 
@@ -36,11 +36,11 @@ from lightning.pytorch import LightningModule
 from callbacks.feature_collection import isolated_eval
 from callbacks.pictures import image_grid, log_picture
 from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
-from .vp_sde import euler_maruyama
 from .latent_vae import FrozenVAE
 from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from .shortcut import ShortcutSchedule
 from .uvit import UViT
+from .vp_sde import euler_maruyama
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
