@@ -7,6 +7,11 @@ starts: by then every ``on_validation_epoch_start`` hook has run, so Lightning's
 ``EMAWeightAveraging`` has swapped the averaged weights in, whatever the callback order.
 Rank 0 generates and measures; the values are broadcast and logged on every rank as
 ``val/fid``, ``val/kid_mean``, ``val/isc_mean`` ...
+
+U-ViT's checkpoint choice (``train.py``): during ``fit`` a cheap FID (10k samples, 50 DPM-Solver
+steps) scores every saved checkpoint; a ``ModelCheckpoint(monitor="val/fid", mode="min")`` keeps
+them and names the best. The reported number is a ``validate`` run of that checkpoint with
+``report_num_samples`` (50k) drawn by the model's own sampler (or ``report_sampler``).
 """
 from __future__ import annotations
 
@@ -65,6 +70,9 @@ class GenerationMetrics(Callback):
         kid, isc: also compute KID and IS (when the extractor provides them).
         kid_subset_size: KID subset size (capped by the number of images).
         sampler, num_sampling_steps, guidance_scale: override the model's sampling settings.
+        report_num_samples: set: ``validate`` runs draw this many images with
+            ``report_sampler``/``report_num_sampling_steps`` (None: the model's own) instead of the
+            ``fit`` settings above; None: ``validate`` uses the ``fit`` settings.
         seed: seed of the first sampling batch (batch ``i`` uses ``seed + i``).
     """
 
@@ -87,10 +95,15 @@ class GenerationMetrics(Callback):
         sampler: Optional[str] = None,
         num_sampling_steps: Optional[int] = None,
         guidance_scale: Optional[float] = None,
+        report_num_samples: Optional[int] = None,
+        report_sampler: Optional[str] = None,
+        report_num_sampling_steps: Optional[int] = None,
         seed: int = 0,
     ) -> None:
         check_positive("GenerationMetrics", num_samples=num_samples, batch_size=batch_size,
                        kid_subset_size=kid_subset_size)
+        if report_num_samples is not None:
+            check_positive("GenerationMetrics", report_num_samples=report_num_samples)
         every_n_epochs = check_every_n_epochs("GenerationMetrics", every_n_epochs)
         if reference_split not in ("train", "val"):
             raise ValueError(f"reference_split must be 'train' or 'val', got {reference_split!r}")
@@ -111,6 +124,9 @@ class GenerationMetrics(Callback):
         self.sampler = sampler
         self.num_sampling_steps = num_sampling_steps
         self.guidance_scale = guidance_scale
+        self.report_num_samples = report_num_samples
+        self.report_sampler = report_sampler
+        self.report_num_sampling_steps = report_num_sampling_steps
         self.seed = seed
         self.last_metrics: dict[str, float] = {}
 
@@ -155,16 +171,24 @@ class GenerationMetrics(Callback):
             f"{reference_fingerprint(datamodule, indices)}")
         return images, name
 
+    def sampling_settings(self, trainer: Trainer) -> tuple[int, Optional[str], Optional[int]]:
+        """``(num_samples, sampler, num_sampling_steps)`` of this run: the report settings in
+        ``validate`` when ``report_num_samples`` is set, else the ``fit`` ones."""
+        if trainer.state.fn == "validate" and self.report_num_samples is not None:
+            return self.report_num_samples, self.report_sampler, self.report_num_sampling_steps
+        return self.num_samples, self.sampler, self.num_sampling_steps
+
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
-        """Generate ``num_samples`` images and measure them against the reference."""
+        """Generate images and measure them against the reference."""
         reference, cache_name = self.reference_images(trainer, pl_module)
+        num_samples, sampler, num_steps = self.sampling_settings(trainer)
 
         def generate(batch_index: int, size: int) -> torch.Tensor:
             labels = pl_module.grid_labels(size, start=batch_index * self.batch_size)  # balanced over the set
-            return pl_module.generate_images(size, labels, seed=self.seed + batch_index, sampler=self.sampler,
-                                             num_steps=self.num_sampling_steps, guidance_scale=self.guidance_scale)
+            return pl_module.generate_images(size, labels, seed=self.seed + batch_index, sampler=sampler,
+                                             num_steps=num_steps, guidance_scale=self.guidance_scale)
 
-        generated = GeneratedImages(generate, self.num_samples, self.batch_size)
+        generated = GeneratedImages(generate, num_samples, self.batch_size)
         cache_root = self.cache_root or os.path.join(trainer.default_root_dir, "fid_cache")
         return generation_metrics(
             generated, reference, cache_name, cache_root, feature_extractor=self.feature_extractor,

@@ -2,8 +2,9 @@
 Connections Harm Generative Representation Learning", section 5; Bao et al. 2023).
 
 Training: ``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps`` with ``t`` uniform over the
-training timesteps and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``. Class-conditional
-models replace the label by the null class with probability ``label_dropout`` and sample with
+training timesteps (``noise_process: discrete``) or over ``[0, 1]`` on U-ViT's continuous VP SDE
+(``vp_sde``, network input ``t * 999``), and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``.
+Class-conditional models replace the label by the null class with probability ``label_dropout`` and sample with
 classifier-free guidance ``eps_u + guidance_scale * (eps_c - eps_u)`` (1 = no guidance;
 U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods.diffusion_sampling`.
 
@@ -34,12 +35,12 @@ from lightning.pytorch import LightningModule
 
 from callbacks.feature_collection import isolated_eval
 from callbacks.pictures import image_grid, log_picture
-from .diffusion_sampling import (check_sampler, make_sampler, run_sampler, schedule_config,
-                                 training_scheduler)
+from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
 from .latent_vae import FrozenVAE
 from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from .shortcut import ShortcutSchedule
 from .uvit import UViT
+from .vp_sde import euler_maruyama
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
@@ -68,9 +69,15 @@ class DiffusionModule(LightningModule):
         patch_size, embed_dim, depth, num_heads, mlp_ratio, qkv_bias, mlp_time_embed,
             final_conv: the U-ViT (defaults: U-ViT-S of SPEC section 3).
         shortcut: decay schedule over all blocks in, mid and out.
-        zero_init_branches: zero the last linear layer of every residual branch.
-        num_train_timesteps, beta_schedule, beta_start, beta_end: the noise schedule.
-        sampler: ``ddpm`` (ancestral), ``ddim`` or ``dpmsolver++``; ``num_sampling_steps`` steps.
+        zero_init_branches: zero the last linear layer of every residual branch (``False``: U-ViT's
+            own init, truncated normal 0.02 everywhere).
+        noise_process: ``discrete`` (DDPM) or ``vp_sde`` (U-ViT's continuous VP SDE, see
+            :mod:`lightning_mods.diffusion_sampling`).
+        num_train_timesteps, beta_schedule, beta_start, beta_end: the noise schedule (``vp_sde``:
+            linear, ``beta(t)`` from ``num_train_timesteps * beta_start`` to ``... * beta_end``).
+        sampler: ``ddpm`` (ancestral), ``ddim``, ``dpmsolver++`` (multistep, order 2),
+            ``dpmsolver++_singlestep`` (order 3) or ``euler_maruyama`` (``vp_sde`` only);
+            ``num_sampling_steps`` steps.
         guidance_scale: classifier-free guidance at sampling (1 = none).
         label_dropout: probability of training a sample with the null class.
         clip_sample: clip the predicted ``x_0`` to [-1, 1] in DDPM/DDIM (None: pixel mode only).
@@ -80,7 +87,9 @@ class DiffusionModule(LightningModule):
             ``setup`` and recorded here, so checkpoints carry it).
         lr: peak AdamW learning rate (for ``reference_batch`` samples when that is set: then the
             peak is ``lr * global batch / reference_batch``).
-        weight_decay, betas: AdamW; no decay on norms, biases, position and class embeddings.
+        weight_decay, betas: AdamW.
+        decay_all_parameters: decay every parameter as U-ViT does; ``False``: no decay on norms,
+            biases, position and class embeddings (:func:`~lightning_mods.optim.param_groups_weight_decay`).
         warmup_steps: linear warm-up in optimiser steps, then ``lr_schedule``: ``constant``
             (U-ViT) or ``cosine`` to ``min_lr_ratio * peak``.
         num_sample_images, sample_seed: the sample grid drawn at every validation.
@@ -104,11 +113,12 @@ class DiffusionModule(LightningModule):
         final_conv: bool = True,
         shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.7),
         zero_init_branches: bool = True,
+        noise_process: Literal["discrete", "vp_sde"] = "discrete",
         num_train_timesteps: int = 1000,
         beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear",
         beta_start: float = 1e-4,
         beta_end: float = 0.02,
-        sampler: Literal["ddpm", "ddim", "dpmsolver++"] = "ddpm",
+        sampler: Literal["ddpm", "ddim", "dpmsolver++", "dpmsolver++_singlestep", "euler_maruyama"] = "ddpm",
         num_sampling_steps: int = 1000,
         guidance_scale: float = 1.0,
         label_dropout: float = 0.1,
@@ -120,6 +130,7 @@ class DiffusionModule(LightningModule):
         lr: float = 2e-4,
         reference_batch: Optional[int] = None,
         weight_decay: float = 0.03,
+        decay_all_parameters: bool = False,
         betas: tuple[float, float] = (0.99, 0.999),
         warmup_steps: int = 2500,
         lr_schedule: Literal["constant", "cosine"] = "constant",
@@ -143,8 +154,9 @@ class DiffusionModule(LightningModule):
             raise ValueError(f"reference_batch must be > 0 or null, got {reference_batch}")
         if num_sample_images < 0:
             raise ValueError(f"num_sample_images must be >= 0, got {num_sample_images}")
-        self.schedule_config = schedule_config(num_train_timesteps, beta_schedule, beta_start, beta_end)
-        check_sampler(sampler, num_sampling_steps, num_train_timesteps)
+        self.noise_process = make_noise_process(noise_process, num_train_timesteps, beta_schedule, beta_start,
+                                                beta_end)
+        check_sampler(sampler, num_sampling_steps, num_train_timesteps, noise_process)
         if not 0 <= feature_timestep < num_train_timesteps:
             raise ValueError(f"feature_timestep must be in [0, {num_train_timesteps - 1}], got {feature_timestep}")
         for name, stats in (("pixel_mean", pixel_mean), ("pixel_std", pixel_std)):
@@ -173,7 +185,6 @@ class DiffusionModule(LightningModule):
         self.feature_block = num_blocks // 2 if feature_block is None else feature_block
         if not 0 <= self.feature_block < num_blocks:
             raise ValueError(f"feature_block must be in [0, {num_blocks - 1}], got {feature_block}")
-        self.noise_scheduler = training_scheduler(self.schedule_config)
         self.num_features = embed_dim
 
     # --- data space ------------------------------------------------------------------------
@@ -234,20 +245,25 @@ class DiffusionModule(LightningModule):
         return self.model(x, timesteps, y)
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        """``sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise`` (diffusers' DDPMScheduler)."""
-        return self.noise_scheduler.add_noise(x0, noise, timesteps)
+        """``sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise`` at integer ``timesteps`` of the grid (``vp_sde``:
+        the continuous times ``(timesteps + 1) / num_train_timesteps``)."""
+        return self.noise_process.add_noise(x0, noise, self.noise_process.grid_time(timesteps))
+
+    def grid_network_time(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """The network's time input at integer ``timesteps`` of the grid."""
+        return self.noise_process.network_time(self.noise_process.grid_time(timesteps))
 
     def diffusion_loss(self, x0: torch.Tensor, labels: Optional[torch.Tensor],
                        generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Noise-prediction MSE at uniform random timesteps (``generator``: a CPU generator)."""
-        b = x0.shape[0]
+        """Noise-prediction MSE at uniform random times (``generator``: a CPU generator; draws the
+        noise, then the times)."""
         if generator is None:
             noise = torch.randn_like(x0)
-            t = torch.randint(0, self.hparams.num_train_timesteps, (b,), device=x0.device)
         else:
             noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
-            t = torch.randint(0, self.hparams.num_train_timesteps, (b,), generator=generator).to(x0.device)
-        return F.mse_loss(self(self.add_noise(x0, noise, t), t, labels).float(), noise.float())
+        t = self.noise_process.draw_times(x0.shape[0], generator, x0.device)
+        x_t = self.noise_process.add_noise(x0, noise, t)
+        return F.mse_loss(self(x_t, self.noise_process.network_time(t), labels).float(), noise.float())
 
     def _condition(self, labels: torch.Tensor, dropout: float,
                    generator: Optional[torch.Generator] = None) -> Optional[torch.Tensor]:
@@ -277,8 +293,8 @@ class DiffusionModule(LightningModule):
 
     def predict_noise(self, x: torch.Tensor, t: torch.Tensor, labels: Optional[torch.Tensor],
                       guidance_scale: float) -> torch.Tensor:
-        """``eps`` at one sampling step, with classifier-free guidance for labelled samples."""
-        timesteps = t.to(x.device).long().expand(x.shape[0])
+        """``eps`` at network time ``t`` (a scalar), with classifier-free guidance for labelled samples."""
+        timesteps = t.to(x.device).expand(x.shape[0])
         if labels is None or not self.class_conditional or guidance_scale == 1.0:
             return self.model(x, timesteps, labels if self.class_conditional else None).float()
         null = torch.full_like(labels, self.model.null_class)
@@ -294,13 +310,13 @@ class DiffusionModule(LightningModule):
 
         ``labels=None`` samples unconditionally (the null class for a class-conditional model).
         Deterministic for a given ``seed``: the generator lives on the CPU. DDPM and DDIM clip
-        their predicted ``x0`` to ``[-1, 1]`` in pixel mode; DPM-Solver++ does not, so an
-        untrained model's samples can leave that range (``to_pixels`` clamps them).
+        their predicted ``x0`` to ``[-1, 1]`` in pixel mode; DPM-Solver++ and Euler-Maruyama do
+        not, so an untrained model's samples can leave that range (``to_pixels`` clamps them).
         """
         sampler = sampler or self.hparams.sampler
         num_steps = num_steps or self.hparams.num_sampling_steps
         scale = self.hparams.guidance_scale if guidance_scale is None else guidance_scale
-        check_sampler(sampler, num_steps, self.hparams.num_train_timesteps)
+        check_sampler(sampler, num_steps, self.hparams.num_train_timesteps, self.noise_process.name)
         if labels is not None:
             if not self.class_conditional:
                 raise ValueError("labels: this model is unconditional (class_conditional=False)")
@@ -310,10 +326,15 @@ class DiffusionModule(LightningModule):
         generator = torch.Generator().manual_seed(int(seed))
         shape = (num_samples, self.hparams.in_chans, self.hparams.image_size, self.hparams.image_size)
         noise = torch.randn(shape, generator=generator).to(self.device)
-        scheduler = make_sampler(sampler, self.schedule_config, self.clip_sample)
+        predict = partial(self.predict_noise, labels=labels, guidance_scale=scale)
+        process = self.noise_process
         with isolated_eval(self), self._forward_context():
-            return run_sampler(partial(self.predict_noise, labels=labels, guidance_scale=scale),
-                               noise, scheduler, num_steps, generator)
+            if sampler == "euler_maruyama":
+                return euler_maruyama(lambda x, t: predict(x, process.network_time(t)), process.sde, noise,
+                                      num_steps, generator)
+            scheduler = make_sampler(sampler, process.config, self.clip_sample)
+            return run_sampler(lambda x, i: predict(x, self.grid_network_time(i)), noise, scheduler, num_steps,
+                               generator)
 
     @torch.no_grad()
     def generate_images(self, num_samples: int, labels: Optional[torch.Tensor] = None, seed: int = 0,
@@ -359,8 +380,8 @@ class DiffusionModule(LightningModule):
         generator = torch.Generator().manual_seed(self.hparams.feature_seed if seed is None else int(seed))
         noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
         timesteps = torch.full((x0.shape[0],), t, dtype=torch.long, device=x0.device)
-        outputs = self.model.forward_blocks(self.add_noise(x0, noise, timesteps), timesteps, None,
-                                            num_blocks=max(blocks) + 1)
+        outputs = self.model.forward_blocks(self.add_noise(x0, noise, timesteps), self.grid_network_time(timesteps),
+                                            None, num_blocks=max(blocks) + 1)
         prefix = self.model.num_prefix_tokens
         return [outputs[b][:, prefix:].mean(dim=1) for b in blocks]
 
@@ -384,7 +405,11 @@ class DiffusionModule(LightningModule):
         if self.hparams.reference_batch is not None:
             peak = scaled_lr(peak, global_batch_size(self.trainer),
                              self.hparams.reference_batch)
-        groups = param_groups_weight_decay(self.model, self.hparams.weight_decay)
+        if self.hparams.decay_all_parameters:  # U-ViT: AdamW(nnet.parameters(), weight_decay=...)
+            groups = [{"params": [p for p in self.model.parameters() if p.requires_grad],
+                       "weight_decay": self.hparams.weight_decay}]
+        else:
+            groups = param_groups_weight_decay(self.model, self.hparams.weight_decay)
         optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(self.hparams.warmup_steps, max(0, total - 1))

@@ -3,7 +3,12 @@
 - no weight decay on norms, biases, position embeddings, tokens and shortcut alphas;
 - peak learning rate = base lr x global batch / 256, where the global batch is
   per-device batch x devices x nodes x gradient accumulation;
-- per-step linear warm-up, then cosine to ``min_lr_ratio * peak``.
+- per-step linear warm-up from 0, then cosine to ``min_lr_ratio * peak``.
+
+Step counting: ``LambdaLR`` applies ``multiplier(0)`` to the first optimiser step and Lightning
+steps it after every optimiser step, so step ``s`` runs at ``multiplier(s)``. The warm-up is
+``s / warmup_steps`` as in U-ViT's ``customized_lr_scheduler`` and MAE's per-iteration
+``adjust_learning_rate`` (both start at 0 and reach the peak at ``s = warmup_steps``).
 """
 from __future__ import annotations
 
@@ -58,9 +63,10 @@ def scaled_lr(base_lr: float, global_batch: int, reference_batch: int = 256) -> 
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> float:
-    """LR multiplier at optimiser step ``step``: linear warm-up from ~0, then cosine to min."""
+    """LR multiplier at optimiser step ``step`` (0 = the first): ``step / warmup_steps`` during the
+    warm-up, then cosine from 1 at ``warmup_steps`` to ``min_lr_ratio`` at ``total_steps``."""
     if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return step / warmup_steps
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -63,13 +63,14 @@ def test_pixel_space_round_trip_uses_the_datamodule_normalisation():
     torch.testing.assert_close(module.to_pixels(module.to_model_space(normalised)), pixels)
 
 
-@pytest.mark.parametrize("sampler", ["ddpm", "ddim", "dpmsolver++"])
-def test_sampler_shape_range_and_seed_determinism(sampler):
+@pytest.mark.parametrize("sampler,process", [("ddpm", "discrete"), ("ddim", "discrete"), ("dpmsolver++", "discrete"),
+                                             ("dpmsolver++_singlestep", "discrete"), ("euler_maruyama", "vp_sde")])
+def test_sampler_shape_range_and_seed_determinism(sampler, process):
     torch.manual_seed(0)
-    module = DiffusionModule(**TINY, sampler=sampler)
+    module = DiffusionModule(**TINY, sampler=sampler, noise_process=process)
     raw = module.sample(3, seed=7)
     assert raw.shape == (3, 1, 8, 8) and torch.isfinite(raw).all()
-    if sampler != "dpmsolver++":  # DDPM/DDIM clip the predicted x0 to [-1, 1] in pixel mode
+    if sampler in ("ddpm", "ddim"):  # DDPM/DDIM clip the predicted x0 to [-1, 1] in pixel mode
         assert raw.abs().max() <= 1.0 + 1e-5
     images = module.generate_images(3, seed=7)
     assert images.shape == (3, 1, 8, 8) and images.min() >= 0 and images.max() <= 1
@@ -79,7 +80,7 @@ def test_sampler_shape_range_and_seed_determinism(sampler):
 
 
 @pytest.mark.parametrize("sampler,steps", [("ddpm", 1000), ("ddpm", 20), ("ddpm", 7), ("ddim", 50), ("ddim", 8), ("dpmsolver++", 7),
-                                           ("dpmsolver++", 25)])
+                                           ("dpmsolver++", 25), ("dpmsolver++_singlestep", 50), ("dpmsolver++_singlestep", 7)])
 def test_samplers_recover_a_point_mass_with_the_exact_noise(sampler, steps):
     """Data = one image x0: the exact noise is (x_t - sqrt(abar_t) x0) / sqrt(1 - abar_t), in float64
     from the closed form, and every sampler must then land on x0 whatever its number of steps."""
@@ -170,7 +171,8 @@ def test_bad_arguments_raise_one_line_errors():
                           ({"class_conditional": True}, "num_classes"), ({"feature_block": 3}, "feature_block"),
                           ({"beta_schedule": "cosine"}, "beta_schedule"), ({"lr_schedule": "step"}, "lr_schedule"),
                           ({"label_dropout": 1.5}, "label_dropout"), ({"pixel_mean": [0.5, 0.5]}, "pixel_mean"),
-                          ({"feature_timestep": 1000}, "feature_timestep")]:
+                          ({"feature_timestep": 1000}, "feature_timestep"),
+                          ({"sampler": "euler_maruyama"}, "noise_process"), ({"noise_process": "sde"}, "noise_process")]:
         with pytest.raises(ValueError, match=field):
             DiffusionModule(**{**TINY, **kwargs})
 
@@ -181,7 +183,7 @@ def test_constant_lr_schedule_warms_up_then_holds_the_peak():
     module.trainer = SimpleNamespace(estimated_stepping_batches=100)
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
     multiplier = scheduler.lr_lambdas[0]
-    assert multiplier(0) == 0.1 and multiplier(9) == 1.0 and multiplier(50) == 1.0 and multiplier(99) == 1.0
+    assert multiplier(0) == 0.0 and multiplier(1) == 0.1 and multiplier(10) == 1.0 and multiplier(50) == 1.0 and multiplier(99) == 1.0
 
 
 class RecordWeights(Callback):

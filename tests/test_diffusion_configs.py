@@ -46,6 +46,7 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
             continue
         fid = callback.setdefault("init_args", {})
         fid.update(num_samples=8, batch_size=4, num_sampling_steps=2, num_reference=8,
+                   report_num_samples=8 if fid.get("report_num_samples") else None, report_num_sampling_steps=2,
                    feature_extractor=register_tiny_extractor(), feature_extractor_weights_path=None,
                    cache_root=str(tmp_path / "fid_cache"))
         if fid.get("reference"):
@@ -64,7 +65,7 @@ def test_fit_one_step_then_validate_from_checkpoint(config_path, tmp_path, data_
     common = [f"--config={test_config}", "--trainer.accelerator=cpu", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.strategy=auto", "--trainer.precision=32-true",
               "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path / 'run'}",
-              "--trainer.limit_val_batches=1"]
+              "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1"]
     fitted = cli.main(["fit", *common, "--trainer.max_steps=1", "--trainer.max_epochs=1",
                        "--trainer.limit_train_batches=1", "--trainer.check_val_every_n_epoch=1"])
     assert torch.isfinite(fitted.trainer.callback_metrics["train/loss"])
@@ -78,3 +79,45 @@ def test_fit_one_step_then_validate_from_checkpoint(config_path, tmp_path, data_
     assert torch.isfinite(metrics["val/loss"])
     if "callbacks.fid.GenerationMetrics" in config_path.read_text():
         assert torch.isfinite(metrics["val/fid"]) and metrics["val/fid"] >= 0
+
+
+def readme_init_and_decay() -> dict[str, tuple[str, str]]:
+    """``file -> (residual branches at init, weight decay)`` from the table in configs/README.md."""
+    rows = {}
+    for line in (CONFIG_DIR / "README.md").read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].endswith(".yaml") and cells[1] in ("zero", "U-ViT's"):
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+@pytest.mark.parametrize("config_path", DIFFUSION_CONFIGS, ids=[p.stem for p in DIFFUSION_CONFIGS])
+def test_init_and_weight_decay_are_what_the_readme_says(config_path):
+    """Each config's own settings, on a narrow copy of its model: zeroed branch outputs or not, and
+    which parameters AdamW decays."""
+    from types import SimpleNamespace
+
+    from lightning_mods.diffusion import DiffusionModule
+    from lightning_mods.shortcut import ShortcutSchedule
+
+    init, decay = readme_init_and_decay()[config_path.name]
+    args = dict(yaml.safe_load(config_path.read_text())["model"]["init_args"])
+    args["shortcut"] = ShortcutSchedule(**args["shortcut"]["init_args"])
+    args.update(embed_dim=16, depth=2, num_heads=2, vae_path=None, num_classes=3, in_chans=4, image_size=8,
+                feature_block=None)
+    torch.manual_seed(0)
+    module = DiffusionModule(**args)
+    module.trainer = SimpleNamespace(estimated_stepping_batches=10, world_size=1, accumulate_grad_batches=1,
+                                     datamodule=SimpleNamespace(batch_size=args.get("reference_batch") or 1))
+    for blk in module.model.blocks_in_depth_order():
+        zeroed = [torch.count_nonzero(layer.weight).item() == 0 for layer in (blk.attn.proj, blk.mlp.fc2)]
+        assert zeroed == [init == "zero"] * 2, config_path.name
+    optimizer = module.configure_optimizers()["optimizer"]
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {n for n, p in module.model.named_parameters() if id(p) in decayed}
+    everything = {n for n, p in module.model.named_parameters() if p.requires_grad}
+    if decay == "all parameters":
+        assert names == everything
+    else:
+        assert decay == "weights only" and "pos_embed" not in names and "in_blocks.0.norm1.weight" not in names
+        assert "in_blocks.0.attn.qkv.weight" in names

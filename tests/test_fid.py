@@ -211,3 +211,65 @@ def test_cli_validate_from_a_checkpoint_computes_fid_with_the_cached_reference(t
     # same EMA weights, same seeds: the same samples and the same FID as at the end of fit
     assert fid == pytest.approx(fitted.trainer.callback_metrics["val/fid"].item(), rel=1e-6)
     assert stats.stat().st_mtime_ns == stamp
+
+
+class RecordFid(Callback):
+    """(global step, val/fid) at the end of every validation of ``fit``."""
+
+    def __init__(self, metrics: GenerationMetrics) -> None:
+        self.metrics, self.history = metrics, []
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.state.fn == "fit":
+            self.history.append((trainer.global_step, self.metrics.last_metrics["fid"]))
+
+
+def test_checkpoint_choice_by_fid_then_report_with_more_samples(tmp_path):
+    """U-ViT's protocol in small: a checkpoint and a cheap FID every 2 steps, the best kept by
+    ModelCheckpoint(monitor=val/fid), then ``validate`` of that checkpoint with the report settings."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    module = DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=16, depth=2, num_heads=2,
+                             num_sampling_steps=2, num_sample_images=0, lr=3e-2, warmup_steps=0)
+    fid_kwargs = dict(num_samples=12, batch_size=12, every_n_epochs=1, feature_extractor=TINY_EXTRACTOR,
+                      kid=False, isc=False, cache_root=str(tmp_path / "cache"), reference_split="val",
+                      num_reference=40)
+    metrics = GenerationMetrics(**fid_kwargs, report_num_samples=20, report_num_sampling_steps=3)
+    record = RecordFid(metrics)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="val/fid", mode="min", save_top_k=-1,
+                                  save_last="link", filename="step{step}-fid10k{val/fid:.4f}",
+                                  auto_insert_metric_name=False)
+    data = Digits(batch_size=16, image_size=8)
+    common = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=1, default_root_dir=tmp_path)
+    trainer = Trainer(max_steps=6, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                      callbacks=[metrics, record, checkpoints], **common)
+    trainer.fit(module, datamodule=data)
+    steps = [s for s, _ in record.history]
+    assert steps == [2, 4, 6]
+    best_step, best_fid = min(record.history, key=lambda pair: pair[1])
+    assert Path(checkpoints.best_model_path).name == f"step{best_step}-fid10k{best_fid:.4f}.ckpt"
+    assert len(list((tmp_path / "ckpts").glob("step*-fid10k*.ckpt"))) == 3
+    assert Path(checkpoints.last_model_path).is_symlink()  # save_last: link, no extra copy
+
+    class CountSamples(Callback):
+        def on_validation_start(self, trainer, pl_module):
+            original, self.calls = DiffusionModule.generate_images.__get__(pl_module), []
+
+            def counting(n, labels=None, seed=0, sampler=None, num_steps=None, guidance_scale=None):
+                self.calls.append((n, sampler, num_steps))
+                return original(n, labels, seed=seed, sampler=sampler, num_steps=num_steps,
+                                guidance_scale=guidance_scale)
+
+            pl_module.generate_images = counting
+
+    # the best checkpoint holds the weights that were scored: the same FID with the fit settings
+    count = CountSamples()
+    again = Trainer(callbacks=[GenerationMetrics(**fid_kwargs), count], **common)
+    again.validate(module, datamodule=data, ckpt_path=checkpoints.best_model_path)
+    assert again.callback_metrics["val/fid"].item() == pytest.approx(best_fid, rel=1e-5)
+    assert count.calls == [(12, None, None)]  # the model's own sampler and steps
+    report = Trainer(callbacks=[metrics, count], **common)
+    report.validate(module, datamodule=data, ckpt_path=checkpoints.best_model_path)
+    assert count.calls == [(12, None, 3), (8, None, 3)]  # 20 report samples in batches of 12, 3 steps

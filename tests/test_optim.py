@@ -24,8 +24,10 @@ def test_global_batch_counts_devices_nodes_and_accumulation():
 
 
 def test_warmup_then_cosine_hand_computed():
-    assert warmup_cosine(0, 10, 110) == pytest.approx(0.1)
-    assert warmup_cosine(9, 10, 110) == pytest.approx(1.0)
+    # U-ViT's customized_lr_scheduler: min(step / warmup, 1); MAE: lr * (iteration / epoch length) / warmup
+    assert warmup_cosine(0, 10, 110) == 0.0
+    assert warmup_cosine(1, 10, 110) == pytest.approx(0.1)
+    assert warmup_cosine(9, 10, 110) == pytest.approx(0.9)
     assert warmup_cosine(10, 10, 110) == pytest.approx(1.0)
     assert warmup_cosine(60, 10, 110) == pytest.approx(0.5)
     assert warmup_cosine(35, 10, 110) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.25)))
@@ -53,7 +55,41 @@ def test_mae_peak_lr_and_no_decay_groups():
     sched = config["lr_scheduler"]["scheduler"]
     assert config["lr_scheduler"]["interval"] == "step"
     # 2 of 10 epochs of 1000 steps are warm-up: 200 steps
-    assert sched.lr_lambdas[0](199) == pytest.approx(1.0) and sched.lr_lambdas[0](99) == pytest.approx(0.5)
+    assert sched.lr_lambdas[0](200) == pytest.approx(1.0) and sched.lr_lambdas[0](100) == pytest.approx(0.5)
+    assert sched.lr_lambdas[0](199) == pytest.approx(199 / 200)
+
+
+def test_lightning_runs_the_first_steps_at_0_then_1_over_warmup_of_the_peak(tmp_path):
+    """The learning rates the optimiser actually used, read before each step of a real fit."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_mods.optim import warmup_cosine_scheduler
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.8)
+            return {"optimizer": opt, "lr_scheduler": warmup_cosine_scheduler(opt, 4, 8)}
+
+    seen = []
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(optimizer.param_groups[0]["lr"])
+
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
+                        default_root_dir=tmp_path)
+    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(12, 2)), batch_size=2))
+    # by hand: 0.8 * (0/4, 1/4, 2/4, 3/4), then the cosine from the peak over 4 steps
+    assert seen == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 0.8 * 0.5 * (1 + math.cos(math.pi / 4))])
 
 
 def test_param_groups_skip_frozen_parameters():
