@@ -9,8 +9,6 @@ linked from the datamodule to the model; a model that has no such argument ignor
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
 import logging
 import os
 import pickle
@@ -36,8 +34,8 @@ from callbacks.prediction_writer import PredictionWriter
 from callbacks.nonfinite_guard import NonFiniteTrainingError
 from callbacks.preemption import received_signal
 
-from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, load_checkpoint,
-                                       setting_conflicts, state_dict_mismatch)
+from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, init_parameters,
+                                       load_checkpoint, setting_conflicts, state_dict_mismatch)
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
@@ -310,7 +308,7 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
         bad = ".".join([*keys, match.group(1)])
         if class_path:  # compare the last part only: the shared prefix would make anything "close"
             prefix = ".".join(keys)
-            known = sorted(_init_parameters(class_path) or [])
+            known = sorted(init_parameters(class_path) or [])
             close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
             hint = f"; did you mean '{prefix}.{close[0]}'?" if close else ""
             return f"{bad}: unknown key of {class_path}{hint}"

@@ -58,7 +58,7 @@ def pair(kind: str, alpha_min: float, depth: int, decoder_depth: int, seed: int 
                 torch.testing.assert_close(p, theirs, rtol=0, atol=1e-6)
             p.copy_(theirs)
             copied.add(reference_name(name))
-    unused = {n for n in ref_params if re.match(rf"skip\.(\d+)\.", n)
+    unused = {n for n in ref_params if re.match(r"skip\.(\d+)\.", n)
               and int(n.split(".")[1]) >= decoder_depth}  # the authors' fusions that never run
     fixed = {"decoder_pos_embed"}
     assert set(ref_params) - copied == unused | fixed
