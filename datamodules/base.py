@@ -239,7 +239,7 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
         # Dropping the last batch of a split smaller than one batch would leave an empty epoch.
         drop_last = self.drop_last_train and len(self.train_dataset) >= self.batch_size
         return self.resumable_train_loader(self.train_dataset, self.batch_size, drop_last=drop_last,
-                                           num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                           num_workers=self.num_workers, pin_memory=self.pin_memory and self.feeds_cuda(),
                                            persistent_workers=self.persistent_workers)
 
     def val_dataloader(self) -> DataLoader:

@@ -218,8 +218,8 @@ def test_ckpt_path_with_other_settings_or_weights_is_a_one_line_error(tmp_path):
     assert cli.root_message(err.value).startswith(
         f"--ckpt_path: model.shortcut.alpha_min: 0.6 in the config, checkpoint {str(path)!r} has 1.0")
     with pytest.raises(ValueError) as err:  # geometry linked from the data: the first differing weight
-        cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--data.init_args.image_size=8"])
-    assert "does not fit the model: encoder.pos_embed is (1, 5, 16) there and (1, 2, 16) here" in \
+        cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--data.init_args.image_size=24"])
+    assert "does not fit the model: encoder.pos_embed is (1, 5, 16) there and (1, 10, 16) here" in \
         cli.root_message(err.value)
     out = cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false", "--trainer.logger=false"])

@@ -49,8 +49,10 @@ def test_mae_peak_lr_and_no_decay_groups():
     decayed_names = {names[i] for i in decayed}
     assert all(p.ndim >= 2 for n, p in model.named_parameters() if n in decayed_names)
     for n in names.values():
-        if n.endswith(".bias") or "norm" in n or "token" in n:
+        if n.endswith(".bias") or "norm" in n:
             assert n not in decayed_names, n
+    # as both MAE repositories (add_weight_decay), the 3-D cls and mask tokens are decayed
+    assert {"encoder.cls_token", "decoder.cls_token"} <= decayed_names
     assert "encoder.blocks.0.attn.qkv.weight" in decayed_names
     sched = config["lr_scheduler"]["scheduler"]
     assert config["lr_scheduler"]["interval"] == "step"
