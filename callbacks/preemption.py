@@ -97,10 +97,6 @@ class PreemptionCheckpoint(Callback):
             message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint (non-finite weights)"
         else:
             self.saved_path = self._directory(trainer) / f"{self.filename}.ckpt"
-            if trainer.is_global_zero and self.saved_path.is_symlink():
-                # ModelCheckpoint(save_last="link") points last.ckpt at a kept checkpoint (e.g. the
-                # best FID); writing through the link would replace that file with this state
-                self.saved_path.unlink()
             trainer.save_checkpoint(self.saved_path)
             message = (f"shortcutlab: stopped by {name} at step {trainer.global_step}; resumable checkpoint "
                        f"{self.saved_path} (resume: fit ... --ckpt_path {self.saved_path})")

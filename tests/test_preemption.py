@@ -85,32 +85,3 @@ def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(co
                    and c.get("init_args", {}).get("save_top_k", 1) != 0]
     assert every_epoch, "no ModelCheckpoint saving at every training epoch's end"
 
-
-def test_preemption_checkpoint_replaces_a_last_link_instead_of_writing_through_it(tmp_path):
-    """``ModelCheckpoint(save_last="link")`` (the U-ViT configs) makes ``last.ckpt`` a link to a
-    kept checkpoint, e.g. the best FID; the pre-emption checkpoint must not overwrite that file."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.demos.boring_classes import BoringModel
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    from callbacks.preemption import PreemptionCheckpoint
-
-    folder = tmp_path / "checkpoints"
-    preemption = PreemptionCheckpoint()
-    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                      callbacks=[ModelCheckpoint(dirpath=folder, save_last="link"), preemption])
-    model = BoringModel()
-    trainer.fit(model)
-    link = folder / "last.ckpt"
-    assert link.is_symlink()
-    kept = link.resolve()
-    kept_bytes = kept.read_bytes()
-    with torch.no_grad():
-        model.layer.weight.add_(1.0)  # the state at the signal differs from the kept checkpoint
-    preemption.on_exception(trainer, model, SIGTERMException())
-    assert kept.read_bytes() == kept_bytes  # the linked checkpoint is untouched
-    assert not link.is_symlink()
-    saved = torch.load(link, map_location="cpu", weights_only=True)["state_dict"]["layer.weight"]
-    assert torch.equal(saved, model.layer.weight.detach())
