@@ -128,8 +128,8 @@ class ShortcutLabCLI(LightningCLI):
         except ArgumentError as err:
             raise BadInput(explain_parse_error(err, self.option_names(args))) from err
         subcommand = self.config.get("subcommand")
-        if subcommand:
-            check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+        # read once here; _parse_ckpt_path uses it (checkpoints of large models are gigabytes)
+        self._checked_ckpt = check_ckpt_path(self.config[subcommand].get("ckpt_path")) if subcommand else None
 
     def option_names(self, args: Optional[list[str]]) -> list[str]:
         """The ``--options`` of the subcommand named in ``args`` (``sys.argv`` when None)."""
@@ -154,7 +154,8 @@ class ShortcutLabCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path")
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt = getattr(self, "_checked_ckpt", None) or load_checkpoint(ckpt_path)
+        self._checked_ckpt = None
         if "_class_path" not in (ckpt.get("hyper_parameters") or {}):
             return super()._parse_ckpt_path()
         written = checkpoint_model_config(ckpt, ckpt_path)
@@ -226,12 +227,12 @@ class BadInput(ValueError):
 LIGHTNING_CKPT_ALIASES = ("best", "last", "hpc", "registry")
 
 
-def check_ckpt_path(ckpt_path: Optional[str]) -> None:
-    """A one-line error unless ``ckpt_path`` is a Lightning checkpoint ``torch.load`` reads with
-    ``weights_only`` (a pickle that would run code is refused unread); Lightning's aliases
-    (``last``, ``best``, ...) and URLs are left to Lightning."""
+def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:
+    """The checkpoint at ``ckpt_path``, or a one-line error unless it is a Lightning checkpoint
+    ``torch.load`` reads with ``weights_only`` (a pickle that would run code is refused unread);
+    Lightning's aliases (``last``, ``best``, ...) and URLs are left to Lightning (``None``)."""
     if not ckpt_path or str(ckpt_path).split(":")[0] in LIGHTNING_CKPT_ALIASES or "://" in str(ckpt_path):
-        return
+        return None
     if not os.path.isfile(ckpt_path):
         raise BadInput(f"ckpt_path: no file '{ckpt_path}'")
     try:
@@ -243,6 +244,7 @@ def check_ckpt_path(ckpt_path: Optional[str]) -> None:
             from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise BadInput(f"ckpt_path: '{ckpt_path}' is a torch file but not a Lightning checkpoint (no 'state_dict')")
+    return ckpt
 
 
 def _load_failure(err: Exception) -> str:

@@ -53,6 +53,18 @@ def _same_weights(source: nn.Module, *targets: nn.Module) -> None:
         target.load_state_dict(source.state_dict(), strict=False)
 
 
+def _decayed_vs_timm(settings: Settings, label: str, stock: nn.Module, none: nn.Module, decay: nn.Module,
+                     batch: int, size: int) -> list[Row]:
+    """One backbone row pair: ``none`` and alpha-0.6 decay against the stock timm network, same weights."""
+    _same_weights(stock, none, decay)
+    x = torch.randn(batch, 3, size, size, device=settings.device)
+    y = torch.randint(0, 10, (batch,), device=settings.device)
+    return _compare("backbones vs timm (fwd+bwd)", settings, stock,
+                    {"decayed none / timm": none, "decayed alpha 0.6 / timm": decay},
+                    classification_loss(x, y), {"decayed none / timm": "<= 1.00",
+                                                "decayed alpha 0.6 / timm": "<= 1.02"}, label)
+
+
 def vit_vs_timm(settings: Settings) -> list[Row]:
     configs = settings.pick(
         [("ViT-Tiny/4 32px b64", dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3), 64),
@@ -64,13 +76,7 @@ def vit_vs_timm(settings: Settings) -> list[Row]:
         stock = VisionTransformer(num_classes=10, **cfg)
         none = DecayedVisionTransformer(shortcut=NONE, zero_init_branches=False, num_classes=10, **cfg)
         decay = DecayedVisionTransformer(shortcut=DECAY, zero_init_branches=False, num_classes=10, **cfg)
-        _same_weights(stock, none, decay)
-        x = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"], device=settings.device)
-        y = torch.randint(0, 10, (batch,), device=settings.device)
-        rows += _compare("backbones vs timm (fwd+bwd)", settings, stock,
-                         {"decayed none / timm": none, "decayed alpha 0.6 / timm": decay},
-                         classification_loss(x, y), {"decayed none / timm": "<= 1.00",
-                                                     "decayed alpha 0.6 / timm": "<= 1.02"}, label)
+        rows += _decayed_vs_timm(settings, label, stock, none, decay, batch, cfg["img_size"])
     return rows
 
 
@@ -92,13 +98,7 @@ def resnet_vs_timm(settings: Settings) -> list[Row]:
         stock = theirs()
         none = ours(shortcut=NONE, zero_init_branches=False, num_classes=10)
         decay = ours(shortcut=DECAY, zero_init_branches=False, num_classes=10)
-        _same_weights(stock, none, decay)
-        x = torch.randn(batch, 3, size, size, device=settings.device)
-        y = torch.randint(0, 10, (batch,), device=settings.device)
-        rows += _compare("backbones vs timm (fwd+bwd)", settings, stock,
-                         {"decayed none / timm": none, "decayed alpha 0.6 / timm": decay},
-                         classification_loss(x, y), {"decayed none / timm": "<= 1.00",
-                                                     "decayed alpha 0.6 / timm": "<= 1.02"}, label)
+        rows += _decayed_vs_timm(settings, label, stock, none, decay, batch, size)
     return rows
 
 
