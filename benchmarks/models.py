@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.resnet import ResNet18Cifar, ResNet50
+from lightning_mods.resnet import ResNet18Cifar, ResNet50, cifar_stem_
 from lightning_mods.shortcut import ShortcutSchedule
 from lightning_mods.uvit import UViT
 from lightning_mods.vit import DecayedVisionTransformer
@@ -81,10 +81,7 @@ def vit_vs_timm(settings: Settings) -> list[Row]:
 
 
 def _timm_resnet18_cifar() -> ResNet:
-    model = ResNet(BasicBlock, [2, 2, 2, 2], num_classes=10)
-    model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)  # the CIFAR stem, written out
-    model.maxpool = nn.Identity()
-    return model
+    return cifar_stem_(ResNet(BasicBlock, [2, 2, 2, 2], num_classes=10), 3)
 
 
 def resnet_vs_timm(settings: Settings) -> list[Row]:

@@ -14,25 +14,12 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import numpy as np
 import torch
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 from torch import nn
 
-
-def sincos_2d(dim: int, grid: int, cls_token: bool) -> torch.Tensor:
-    """MAE's fixed 2-D sin-cos table, ``(grid**2 [+1]) x dim`` (half the width per axis)."""
-    omega = 1.0 / 10000 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4.0))
-    ys, xs = np.meshgrid(np.arange(grid, dtype=np.float64), np.arange(grid, dtype=np.float64), indexing="ij")
-    parts = []
-    for pos in (xs.reshape(-1), ys.reshape(-1)):
-        out = np.einsum("m,d->md", pos, omega)
-        parts.append(np.concatenate([np.sin(out), np.cos(out)], axis=1))
-    table = np.concatenate(parts, axis=1)
-    if cls_token:
-        table = np.concatenate([np.zeros((1, dim)), table], axis=0)
-    return torch.from_numpy(table).float()
+from lightning_mods.patches import sincos_pos_embed_2d
 
 
 class PlainUViT(nn.Module):
@@ -91,13 +78,13 @@ class ReferenceMAE(nn.Module):
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         grid = img_size // patch_size
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.register_buffer("pos_embed", sincos_2d(embed_dim, grid, True).unsqueeze(0))
+        self.register_buffer("pos_embed", sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0))
         self.blocks = nn.ModuleList([Block(embed_dim, num_heads, mlp_ratio, qkv_bias=True, norm_layer=norm)
                                      for _ in range(depth)])
         self.norm = norm(embed_dim)
         self.decoder_embed = nn.Linear(embed_dim, decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
-        self.register_buffer("decoder_pos_embed", sincos_2d(decoder_embed_dim, grid, True).unsqueeze(0))
+        self.register_buffer("decoder_pos_embed", sincos_pos_embed_2d(decoder_embed_dim, grid, cls_token=True).unsqueeze(0))
         self.decoder_blocks = nn.ModuleList([Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True,
                                                    norm_layer=norm) for _ in range(decoder_depth)])
         self.decoder_norm = norm(decoder_embed_dim)

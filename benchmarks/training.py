@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import statistics
 import tempfile
@@ -115,11 +116,13 @@ def plain_loop(model: MaskedAutoencoder, data: Digits, epochs: int, device: torc
 
 def cli_fit_parts(settings: Settings, root: str, epochs: int):
     """Trainer, model and datamodule exactly as ``shortcutlab fit`` builds them from the
-    quickstart config, with every callback, the logger and checkpointing off."""
-    from cli import ShortcutLabCLI
+    quickstart config, with the evaluation callbacks, the logger and checkpointing off."""
+    from cli import DEFAULT_CALLBACKS, ShortcutLabCLI
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    args = ["--config", str(QUICKSTART), f"--trainer.max_epochs={epochs}", "--trainer.callbacks=[]",
+    # the reliability callbacks (resume, non-finite guard, pre-emption) stay: every fit pays for them
+    reliability = [c for c in DEFAULT_CALLBACKS if c["class_path"].startswith("callbacks.")]
+    args = ["--config", str(QUICKSTART), f"--trainer.max_epochs={epochs}", f"--trainer.callbacks={json.dumps(reliability)}",
             "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}",
             f"--trainer.accelerator={settings.torch_device.type}", f"--trainer.precision={settings.precision}",
@@ -177,8 +180,8 @@ def quickstart_callbacks(without: str | None) -> tuple[list, int]:
 def callback_shares(settings: Settings) -> list[Row]:
     """Each evaluation's cost, measured by removing it from a run that evaluates every epoch.
 
-    Share of a run at the SHIPPED cadence: the online probe runs every step, so its share is
-    the same; kNN, effective rank and the pictures run every 25 epochs (the validation
+    Share of a run at the SHIPPED cadence: the online probe runs on its own step cadence
+    (every ``every_n_steps`` batches), so its share is the same; kNN, effective rank and the pictures run every 25 epochs (the validation
     cadence), so their per-evaluation cost counts once per 25 training epochs; the run summary
     once per 100-epoch run.
     """
@@ -212,7 +215,7 @@ def callback_shares(settings: Settings) -> list[Row]:
         every_epoch = [c / t for c, t in zip(costs, times["training only"])]
         if name == "online probe":
             shipped = every_epoch
-            cadence = "every step"
+            cadence = f"every {OnlineLinearProbe().every_n_steps} steps"
         elif name == "run summary":
             shipped = [c / (t * SHIPPED_EPOCHS / epochs) for c, t in zip(costs, times["training only"])]
             cadence = f"once per {SHIPPED_EPOCHS}-epoch run"

@@ -112,16 +112,6 @@ class ResumableLoader(DataLoader):
             self._yielded += 1
             yield batch
 
-    # Lightning's own route (``_Stateful``): it saves this with the fit loop and loads it into a
-    # loader built after the loop state is restored; a position handed at construction wins.
-    def state_dict(self) -> dict[str, int]:
-        return self.position() or {}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if self._resume is None and state_dict:
-            epoch, batches = int(state_dict["epoch"]), int(state_dict["batches"])
-            self._resume = {"epoch": epoch + 1, "batches": 0} if batches >= len(self) else dict(state_dict)
-
     def position(self) -> Optional[dict[str, int]]:
         """``{"epoch", "batches"}`` handed out so far in the epoch being iterated (None before
         the first batch or with a sampler that has no epoch)."""
