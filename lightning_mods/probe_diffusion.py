@@ -162,15 +162,15 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
     built = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                            subclass_mode_data=True, run=False, args=args)
     module, datamodule = built.model, built.datamodule
-    if not hasattr(module, "noised_block_features"):
-        raise ValueError(f"config: the model {type(module).__name__} has no noised_block_features; "
-                         "expected lightning_mods.diffusion.DiffusionModule")
     if ckpt is not None:
         given = built.config_dump["model"]
         settings = {k: v for k, v in (given.get("init_args") or {}).items()
                     if k not in LINKED_FROM_DATA and v is not None}
         module, _ = module_from_checkpoint(ckpt, {"class_path": given["class_path"], "init_args": settings},
                                            allow_model_override, name="model")
+    if not hasattr(module, "noised_block_features"):  # checked on the module returned, the checkpoint's too
+        raise ValueError(f"config: the model {type(module).__name__} has no noised_block_features; "
+                         "expected lightning_mods.diffusion.DiffusionModule")
     return module, datamodule
 
 
