@@ -32,7 +32,6 @@ as a standard ViT).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import pickle
 import re
@@ -44,7 +43,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from .mae import MaskedAutoencoder
-from .residual import shortcut_alphas
+from .checkpoint import init_parameters
+from .residual import shortcut_alphas, timm_state_dict
 from .shortcut import ShortcutSchedule
 
 LAYOUTS = ("auto", "authors", "official", "timm")
@@ -264,11 +264,12 @@ def load_shortcutlab(path: str) -> MaskedAutoencoder:
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"checkpoint: {path!r} is not a weights-only torch file ({first[:160]})") from None
+    # a foreign file (no state_dict, no class) is named as such, not as a broken checkpoint
     hparams = dict(ckpt.get("hyper_parameters", {})) if isinstance(ckpt, dict) else {}
     if hparams.get("_class_path") != CLASS_PATH or not isinstance(ckpt.get("state_dict"), dict):
         raise ValueError(f"checkpoint: {path!r} is not a MaskedAutoencoder checkpoint (hyper_parameters._class_path "
                          f"is {hparams.get('_class_path')!r})")
-    accepted = set(inspect.signature(MaskedAutoencoder.__init__).parameters) - {"self"}
+    accepted = init_parameters(CLASS_PATH)
     model = MaskedAutoencoder(**{k: v for k, v in hparams.items() if k in accepted})
     model.load_state_dict(ckpt["state_dict"], strict=True)
     return model
@@ -280,7 +281,7 @@ def timm_encoder(model: MaskedAutoencoder) -> VisionTransformer:
     vit = VisionTransformer(img_size=hp.image_size, patch_size=hp.patch_size, in_chans=hp.in_chans,
                             embed_dim=hp.embed_dim, depth=hp.depth, num_heads=hp.num_heads, mlp_ratio=hp.mlp_ratio,
                             qkv_bias=True, num_classes=0, final_norm=hp.encoder_final_norm)
-    ours = model.encoder.state_dict()
+    ours = timm_state_dict(model.encoder, force=True)  # decayed or not: export_timm asked the user
     wanted = vit.state_dict()
     missing = [k for k in wanted if k not in ours or ours[k].shape != wanted[k].shape]
     if missing:
