@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from lightning_mods.shortcut import ShortcutSchedule
-from lightning_mods.vit import DecayedVisionTransformer
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 
 def step_time(model: torch.nn.Module, x: torch.Tensor, steps: int, bf16: bool) -> float:

@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.resnet import ResNet18Cifar, ResNet50, cifar_stem_
-from lightning_mods.shortcut import ShortcutSchedule
-from lightning_mods.uvit import UViT
-from lightning_mods.vit import DecayedVisionTransformer
+from lightning_mods.backbone.resnet import ResNet18Cifar, ResNet50, cifar_stem_
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.uvit import UViT
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 from .references import PlainUViT, ReferenceMAE
 from .settings import Settings, train_step

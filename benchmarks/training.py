@@ -27,8 +27,8 @@ from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.optim import param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
-from lightning_mods.shortcut import ShortcutSchedule
-from lightning_mods.vit import DecayedVisionTransformer
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 from .settings import Settings
 from .timing import Row, ratio_row, skipped
@@ -117,7 +117,7 @@ def plain_loop(model: MaskedAutoencoder, data: Digits, epochs: int, device: torc
 def cli_fit_parts(settings: Settings, root: str, epochs: int):
     """Trainer, model and datamodule exactly as ``shortcutlab fit`` builds them from the
     quickstart config, with the evaluation callbacks, the logger and checkpointing off."""
-    from cli import DEFAULT_CALLBACKS, ShortcutLabCLI
+    from commands.lightning_cli import DEFAULT_CALLBACKS, ShortcutLabCLI
     from lightning.pytorch import LightningDataModule, LightningModule
 
     # the reliability callbacks (resume, non-finite guard, pre-emption) stay: every fit pays for them

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
-from .pictures import log_picture
+from lightning_mods.pictures import log_picture
 from .schedule import check_every_n_epochs, evaluation_due
 
 Source = Literal["covariance", "features"]

@@ -14,11 +14,13 @@ process would.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterator, NamedTuple, Optional
+from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning_mods.eval_mode import isolated_eval, module_device  # noqa: F401 (re-exported for callbacks)
 
 from .distributed import gather_strided, rank_and_world_size, strided_shard
 
@@ -33,42 +35,6 @@ class Features(NamedTuple):
     features: torch.Tensor
     labels: torch.Tensor
     blocks: Optional[list[torch.Tensor]]
-
-
-def module_device(module: nn.Module) -> torch.device:
-    """Where the module's parameters (or buffers) live; CPU for a module with neither."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def isolated_eval(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` for evaluation without side effects on training.
-
-    Inside: every sub-module in eval mode (no batch-norm statistics updates, no dropout),
-    ``torch.no_grad``, and forked CPU / current-device RNG states (a draw inside, e.g. by a
-    DataLoader iterator, does not shift the training run's masks and shuffles). On exit every
-    sub-module gets back its own previous mode (frozen parts stay in eval).
-
-    The restore sets the ``training`` flag of the sub-modules whose mode changed, one by one:
-    calling ``m.train(mode)`` per sub-module would recurse into every subtree again (quadratic
-    in the depth of the module tree; 81,609 calls in 33 steps of the quickstart's probe).
-    """
-    modes = [(m, m.training) for m in module.modules()]
-    device = module_device(module)
-    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=rng_devices), torch.no_grad():
-            module.eval()
-            yield
-    finally:
-        for m, training in modes:
-            if m.training != training:
-                m.training = training
 
 
 def _split_batch(batch: object) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ parity is right after a resume because the global step is restored):
   through its statistics, so there the kept samples still reach the gradient through the batch
   mean and variance (as in the paper's ResNet experiments, which use the same formula).
 
-The masks act through ``branch_hook`` of every :class:`~lightning_mods.residual.DecayedResidual`
+The masks act through ``branch_hook`` of every :class:`~lightning_mods.backbone.residual.DecayedResidual`
 block (ResNet blocks: one sub-layer each; ViT blocks: attention and MLP separately), so the
 LightningModule knows nothing about it. The hooks exist only from ``on_train_batch_start`` to
 ``on_train_batch_end`` of a training batch: validation, test, predict and sanity checks run
@@ -60,7 +60,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from timm.layers import DropPath
 
-from lightning_mods.residual import DecayedResidual, residual_blocks
+from lightning_mods.backbone.residual import DecayedResidual, residual_blocks
 
 Phase = Literal["drop", "reuse"]
 
@@ -134,7 +134,7 @@ class ResidualDroppath(Callback):
         self._blocks = residual_blocks(pl_module)
         if not self._blocks:
             raise ValueError(f"ResidualDroppath: {type(pl_module).__name__} has no DecayedResidual blocks "
-                             "(lightning_mods.residual) to drop")
+                             "(lightning_mods.backbone.residual) to drop")
         self._block_index = {id(blk): i for i, blk in enumerate(self._blocks)}
         if any(isinstance(m, DropPath) for m in pl_module.modules()):
             rank_zero_warn("ResidualDroppath: the model also has timm DropPath layers (drop_path_rate > 0); "

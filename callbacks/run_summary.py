@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from .pictures import picture_dir, run_dir
+from lightning_mods.pictures import picture_dir, run_dir
 
 DEFAULT_METRICS = ("knn/top1", "online_probe/val_top1", "rank/effective_rank", "rank/entropy")
 

@@ -1,4 +1,4 @@
-"""VAE latents written once by ``python -m lightning_mods.encode_latents`` (SPEC section 3,
+"""VAE latents written once by ``python -m commands.encode_latents`` (SPEC section 3,
 latent diffusion on ImageNet-100).
 
 A sample is ``((z - shift_factor) * scaling_factor, label)`` with ``z`` the stored posterior:
@@ -21,14 +21,14 @@ from torch.utils.data import Dataset
 
 from datamodules.base import ImageDataModule
 
-METADATA_FILE = "metadata.json"  # written by lightning_mods.encode_latents
+METADATA_FILE = "metadata.json"  # written by commands.encode_latents
 
 
 def read_metadata(latent_dir: str) -> dict:
     path = os.path.join(latent_dir, METADATA_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Latents: no {METADATA_FILE} under '{latent_dir}'; write the latents with "
-                                "`python -m lightning_mods.encode_latents --vae-path ... --data ... --out DIR`")
+                                "`python -m commands.encode_latents --vae-path ... --data ... --out DIR`")
     with open(path) as f:
         return json.load(f)
 
@@ -75,7 +75,7 @@ class Latents(ImageDataModule):
     """Pre-encoded VAE latents of an image dataset (``train`` and ``val`` splits).
 
     Args:
-        latent_dir: the ``--out`` folder of ``lightning_mods.encode_latents``.
+        latent_dir: the ``--out`` folder of ``commands.encode_latents``.
         sample_posterior: train on posterior samples (else the posterior mean).
         random_flip: train on the mirrored image's latents half of the time (None: when the
             latents were encoded with ``--hflip``).

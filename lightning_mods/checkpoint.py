@@ -3,7 +3,7 @@
 A Lightning checkpoint written through the CLI carries the module's class
 (``hyper_parameters["_class_path"]``), its settings (the other hyper-parameters, the shortcut
 schedule included) and its weights, the resolved shortcut weights of every residual block
-included (``<block>.shortcut_weights``, see :mod:`lightning_mods.residual`). So the checkpoint
+included (``<block>.shortcut_weights``, see :mod:`lightning_mods.backbone.residual`). So the checkpoint
 alone rebuilds the trained network: :func:`module_from_checkpoint`. Settings given on top of it
 are compared with the checkpoint's; one that disagrees is a one-line error naming both values,
 unless the caller allows the override on purpose.
@@ -25,7 +25,7 @@ from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
 from torch import nn
 
-from .residual import SHORTCUT_KEY, DecayedResidual
+from .backbone.residual import SHORTCUT_KEY, DecayedResidual
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

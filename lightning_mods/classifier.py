@@ -3,8 +3,8 @@
 section 4).
 
 The backbone is any timm-style network configured on its own (``class_path``/``init_args``,
-e.g. :class:`~lightning_mods.resnet.ResNet50` with a
-:class:`~lightning_mods.shortcut.ShortcutSchedule`). The classifier adapts it to the data the
+e.g. :class:`~lightning_mods.backbone.resnet.ResNet50` with a
+:class:`~lightning_mods.backbone.shortcut.ShortcutSchedule`). The classifier adapts it to the data the
 CLI links in: a head of another size is replaced with timm's ``reset_classifier(num_classes)``
 and a first convolution that expects another number of channels is rebuilt for ``in_chans``.
 A backbone built with the right ``num_classes``/``in_chans`` is used as it is.
@@ -35,7 +35,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
-from .residual import residual_blocks
+from .backbone.residual import residual_blocks
 
 OPTIMIZERS = ("sgd", "adamw")
 _TIMM_API = ("forward_features", "forward_head", "reset_classifier", "num_classes", "num_features")
@@ -82,7 +82,7 @@ class ImageClassifier(LightningModule):
 
     Args:
         backbone: a timm-API network (``forward_features``, ``forward_head``,
-            ``reset_classifier``), e.g. ``lightning_mods.resnet.ResNet50``.
+            ``reset_classifier``), e.g. ``lightning_mods.backbone.resnet.ResNet50``.
         num_classes, in_chans: linked from the datamodule by the CLI; the backbone's head and
             first convolution are adapted to them.
         optimizer: ``sgd`` (``momentum``; Nesterov by default, as timm's ``sgd``) or ``adamw``

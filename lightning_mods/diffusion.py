@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 
-from callbacks.feature_collection import isolated_eval
-from callbacks.pictures import image_grid, log_picture
+from lightning_mods.eval_mode import isolated_eval
+from lightning_mods.pictures import image_grid, log_picture
 from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
 from .latent_vae import FrozenVAE
 from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
-from .shortcut import ShortcutSchedule
-from .uvit import UViT
+from .backbone.shortcut import ShortcutSchedule
+from .backbone.uvit import UViT
 from .vp_sde import euler_maruyama
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")

@@ -151,8 +151,8 @@ class LinearProbe(LightningModule):
         logits = self(images)
         loss = F.cross_entropy(logits, labels)
         self.train_top1(logits, labels)
-        self.log("probe/train_loss", loss, prog_bar=True, batch_size=labels.shape[0])
-        self.log("probe/train_top1", self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=labels.shape[0])
+        self.log("train/top1", self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -160,9 +160,9 @@ class LinearProbe(LightningModule):
         logits = self(images)
         self.val_top1(logits, labels)
         self.val_top5(logits, labels)
-        self.log("probe/val_loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
-        self.log("probe/val_top1", self.val_top1, prog_bar=True, batch_size=labels.shape[0])
-        self.log("probe/val_top5", self.val_top5, batch_size=labels.shape[0])
+        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
+        self.log("val/top1", self.val_top1, prog_bar=True, batch_size=labels.shape[0])
+        self.log("val/top5", self.val_top5, batch_size=labels.shape[0])
 
     def test_step(self, batch, batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)

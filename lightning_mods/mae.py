@@ -2,9 +2,9 @@
 decoder (SPEC section 2; "Residual Connections Harm Generative Representation Learning",
 section 3.2 and appendix A).
 
-Encoder: a :class:`~lightning_mods.vit.DecayedVisionTransformer` (patch embed, fixed 2-D
+Encoder: a :class:`~lightning_mods.backbone.vit.DecayedVisionTransformer` (patch embed, fixed 2-D
 sin-cos position embedding, cls token) run on the visible patches of a per-sample random mask
-(``int(L * (1 - mask_ratio))`` kept). Decoder: :mod:`lightning_mods.mae_decoder`. Loss: MSE on
+(``int(L * (1 - mask_ratio))`` kept). Decoder: :mod:`lightning_mods.backbone.mae_decoder`. Loss: MSE on
 masked patches only, optionally against per-patch normalised pixels (``norm_pix_loss``).
 Evaluation features: mean over all tokens (cls included) of the encoder's output.
 
@@ -12,7 +12,7 @@ Two layouts, parameter for parameter: with ``unet_skips=True`` the decay paper's
 (``xiao7199/decayed_Identity_shortcuts``, ``MAE/models_mae.py``: no final encoder norm, every
 branch end, fusion output and the prediction zero-initialised); with ``unet_skips=False`` and
 ``alpha_min=1`` He et al.'s MAE (``facebookresearch/mae``: final encoder LayerNorm, no zero
-starts). Both use MAE's initialisation (:mod:`lightning_mods.mae_init`) and LayerNorm eps 1e-6.
+starts). Both use MAE's initialisation (:mod:`lightning_mods.backbone.mae_init`) and LayerNorm eps 1e-6.
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from callbacks.pictures import image_grid, log_picture
-from .mae_decoder import ClassicDecoder, UNetSkipDecoder
-from .mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
+from lightning_mods.pictures import image_grid, log_picture
+from .backbone.mae_decoder import ClassicDecoder, UNetSkipDecoder
+from .backbone.mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
-from .patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
-from .shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
-from .vit import DecayedVisionTransformer
+from .backbone.patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from .backbone.shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
+from .backbone.vit import DecayedVisionTransformer
 
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

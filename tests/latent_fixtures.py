@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL
 
-from lightning_mods.encode_latents import main as encode_latents
+from commands.encode_latents import main as encode_latents
 
 TINY_VAE_SCALE = 0.5
 TINY_VAE_SHIFT = 0.1

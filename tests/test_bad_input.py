@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-import cli
+from commands import lightning_cli as cli
 from conftest import make_imagefolder
 from datamodules.imagenet import CorruptImageError, ImageNet
 from test_cli import TINY_MAE

@@ -427,7 +427,7 @@ def test_fast_dev_run_uses_a_few_batches_and_per_block_needs_blocks(tmp_path):
 
 
 def test_image_grid_tiles_and_enlarges_small_images():
-    from callbacks.pictures import image_grid
+    from lightning_mods.pictures import image_grid
 
     a = np.array([[0.0, 0.25], [0.5, 1.0]], dtype=np.float32)[:, :, None]
     b = np.full((2, 2, 1), 0.75, dtype=np.float32)

@@ -13,15 +13,15 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-import cli
+from commands import lightning_cli as cli
 from lightning_mods.checkpoint import build_module
 from lightning_mods.linear_probe import LinearProbe
-from lightning_mods.residual import residual_blocks, shortcut_alphas, timm_state_dict
-from lightning_mods.residual_mlp import ResidualMLP
-from lightning_mods.resnet import ResNet18Cifar
-from lightning_mods.shortcut import ShortcutSchedule
-from lightning_mods.uvit import UViT
-from lightning_mods.vit import DecayedVisionTransformer
+from lightning_mods.backbone.residual import residual_blocks, shortcut_alphas, timm_state_dict
+from lightning_mods.backbone.residual_mlp import ResidualMLP
+from lightning_mods.backbone.resnet import ResNet18Cifar
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.uvit import UViT
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=3)
 
@@ -103,17 +103,17 @@ FAMILIES = {
     "mae": MAE,
     "classifier": {"class_path": "lightning_mods.classifier.ImageClassifier",
                    "init_args": {"num_classes": 10, "in_chans": 1, "backbone": {
-                       "class_path": "lightning_mods.resnet.ResNet18Cifar",
+                       "class_path": "lightning_mods.backbone.resnet.ResNet18Cifar",
                        "init_args": {"channels": [4, 4, 8, 8], "zero_init_branches": False}}}},
     "diffusion": {"class_path": "lightning_mods.diffusion.DiffusionModule",
                   "init_args": dict(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
                                     num_sample_images=0)},
-    "spiral": {"class_path": "lightning_mods.residual_mlp.SpiralClassifier", "init_args": dict(depth=4, width=4)},
+    "spiral": {"class_path": "lightning_mods.spiral_classifier.SpiralClassifier", "init_args": dict(depth=4, width=4)},
 }
 
 
 def with_shortcut(config: dict, alpha_min: float) -> dict:
-    shortcut = {"class_path": "lightning_mods.shortcut.ShortcutSchedule",
+    shortcut = {"class_path": "lightning_mods.backbone.shortcut.ShortcutSchedule",
                 "init_args": {"kind": "linear", "alpha_min": alpha_min}}
     init = dict(config["init_args"])
     if "backbone" in init:
@@ -246,7 +246,7 @@ def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
 
 
 def test_probe_diffusion_rebuilds_the_model_from_its_checkpoint(tmp_path):
-    from lightning_mods.probe_diffusion import load_model_and_data
+    from commands.probe_diffusion import load_model_and_data
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml")
     small = ["--model.init_args.depth=2", "--model.init_args.embed_dim=16", "--model.init_args.num_heads=2",

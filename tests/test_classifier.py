@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mods.classifier import ImageClassifier
-from lightning_mods.residual import timm_state_dict
-from lightning_mods.resnet import ResNet18Cifar, ResNet50, ResNet50d
-from lightning_mods.shortcut import ShortcutSchedule
-from lightning_mods.vit import DecayedVisionTransformer
+from lightning_mods.backbone.residual import timm_state_dict
+from lightning_mods.backbone.resnet import ResNet18Cifar, ResNet50, ResNet50d
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 from reference_stems import reference_cifar_stem
 
 NONE = ShortcutSchedule("none")
@@ -170,13 +170,13 @@ def test_top5_counts_a_label_in_the_five_best_logits():
 
 def test_hparams_hold_no_module_and_checkpoints_load_weights_only(tmp_path):
     model = small_classifier()
-    assert model.hparams["backbone"] == "lightning_mods.resnet.ResNet18Cifar"
-    assert model.hparams_initial["backbone"] == "lightning_mods.resnet.ResNet18Cifar"
+    assert model.hparams["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
+    assert model.hparams_initial["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
     trainer, _ = fit_a_few_steps(tmp_path, model, epochs=1)
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
-    assert ckpt["hyper_parameters"]["backbone"] == "lightning_mods.resnet.ResNet18Cifar"
+    assert ckpt["hyper_parameters"]["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
 
 
 def test_droppath_baseline_is_the_backbones_stochastic_depth():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
+from commands import lightning_cli as cli
 from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
 from lightning_mods.mae import MaskedAutoencoder
 
@@ -77,7 +77,7 @@ def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
                     "--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false",
                     f"--trainer.default_root_dir={tmp_path}"])
-    assert {"probe/val_top1", "probe/val_top5"} <= set(out.trainer.callback_metrics)
+    assert {"val/top1", "val/top5"} <= set(out.trainer.callback_metrics)
 
 
 def test_linear_probe_refuses_a_checkpoint_of_another_geometry(mae_checkpoint):

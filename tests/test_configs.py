@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import cli
+from commands import lightning_cli as cli
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml")

@@ -1,4 +1,4 @@
-"""Checkpoint interchange (lightning_mods/convert_mae.py): small checkpoints in the three foreign
+"""Checkpoint interchange (commands/convert_mae.py): small checkpoints in the three foreign
 layouts (key names and shapes of the authors' and He et al.'s repositories, via the references of
 tests/mae_references.py, and of timm's VisionTransformer) are converted and must compute what
 the foreign model computes; export-timm loads strictly into timm and round-trips."""
@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 from timm.models.vision_transformer import VisionTransformer
 
-import cli
-from lightning_mods.convert_mae import main as convert_main
+from commands import lightning_cli as cli
+from commands.convert_mae import main as convert_main
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
 from mae_references import AuthorsMAE, OfficialMAE, randomise_
@@ -171,6 +171,6 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, argv, field):
 
 def test_python_dash_m_entry_point(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-m", "lightning_mods.convert_mae", "import", "missing.pth", "out.ckpt"],
+    res = subprocess.run([sys.executable, "-m", "commands.convert_mae", "import", "missing.pth", "out.ckpt"],
                          cwd=tmp_path, capture_output=True, text=True, env=env)
     assert res.returncode == 2 and res.stderr.startswith("convert_mae: error: source: no file"), res.stderr

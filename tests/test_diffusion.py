@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
-import cli
+from commands import lightning_cli as cli
 from lightning_mods.diffusion import DiffusionModule, drop_labels, guided_noise
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-import cli
+from commands import lightning_cli as cli
 from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
@@ -98,7 +98,7 @@ def test_init_and_weight_decay_are_what_the_readme_says(config_path):
     from types import SimpleNamespace
 
     from lightning_mods.diffusion import DiffusionModule
-    from lightning_mods.shortcut import ShortcutSchedule
+    from lightning_mods.backbone.shortcut import ShortcutSchedule
 
     init, decay = readme_init_and_decay()[config_path.name]
     args = dict(yaml.safe_load(config_path.read_text())["model"]["init_args"])

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.utils.data import Dataset
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
-import cli
+from commands import lightning_cli as cli
 from callbacks.fid import GenerationMetrics, reference_fingerprint
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule

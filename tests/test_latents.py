@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from datamodules.digits import Digits
 from datamodules.latents import Latents
 from lightning_mods.diffusion import DiffusionModule
-from lightning_mods.encode_latents import to_vae_input
+from commands.encode_latents import to_vae_input
 
 from latent_fixtures import TINY_VAE_SCALE as SCALE, make_tiny_latents
 

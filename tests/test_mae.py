@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from lightning_mods.mae import MaskedAutoencoder, masked_patch_loss, normalise_patches
-from lightning_mods.mae_decoder import ClassicDecoder, SkipFusion, UNetSkipDecoder
-from lightning_mods.patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
-from lightning_mods.shortcut import ShortcutSchedule
+from lightning_mods.backbone.mae_decoder import ClassicDecoder, SkipFusion, UNetSkipDecoder
+from lightning_mods.backbone.patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 
 TINY = dict(image_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_heads=4,
             decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.shortcut import ShortcutSchedule
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 from mae_references import AuthorsMAE, OfficialMAE, randomise_
 
 GEOMETRY = dict(image_size=16, in_chans=3, patch_size=4, embed_dim=32, num_heads=4, decoder_embed_dim=16,

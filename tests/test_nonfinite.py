@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-import cli
+from commands import lightning_cli as cli
 from callbacks.effective_rank import EffectiveRank
 from callbacks.knn import KNNEvaluator
 from callbacks.nonfinite_guard import NonFiniteGuard, NonFiniteTrainingError

@@ -11,14 +11,14 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import cli
+from commands import lightning_cli as cli
 from callbacks.prediction_writer import PredictionWriter, concatenate_predictions, merge_in_dataset_order
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.resnet import ResNet18Cifar
-from lightning_mods.shortcut import ShortcutSchedule
+from lightning_mods.backbone.resnet import ResNet18Cifar
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 from test_cli import DIGITS, TINY_MAE, run_fit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
+from commands import lightning_cli as cli
 from test_cli import DIGITS, TINY_MAE
 from test_resume import assert_identical
 

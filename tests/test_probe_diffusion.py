@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mods.probe_diffusion import best_pair, main, probe_sweep, write_results
+from commands.probe_diffusion import best_pair, main, probe_sweep, write_results
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"
 

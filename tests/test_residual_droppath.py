@@ -17,10 +17,11 @@ from torch import nn
 
 from callbacks.residual_droppath import ResidualDroppath
 from datamodules.spiral import Spiral
-from lightning_mods.residual import residual_blocks
-from lightning_mods.residual_mlp import ResidualMLP, SpiralClassifier
-from lightning_mods.resnet import ResNet18Cifar
-from lightning_mods.vit import DecayedVisionTransformer
+from lightning_mods.backbone.residual import residual_blocks
+from lightning_mods.spiral_classifier import SpiralClassifier
+from lightning_mods.backbone.residual_mlp import ResidualMLP
+from lightning_mods.backbone.resnet import ResNet18Cifar
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 WIDTH = 4
 

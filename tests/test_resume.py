@@ -23,8 +23,8 @@ from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.resnet import ResNet18Cifar
-from lightning_mods.shortcut import ShortcutSchedule
+from lightning_mods.backbone.resnet import ResNet18Cifar
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 
 EPOCHS, BATCHES = 3, 4  # limit_train_batches: epochs of 4 of the 44 batches of 32 digits
 EPOCH_BOUNDARY, MID_EPOCH = 4, 7  # optimiser steps: end of epoch 0; 3 of 4 batches into epoch 1 (odd)

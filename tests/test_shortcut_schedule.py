@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_mods.shortcut import ShortcutSchedule, transformer_sublayer_types
+from lightning_mods.backbone.shortcut import ShortcutSchedule, transformer_sublayer_types
 
 
 def linear_reference(K: int, alpha_min: float) -> np.ndarray:

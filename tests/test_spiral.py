@@ -10,9 +10,10 @@ from PIL import Image
 from scipy.spatial import cKDTree
 
 from datamodules.spiral import Spiral, grid_points, nearest_arm_labels, spiral_points
-from lightning_mods.feature_reuse import linear_cka, main, pairwise_euclidean, sample_nodes
-from lightning_mods.residual_mlp import ResidualMLP, SpiralClassifier
-from lightning_mods.shortcut import ShortcutSchedule
+from commands.feature_reuse import linear_cka, main, pairwise_euclidean, sample_nodes
+from lightning_mods.spiral_classifier import SpiralClassifier
+from lightning_mods.backbone.residual_mlp import ResidualMLP
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 
 
 def test_class_geometry_matches_the_formula():

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from lightning_mods.residual import shortcut_alphas, timm_state_dict
-from lightning_mods.shortcut import ShortcutSchedule
-from lightning_mods.uvit import UViT, timestep_embedding
+from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.uvit import UViT, timestep_embedding
 
 TINY = dict(img_size=8, patch_size=2, in_chans=3, embed_dim=32, depth=4, num_heads=4)
 

@@ -7,7 +7,7 @@ out-block ``i`` the stream is concatenated channel-wise with the output of the m
 in-block (last in, first out) and fused back to the width by ``Linear(2D -> D)``. Then a final
 LayerNorm, a linear map to patch pixels, unpatchify and an optional 3x3 conv.
 
-Every block is the shared :class:`~lightning_mods.vit.DecayedBlock`; the shortcut schedule runs
+Every block is the shared :class:`~lightning_mods.backbone.vit.DecayedBlock`; the shortcut schedule runs
 over all ``2 * num_blocks`` residual sub-layers in depth order in -> mid -> out (the blocks are
 registered in that order, which is the order ``apply_shortcut_schedule`` assigns in). With the
 ``none`` schedule this is the plain U-ViT, number for number.

@@ -2,7 +2,7 @@
 "Representations: linear probe on a chosen block's tokens at a chosen noise level; the paper
 reports the best layer/noise pair").
 
-    python -m lightning_mods.probe_diffusion --config configs/cifar100_uvit_s_alpha0.7.yaml \\
+    python -m commands.probe_diffusion --config configs/cifar100_uvit_s_alpha0.7.yaml \\
         --ckpt runs/cifar100_uvit_s_alpha0.7/checkpoints/last.ckpt \\
         --blocks 0 3 6 9 12 --timesteps 0 25 50 100 200 400 --out runs/probe_alpha0.7
 
@@ -28,10 +28,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.knn import knn_predict
-from callbacks.pictures import figure_to_array, save_png
-from .checkpoint import module_from_checkpoint
-from .linear_probe import topk_accuracy, train_linear_probe_on_features
-from .fid import subset_indices
+from lightning_mods.pictures import figure_to_array, save_png
+from lightning_mods.checkpoint import module_from_checkpoint
+from lightning_mods.linear_probe import topk_accuracy, train_linear_probe_on_features
+from lightning_mods.fid import subset_indices
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
 
@@ -155,7 +155,7 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
     ``allow_model_override``. Without ``ckpt``, the config's untrained model."""
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    from cli import LINKED_FROM_DATA, ShortcutLabCLI
+    from commands.lightning_cli import LINKED_FROM_DATA, ShortcutLabCLI
 
     args = [f"--config={config}", "--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.devices=1",
             "--trainer.num_nodes=1", "--trainer.strategy=auto", "--trainer.accelerator=cpu", *overrides]
@@ -175,7 +175,7 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
 
 
 def main(args: Optional[list[str]] = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m lightning_mods.probe_diffusion",
+    parser = argparse.ArgumentParser(prog="python -m commands.probe_diffusion",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the training config (model and data sections)")
     parser.add_argument("--ckpt", default=None, help="checkpoint of `shortcutlab fit`: the model is rebuilt from it "

@@ -18,7 +18,7 @@ output, one mask token at masked positions, decoder-width sin-cos position embed
 every token (cls row zero).
 
 Both: timm ``Block``s with ``LayerNorm(eps=1e-6)``, a final LayerNorm and ``Linear(dec -> p*p*C)``;
-MAE's initialisation (:mod:`lightning_mods.mae_init`). ``zero_init`` (the authors' choice)
+MAE's initialisation (:mod:`lightning_mods.backbone.mae_init`). ``zero_init`` (the authors' choice)
 starts ``attn.proj``/``mlp.fc2`` of every block, every fusion's last linear and the prediction
 weight at zero; He et al. zero none of them.
 """

@@ -1,9 +1,9 @@
 """The ResidualDroppath paper's feature-reuse pictures (SPEC section 5; "ResidualDroppath",
 section 3.1, figures 1, 3 and 4).
 
-    python -m lightning_mods.feature_reuse --depth 6 --width 6 --epochs 1000 --out runs/reuse [--residual-droppath]
+    python -m commands.feature_reuse --depth 6 --width 6 --epochs 1000 --out runs/reuse [--residual-droppath]
 
-trains the residual MLP (:mod:`lightning_mods.residual_mlp`) on the spiral
+trains the residual MLP (:mod:`lightning_mods.backbone.residual_mlp`) on the spiral
 (:mod:`datamodules.spiral`) with Adam, lr 0.1, batch 256, optionally with the
 ResidualDroppath callback, and writes two PNGs into ``--out``:
 
@@ -35,10 +35,11 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.gridspec import GridSpec
 
-from callbacks.pictures import figure_to_array, save_png
+from lightning_mods.pictures import figure_to_array, save_png
 from callbacks.residual_droppath import ResidualDroppath
 from datamodules.spiral import Spiral, grid_points
-from .residual_mlp import ResidualMLP, SpiralClassifier
+from lightning_mods.backbone.residual_mlp import ResidualMLP
+from lightning_mods.spiral_classifier import SpiralClassifier
 
 Similarity = Literal["euclidean", "cka"]
 SIMILARITY_FIGSIZE = (6.0, 5.0)  # inches at 100 dpi: 600 x 500 pixels
@@ -214,7 +215,7 @@ def train_on_spiral(depth: int, width: int, epochs: int, residual_droppath: bool
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_mods.feature_reuse",
+    parser = argparse.ArgumentParser(prog="python -m commands.feature_reuse",
                                      description="Train the residual MLP on the spiral, draw the "
                                                  "feature-reuse pictures (ResidualDroppath paper, 3.1).")
     parser.add_argument("--depth", type=int, default=6, help="residual layers (paper: 6 or 32)")

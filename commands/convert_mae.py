@@ -25,9 +25,9 @@ dims. timm's blocks have plain shortcuts, so an exported decayed encoder (alpha_
 computes another function there: it is refused unless ``--allow-decayed`` (e.g. to fine-tune it
 as a standard ViT).
 
-    python -m lightning_mods.convert_mae import checkpoint-last.pth mae.ckpt   # authors', args inside
-    python -m lightning_mods.convert_mae import mae_pretrain_vit_base.pth mae.ckpt --new-decoder
-    python -m lightning_mods.convert_mae export-timm last.ckpt vit_encoder.pth
+    python -m commands.convert_mae import checkpoint-last.pth mae.ckpt   # authors', args inside
+    python -m commands.convert_mae import mae_pretrain_vit_base.pth mae.ckpt --new-decoder
+    python -m commands.convert_mae export-timm last.ckpt vit_encoder.pth
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ import lightning
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from .mae import MaskedAutoencoder
-from .checkpoint import init_parameters
-from .residual import shortcut_alphas, timm_state_dict
-from .shortcut import ShortcutSchedule
+from lightning_mods.mae import MaskedAutoencoder
+from lightning_mods.checkpoint import init_parameters
+from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 
 LAYOUTS = ("auto", "authors", "official", "timm")
 CLASS_PATH = "lightning_mods.mae.MaskedAutoencoder"
@@ -321,7 +321,7 @@ def save(obj: Any, path: str) -> None:
 
 # --- command line --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_mods.convert_mae", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m commands.convert_mae", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a foreign MAE checkpoint -> a shortcutlab .ckpt")
     imp.add_argument("source", help="authors' / official .pth, timm .pth or .safetensors")

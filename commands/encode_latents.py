@@ -1,7 +1,7 @@
 """Pre-encode an image dataset into VAE latents once, for latent diffusion (SPEC section 3,
 ImageNet-100 on a pretrained VAE's 32x32x4 latents; U-ViT extracts them the same way).
 
-    python -m lightning_mods.encode_latents --vae-path pretrained/sd-vae-ft-ema \\
+    python -m commands.encode_latents --vae-path pretrained/sd-vae-ft-ema \\
         --data datamodules.imagenet.ImageNet --data.data_dir data/imagenet \\
         --data.class_list configs/imagenet100_classes.txt --data.image_size 256 \\
         --data.eval_crop_ratio 1.0 --out data/imagenet100_latents --hflip true
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.latents import METADATA_FILE
 
-from .latent_vae import FrozenVAE
+from lightning_mods.latent_vae import FrozenVAE
 
 SPLITS = ("train", "val")
 
@@ -127,7 +127,7 @@ def main(args: Optional[list[str]] = None) -> dict:
     from jsonargparse import ArgumentParser
     from lightning.pytorch import LightningDataModule
 
-    parser = ArgumentParser(prog="python -m lightning_mods.encode_latents", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m commands.encode_latents", description=__doc__.split("\n\n")[0])
     parser.add_argument("--vae-path", type=str, required=True, help="local AutoencoderKL folder (save_pretrained)")
     parser.add_subclass_arguments(LightningDataModule, "data", required=True,
                                   help="the image datamodule, e.g. datamodules.imagenet.ImageNet")

@@ -2,7 +2,7 @@
 
 A block with sub-layers ``j = 0, 1, ...`` computes each of them as
 ``a_j * shortcut + b_j * branch`` through :meth:`DecayedResidual.residual`. The weights come
-from a :class:`~lightning_mods.shortcut.ShortcutSchedule` applied to the whole network in
+from a :class:`~lightning_mods.backbone.shortcut.ShortcutSchedule` applied to the whole network in
 depth order by :func:`apply_shortcut_schedule`, so a block never needs to know its depth.
 
 The optional ``branch_hook`` sees each branch output before the sum; the ResidualDroppath

@@ -5,7 +5,7 @@ Every hidden layer is residual and has a GELU: ``x <- a_k x + b_k GELU(W_k x + c
 first layer to be residual too, the 2-D input is embedded by zero-padding it to the layer
 width (coordinates in nodes 0 and 1), so the input, every layer's output and the
 ResidualDroppath identity path all live in the same node space; a linear head maps the last
-layer to the class logits. The layers are :class:`~lightning_mods.residual.DecayedResidual`
+layer to the class logits. The layers are :class:`~lightning_mods.backbone.residual.DecayedResidual`
 blocks, so shortcut schedules and the ResidualDroppath callback apply unchanged.
 """
 from __future__ import annotations
@@ -14,9 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy
 
 from .residual import DecayedResidual, apply_shortcut_schedule
 from .shortcut import ShortcutSchedule
@@ -89,63 +87,3 @@ class ResidualMLP(nn.Module):
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(points))
-
-
-class SpiralClassifier(LightningModule):
-    """Trains :class:`ResidualMLP` on the spiral: cross-entropy, Adam (SPEC: lr 0.1, batch 256).
-
-    Args:
-        depth, width, shortcut: the residual MLP (paper: depth 6 width 6, depth 32 width 32).
-        num_classes: linked from the datamodule by the CLI (2 for the spiral).
-        lr, betas: Adam (the paper: 0.1 and (0.9, 0.999)), constant learning rate.
-    """
-
-    def __init__(self, depth: int = 6, width: int = 6, shortcut: Optional[ShortcutSchedule] = None,
-                 num_classes: int = 2, lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.999)) -> None:
-        super().__init__()
-        if lr <= 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        shortcut = ShortcutSchedule.coerce(shortcut)
-        self.save_hyperparameters(ignore=["shortcut"])
-        self.hparams["shortcut"] = shortcut.as_dict()  # plain data: weights_only-safe checkpoints
-        self.net = ResidualMLP(depth, width, 2, num_classes, shortcut)
-        self.num_features = width
-        self.train_acc = MulticlassAccuracy(num_classes)
-        self.val_acc = MulticlassAccuracy(num_classes)
-        self.test_acc = MulticlassAccuracy(num_classes)
-
-    def forward(self, points: torch.Tensor) -> torch.Tensor:
-        return self.net(points)
-
-    def forward_features(self, points: torch.Tensor) -> torch.Tensor:
-        """Output of the last residual layer, ``B x width``."""
-        return self.net.forward_features(points)
-
-    def forward_block_features(self, points: torch.Tensor) -> list[torch.Tensor]:
-        """Output of every residual layer, ``B x width`` each (already pooled: no spatial axes)."""
-        return self.net.forward_layers(points)[1:]
-
-    def _step(self, batch, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
-        points, labels = batch[0], batch[1]
-        logits = self(points)
-        loss = F.cross_entropy(logits, labels)
-        accuracy(logits, labels)
-        self.log(f"{stage}/loss", loss, prog_bar=stage == "train", sync_dist=stage != "train",
-                 batch_size=labels.shape[0])
-        self.log(f"{stage}/acc", accuracy, prog_bar=True, batch_size=labels.shape[0])
-        return loss
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train", self.train_acc)
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._step(batch, "val", self.val_acc)
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._step(batch, "test", self.test_acc)
-
-    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self(batch[0] if isinstance(batch, (tuple, list)) else batch).softmax(dim=-1)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))

@@ -1,0 +1,214 @@
+"""Run a grid of ``shortcutlab fit`` runs: the rows of a paper table (README "Reproduce a table").
+
+    shortcutlab sweep --experiment quickstart_seeds --config configs/digits_mae.yaml \\
+        --grid model.shortcut.alpha_min=0.6,0.8,1.0 --grid seed_everything=0,1,2 \\
+        --then configs/linear_probe_digits.yaml
+    shortcutlab report runs/quickstart_seeds
+
+Every point of the grid (the product of the ``--grid`` axes) is one run in
+``<runs-dir>/<experiment>/<name>/`` with a readable, stable name built from the grid values
+(``alpha_min=0.6,seed=1``): ``run.yaml`` (the loggers' config fragment), the saved config,
+``metrics.csv`` (and TensorBoard events), checkpoints,
+pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after another; with
+``--print`` the commands are printed instead, one line per run, for a cluster array job.
+
+A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
+``checkpoints/last.ckpt`` (bit for bit, README "Reliability"). ``--then CONFIG`` fits a second
+config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
+linear probe), logging to ``<run>/probe``. A failed run is reported and the others still run;
+the sweep exits non-zero when any run failed.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+# grid keys whose last component is not a readable name
+SHORT_NAMES = {"seed_everything": "seed"}
+FOLLOW_UP_DIR = "probe"
+
+
+def parse_axis(text: str) -> tuple[str, list[str]]:
+    """``"model.shortcut.alpha_min=0.6,0.8"`` -> ``("model.shortcut.alpha_min", ["0.6", "0.8"])``."""
+    key, sep, values = text.partition("=")
+    key = key.strip().removeprefix("--")
+    items = [v.strip() for v in values.split(",")] if sep else []
+    if not key or not items or any(not v for v in items):
+        raise ValueError(f"--grid: expected KEY=V1,V2,... (e.g. model.shortcut.alpha_min=0.6,1.0), got {text!r}")
+    return key, items
+
+
+def short_name(key: str) -> str:
+    """The name a grid key has in run names: its last component (``seed`` for ``seed_everything``)."""
+    return SHORT_NAMES.get(key, key.rsplit(".", 1)[-1])
+
+
+def grid_points(axes: Sequence[tuple[str, list[str]]]) -> list[dict[str, str]]:
+    """Every combination of the axes' values, the first axis varying slowest."""
+    names = [short_name(key) for key, _ in axes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--grid: two axes have the same short name ({', '.join(names)}); run names would clash")
+    keys = [key for key, _ in axes]
+    return [dict(zip(keys, values)) for values in itertools.product(*(values for _, values in axes))]
+
+
+def run_name(point: dict[str, str]) -> str:
+    """``{"model.shortcut.alpha_min": "0.6", "seed_everything": "1"}`` -> ``alpha_min=0.6,seed=1``."""
+    return ",".join(f"{short_name(key)}={value}" for key, value in point.items()) or "run"
+
+
+def parse_run_name(name: str) -> dict[str, str]:
+    """The grid values a run's folder name holds (inverse of :func:`run_name`)."""
+    if name == "run":
+        return {}
+    return dict(part.split("=", 1) for part in name.split(",") if "=" in part)
+
+
+def write_logging_fragment(save_dir: Path, version: str) -> Path:
+    """``<save_dir>/<version>/run.yaml``: a config fragment with a CSV logger (``metrics.csv``,
+    read by ``shortcutlab report``) and a TensorBoard logger, both writing to the run's fixed
+    folder ``save_dir/version`` instead of ``lightning_logs/version_N``."""
+    loggers = [{"class_path": f"lightning.pytorch.loggers.{cls}",
+                "init_args": {"save_dir": str(save_dir), "name": "", "version": version}}
+               for cls in ("CSVLogger", "TensorBoardLogger")]
+    path = save_dir / version / "run.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# written by shortcutlab sweep: where this run logs\n"
+                    + json.dumps({"trainer": {"logger": loggers}}, indent=2) + "\n")
+    return path
+
+
+def last_checkpoint(run: Path) -> Optional[Path]:
+    """The run's ``checkpoints/last.ckpt`` (or ``latest.ckpt``) when it has one."""
+    for name in ("last.ckpt", "latest.ckpt"):
+        if (run / "checkpoints" / name).is_file():
+            return run / "checkpoints" / name
+    return None
+
+
+def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[str], save_dir: Path,
+                version: str) -> list[str]:
+    """The ``shortcutlab fit`` arguments of one run (without the program)."""
+    args = ["fit", *(f"--config={c}" for c in configs)]
+    args += [f"--{key}={value}" for key, value in point.items()]
+    args += [a if a.startswith("--") else f"--{a}" for a in extra]
+    return args + [f"--config={write_logging_fragment(save_dir, version)}"]
+
+
+def follow_up_command(config: str, run: Path, checkpoint: Path, point: dict[str, str],
+                      save_dir: Path, version: str) -> list[str]:
+    """``fit`` of ``config`` on the run's checkpoint (the offline probe), seeded like the run."""
+    args = ["fit", f"--config={config}", f"--model.checkpoint={checkpoint}"]
+    if "seed_everything" in point:
+        args.append(f"--seed_everything={point['seed_everything']}")
+    return args + [f"--config={write_logging_fragment(save_dir, f'{version}/{FOLLOW_UP_DIR}')}"]
+
+
+def shell_line(args: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in ["shortcutlab", *args])
+
+
+def run_once(args: Sequence[str], log: Path) -> tuple[int, float]:
+    """Run ``shortcutlab <args>`` in a subprocess, its output to the terminal and to ``log``."""
+    start = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-c", "import cli; cli.console_main()", *args]
+    with open(log, "a") as out:
+        out.write(f"$ {shell_line(args)}\n")
+        out.flush()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert process.stdout is not None
+        for line in process.stdout:
+            out.write(line)
+            sys.stdout.write(line)
+        status = process.wait()
+    return status, time.perf_counter() - start
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shortcutlab sweep", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
+    parser.add_argument("--experiment", required=True, help="the sweep's name: runs go to <runs-dir>/<experiment>/")
+    parser.add_argument("--config", action="append", required=True,
+                        help="a config file; repeat to compose a base with fragments (later ones win)")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                        help="one sweep axis (repeatable), e.g. model.shortcut.alpha_min=0.6,1.0 or seed_everything=0,1")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting every run gets (repeatable), e.g. trainer.max_epochs=300")
+    parser.add_argument("--then", default=None, metavar="CONFIG",
+                        help="fit this config after each run on its last checkpoint (model.checkpoint), e.g. "
+                             "configs/linear_probe_digits.yaml; logged to <run>/probe")
+    parser.add_argument("--runs-dir", default="runs", help="where experiments live (default: runs)")
+    parser.add_argument("--print", dest="print_only", action="store_true",
+                        help="print one command per run (for a cluster array job) instead of running them")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
+    """Run (or print) the sweep; returns one record per run (name, status, seconds, command)."""
+    parsed = build_parser().parse_args(argv)
+    for config in parsed.config + ([parsed.then] if parsed.then else []):
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"--config: no file '{config}'")
+    points = grid_points([parse_axis(axis) for axis in parsed.grid])
+    for setting in parsed.set:
+        if "=" not in setting:
+            raise ValueError(f"--set: expected KEY=VALUE, got {setting!r}")
+    save_dir = Path(parsed.runs_dir) / parsed.experiment
+    records = []
+    for index, point in enumerate(points, start=1):
+        name = run_name(point)
+        run = save_dir / name
+        args = fit_command(parsed.config, point, parsed.set, save_dir, name)
+        probe = run / FOLLOW_UP_DIR
+        if parsed.print_only:
+            print(shell_line(args))
+            if parsed.then:
+                print(shell_line(follow_up_command(parsed.then, run, run / "checkpoints" / "last.ckpt", point,
+                                                   save_dir, name)))
+            continue
+        record_file = run / "sweep.json"
+        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+        print(f"[{index}/{len(points)}] {parsed.experiment}/{name}", flush=True)
+        if record.get("status") != 0:
+            resume = last_checkpoint(run)
+            run_args = args + ([f"--ckpt_path={resume}"] if resume is not None else [])
+            status, seconds = run_once(run_args, run / "sweep.log")
+            record = {"name": name, "grid": point, "command": shell_line(run_args), "status": status,
+                      "seconds": round(seconds, 1)}
+            run.mkdir(parents=True, exist_ok=True)
+            record_file.write_text(json.dumps(record, indent=2) + "\n")
+        else:
+            print(f"    done before ({record.get('seconds')} s), skipped", flush=True)
+        if parsed.then and record.get("status") == 0 and record.get("probe_status") != 0:
+            checkpoint = last_checkpoint(run)
+            if checkpoint is None:
+                record["probe_status"] = 1
+                print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
+            else:
+                follow = follow_up_command(parsed.then, run, checkpoint, point, save_dir, name)
+                status, seconds = run_once(follow, probe / "sweep.log")
+                record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
+            record_file.write_text(json.dumps(record, indent=2) + "\n")
+        records.append(record)
+    if parsed.print_only:
+        return []
+    failed = [r["name"] for r in records if r.get("status") != 0 or (parsed.then and r.get("probe_status") != 0)]
+    print(f"sweep {parsed.experiment}: {len(records) - len(failed)} of {len(records)} runs finished"
+          + (f"; failed: {', '.join(failed)} (see their sweep.log)" if failed else "")
+          + f"; report: shortcutlab report {save_dir}", flush=True)
+    if failed:
+        raise SystemExit(1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The spiral classifier of the ResidualDroppath paper's feature-reuse study (SPEC section 5;
+"ResidualDroppath", section 3.1): :class:`~lightning_mods.backbone.residual_mlp.ResidualMLP`
+trained with cross-entropy and Adam."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics.classification import MulticlassAccuracy
+
+from .backbone.residual_mlp import ResidualMLP
+from .backbone.shortcut import ShortcutSchedule
+
+
+class SpiralClassifier(LightningModule):
+    """Trains :class:`ResidualMLP` on the spiral: cross-entropy, Adam (SPEC: lr 0.1, batch 256).
+
+    Args:
+        depth, width, shortcut: the residual MLP (paper: depth 6 width 6, depth 32 width 32).
+        num_classes: linked from the datamodule by the CLI (2 for the spiral).
+        lr, betas: Adam (the paper: 0.1 and (0.9, 0.999)), constant learning rate.
+    """
+
+    def __init__(self, depth: int = 6, width: int = 6, shortcut: Optional[ShortcutSchedule] = None,
+                 num_classes: int = 2, lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        shortcut = ShortcutSchedule.coerce(shortcut)
+        self.save_hyperparameters(ignore=["shortcut"])
+        self.hparams["shortcut"] = shortcut.as_dict()  # plain data: weights_only-safe checkpoints
+        self.net = ResidualMLP(depth, width, 2, num_classes, shortcut)
+        self.num_features = width
+        self.train_acc = MulticlassAccuracy(num_classes)
+        self.val_acc = MulticlassAccuracy(num_classes)
+        self.test_acc = MulticlassAccuracy(num_classes)
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        return self.net(points)
+
+    def forward_features(self, points: torch.Tensor) -> torch.Tensor:
+        """Output of the last residual layer, ``B x width``."""
+        return self.net.forward_features(points)
+
+    def forward_block_features(self, points: torch.Tensor) -> list[torch.Tensor]:
+        """Output of every residual layer, ``B x width`` each (already pooled: no spatial axes)."""
+        return self.net.forward_layers(points)[1:]
+
+    def _step(self, batch, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
+        points, labels = batch[0], batch[1]
+        logits = self(points)
+        loss = F.cross_entropy(logits, labels)
+        accuracy(logits, labels)
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "train", sync_dist=stage != "train",
+                 batch_size=labels.shape[0])
+        self.log(f"{stage}/top1", accuracy, prog_bar=True, batch_size=labels.shape[0])
+        return loss
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train", self.train_acc)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._step(batch, "val", self.val_acc)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._step(batch, "test", self.test_acc)
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self(batch[0] if isinstance(batch, (tuple, list)) else batch).softmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
