@@ -42,6 +42,10 @@ def parse_axis(text: str) -> tuple[str, list[str]]:
     items = [v.strip() for v in values.split(",")] if sep else []
     if not key or not items or any(not v for v in items):
         raise ValueError(f"--grid: expected KEY=V1,V2,... (e.g. model.shortcut.alpha_min=0.6,1.0), got {text!r}")
+    for value in items:  # the values make the run's folder name, which parse_run_name must invert
+        if any(c in value for c in "=/\\"):
+            raise ValueError(f"--grid {key}: a value may not hold '=', '/' or '\\' (it names the run's folder), "
+                             f"got {value!r}")
     return key, items
 
 
@@ -153,8 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
-    """Run (or print) the sweep; returns one record per run (name, status, seconds, command)."""
+    """Run (or print) the sweep; returns one record per run (name, status, seconds, command).
+
+    A bad argument ends with one line on stderr and exit status 2; a failed run with exit status 1.
+    """
     parsed = build_parser().parse_args(argv)
+    try:
+        return run_sweep(parsed)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"shortcutlab sweep: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_sweep(parsed: argparse.Namespace) -> list[dict]:
+    """The sweep of the parsed arguments (see :func:`main`)."""
     for config in parsed.config + ([parsed.then] if parsed.then else []):
         if not Path(config).is_file():
             raise FileNotFoundError(f"--config: no file '{config}'")

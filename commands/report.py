@@ -1,0 +1,332 @@
+"""Turn a sweep's runs into the paper's table and figures.
+
+    shortcutlab report runs/quickstart_seeds            # -> runs/quickstart_seeds/report/
+
+Reads every run folder of the experiment (``shortcutlab sweep``), groups the runs by all grid
+keys except ``seed`` and writes ``report.md`` (one row per group: kNN, online probe and offline
+probe top-1 in percent and the effective rank, each mean ± sample std over the seeds),
+``report.json`` (the raw numbers) and the figures: each metric against alpha_min, the effective
+rank over epochs per alpha_min, and probe accuracy against effective rank with the Pearson r
+(the decay paper's Figure 5c). A run's value of a metric is the last one logged in its
+``metrics.csv``; a run without ``metrics.csv``, or one the sweep recorded as failed, is listed
+as missing/failed and not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from commands.run_metrics import Run, read_run
+from commands.sweep import parse_run_name
+
+SEED_KEY = "seed"
+REPORT_DIR = "report"
+
+
+@dataclass(frozen=True)
+class ReportedMetric:
+    """A column of the table: the logged ``name`` (in the run's or the probe's ``metrics.csv``)."""
+
+    name: str
+    label: str
+    percent: bool
+    probe: bool = False  # logged by the offline probe (<run>/probe/metrics.csv)
+
+    def shown(self, value: float) -> float:
+        return 100.0 * value if self.percent else value
+
+
+KNN = ReportedMetric("knn/top1", "kNN top-1 (%)", percent=True)
+ONLINE_PROBE = ReportedMetric("online_probe/val_top1", "online probe top-1 (%)", percent=True)
+OFFLINE_PROBE = ReportedMetric("val/top1", "offline probe top-1 (%)", percent=True, probe=True)
+EFFECTIVE_RANK = ReportedMetric("rank/effective_rank", "effective rank", percent=False)
+TABLE_METRICS = (KNN, ONLINE_PROBE, OFFLINE_PROBE, EFFECTIVE_RANK)
+# in report.json only
+EXTRA_METRICS = (ReportedMetric("rank/entropy", "rank entropy", percent=False),
+                 ReportedMetric("train/loss", "train loss", percent=False),
+                 ReportedMetric("val/loss", "val loss", percent=False))
+
+
+@dataclass
+class Summary:
+    """Mean and sample standard deviation (ddof=1; None for one value) of ``values``."""
+
+    values: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(np.asarray(self.values, dtype=np.float64)))
+
+    @property
+    def std(self) -> Optional[float]:
+        return float(np.std(np.asarray(self.values, dtype=np.float64), ddof=1)) if self.n > 1 else None
+
+
+@dataclass
+class Group:
+    """The runs sharing every grid value but the seed."""
+
+    key: dict[str, str]
+    runs: list[Run]
+    missing: list[str]  # run names expected from the grid whose folder does not exist
+
+    @property
+    def counted(self) -> list[Run]:
+        return [run for run in self.runs if run.counted]
+
+    def summary(self, metric: ReportedMetric) -> Optional[Summary]:
+        values = [run.final(metric.name, metric.probe) for run in self.counted]
+        values = [v for v in values if v is not None]
+        return Summary(values) if values else None
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.key.items()) or "all runs"
+
+
+def pearson_r(x: Sequence[float], y: Sequence[float]) -> Optional[float]:
+    """Pearson's correlation of ``x`` and ``y`` (None for fewer than 2 points or a constant)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 2:
+        return None
+    dx, dy = x - x.mean(), y - y.mean()
+    denominator = math.sqrt(float(dx @ dx) * float(dy @ dy))
+    return float(dx @ dy) / denominator if denominator > 0 else None
+
+
+def _sort_key(value: str) -> tuple:
+    try:
+        return (0, float(value), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def find_runs(experiment: Path, skip: Path) -> list[Run]:
+    """Every run folder (named ``key=value,...`` or ``run``) of ``experiment``, except ``skip``."""
+    if not experiment.is_dir():
+        raise FileNotFoundError(f"no experiment folder '{experiment}' (expected runs/<experiment>, "
+                                "made by shortcutlab sweep)")
+    folders = [f for f in sorted(experiment.iterdir()) if f.is_dir() and f.resolve() != skip.resolve()
+               and (f.name == "run" or ("=" in f.name and all("=" in part for part in f.name.split(","))))]
+    if not folders:
+        raise ValueError(f"no runs in '{experiment}' (expected folders named like alpha_min=0.6,seed=0, "
+                         "made by shortcutlab sweep)")
+    runs = [read_run(f) for f in folders]
+    keys = list(runs[0].grid)
+    for run in runs:
+        if sorted(run.grid) != sorted(keys):
+            raise ValueError(f"run '{run.name}' has grid keys {sorted(run.grid)}, run '{runs[0].name}' "
+                             f"{sorted(keys)}: one experiment folder must hold one sweep")
+    return runs
+
+
+def group_runs(runs: list[Run]) -> tuple[list[str], list[Group]]:
+    """``(group keys, groups)``: the runs grouped by every grid key except ``seed``, in grid order.
+
+    Runs the full grid (the product of the values seen per key) expects but no folder holds are
+    listed as ``missing`` in their group."""
+    keys = list(runs[0].grid)
+    group_keys = [k for k in keys if k != SEED_KEY]
+    seen = {k: sorted({run.grid[k] for run in runs}, key=_sort_key) for k in keys}
+    by_key: dict[tuple, list[Run]] = {}
+    for run in runs:
+        by_key.setdefault(tuple(run.grid[k] for k in group_keys), []).append(run)
+    names = {run.name for run in runs}
+    groups = []
+    for values in sorted(by_key, key=lambda v: [_sort_key(x) for x in v]):
+        members = sorted(by_key[values], key=lambda r: [_sort_key(r.grid[k]) for k in keys])
+        missing = []
+        if SEED_KEY in keys:
+            for seed in seen[SEED_KEY]:
+                point = dict(members[0].grid, **{SEED_KEY: seed})
+                name = ",".join(f"{k}={point[k]}" for k in keys)
+                if name not in names and parse_run_name(name) == point:
+                    missing.append(name)
+        groups.append(Group(dict(zip(group_keys, values)), members, missing))
+    return group_keys, groups
+
+
+def format_cell(metric: ReportedMetric, summary: Optional[Summary], row_n: int) -> str:
+    """``mean ± std`` (the std only for n > 1; ``(n=k)`` when fewer runs than the row have it)."""
+    if summary is None:
+        return "–"
+    digits = 1 if metric.percent else 2
+    text = f"{metric.shown(summary.mean):.{digits}f}"
+    if summary.std is not None:
+        text += f" ± {metric.shown(summary.std):.{digits}f}"
+    if summary.n != row_n:
+        text += f" (n={summary.n})"
+    return text
+
+
+def problems_of(group: Group) -> list[str]:
+    """One line per run of ``group`` that is missing, failed, or lacks its probe."""
+    lines = [f"{name}: missing (no run folder)" for name in group.missing]
+    lines += [f"{run.name}: {run.problem}" for run in group.runs if run.problem]
+    lines += [f"{run.name}: {run.probe_problem}" for run in group.counted if run.probe_problem]
+    return lines
+
+
+def present_metrics(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list[ReportedMetric]:
+    """The metrics at least one counted run logged."""
+    return [m for m in metrics if any(g.summary(m) is not None for g in groups)]
+
+
+def scatter_points(runs: list[Run]) -> tuple[Optional[ReportedMetric], list[tuple[Run, float, float]]]:
+    """``(probe metric, [(run, effective rank, probe accuracy)])`` of Figure 5c: the offline probe
+    where any run has one, else the online probe."""
+    for probe in (OFFLINE_PROBE, ONLINE_PROBE):
+        points = [(run, run.final(EFFECTIVE_RANK.name), run.final(probe.name, probe.probe)) for run in runs]
+        points = [(run, rank, acc) for run, rank, acc in points if rank is not None and acc is not None]
+        if points:
+            return probe, points
+    return None, []
+
+
+def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
+                   metrics: list[ReportedMetric], correlation: dict) -> str:
+    """The report as Markdown: the table, how its numbers were made, and the missing/failed runs."""
+    header = [*(group_keys or ["runs"]), "n (seeds)", *(m.label for m in metrics)]
+    lines = [f"# {experiment}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group in groups:
+        n = len(group.counted)
+        cells = [*(group.key.values() if group_keys else ["all"]), str(n),
+                 *(format_cell(m, group.summary(m), n) for m in metrics)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Each cell: mean ± sample standard deviation (ddof=1) over the n seeds of the row (no ± for "
+              "one seed; `(n=k)` where only k of them logged the metric). A run's value is its final value: "
+              "the last value of the metric logged in its `metrics.csv` (the offline probe's: the last "
+              "`val/top1` in `<run>/probe/metrics.csv`). Accuracies in percent; effective rank "
+              "`rank/effective_rank` (exp of the singular-value entropy)."]
+    if correlation.get("n"):
+        r = correlation["r"]
+        lines += ["", f"Pearson r between {correlation['probe']} top-1 and effective rank over "
+                  f"{correlation['n']} runs: " + ("undefined" if r is None else f"{r:.3f}") + "."]
+    problems = [line for group in groups for line in problems_of(group)]
+    lines += ["", "Missing or failed runs (not counted): " + ("none." if not problems else "")]
+    lines += [f"- {line}" for line in problems]
+    unrecorded = [run.name for group in groups for run in group.counted if not run.recorded]
+    if unrecorded:
+        lines += ["", "Counted without a sweep.json (still running, or not made by shortcutlab sweep): "
+                  + ", ".join(unrecorded) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict) -> dict:
+    """The raw numbers of the report (fractions for accuracies, as logged)."""
+    metrics = (*TABLE_METRICS, *EXTRA_METRICS)
+
+    def stats(summary: Optional[Summary]) -> Optional[dict]:
+        return None if summary is None else {"mean": summary.mean, "std": summary.std, "n": summary.n,
+                                             "values": summary.values}
+
+    return {
+        "experiment": experiment,
+        "group_keys": group_keys,
+        "final_value": "the last value logged for the metric in the run's metrics.csv",
+        "std": "sample standard deviation (ddof=1) over seeds; null for one seed",
+        "groups": [{"group": group.key, "n": len(group.counted), "runs": [r.name for r in group.counted],
+                    "metrics": {m.name if not m.probe else "probe/" + m.name: stats(group.summary(m))
+                                for m in metrics},
+                    "problems": problems_of(group)} for group in groups],
+        "runs": [{"name": run.name, "grid": run.grid, "counted": run.counted, "problem": run.problem,
+                  "probe_problem": run.probe_problem,
+                  "final": {**{m.name: run.final(m.name) for m in metrics if not m.probe},
+                            "probe/val/top1": run.final(OFFLINE_PROBE.name, probe=True)}}
+                 for group in groups for run in group.runs],
+        "correlation": correlation,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shortcutlab report", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("experiment", help="the sweep's folder, runs/<experiment>")
+    parser.add_argument("--out", default=None, help="where to write (default: <experiment>/report)")
+    return parser
+
+
+def make_report(experiment: Path, out: Path) -> dict:
+    """Read the runs of ``experiment``, write ``report.md``, ``report.json`` and the figures to
+    ``out``; returns ``{"markdown": text, "files": [paths], "data": report.json's content}``."""
+    from rich.progress import track
+
+    from commands.report_figures import metric_vs_group_figure, rank_over_epochs_figure, probe_vs_rank_figure
+
+    folders = find_runs(experiment, skip=out)
+    runs = list(track(folders, description=f"reading {len(folders)} runs", transient=True))
+    group_keys, groups = group_runs(runs)
+    counted = [run for group in groups for run in group.counted]
+    probe, points = scatter_points(counted)
+    r = pearson_r([p[1] for p in points], [p[2] for p in points]) if points else None
+    correlation = {"probe": None if probe is None else ("offline probe" if probe.probe else "online probe"),
+                   "r": r, "n": len(points)}
+    metrics = present_metrics(groups, TABLE_METRICS)
+    markdown = markdown_table(experiment.name, group_keys, groups, metrics, correlation)
+    data = report_data(experiment.name, group_keys, groups, correlation)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "report.md", out / "report.json"]
+    files[0].write_text(markdown)
+    files[1].write_text(json.dumps(data, indent=2) + "\n")
+    if metrics and group_keys:
+        files.append(metric_vs_group_figure(out, group_keys, groups, metrics))
+    if any(run.history(EFFECTIVE_RANK.name) for run in counted):
+        files.append(rank_over_epochs_figure(out, groups, EFFECTIVE_RANK))
+    if points:
+        files.append(probe_vs_rank_figure(out, groups, points, probe, r))
+    return {"markdown": markdown, "files": files, "data": data}
+
+
+def print_summary(result: dict, group_keys: list[str]) -> None:
+    """The table and where the files went, on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: no need to wrap the table at 80 columns
+        console = Console(width=200)
+    markdown = result["markdown"]
+    rows = [line for line in markdown.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    table = Table(title=markdown.splitlines()[0].lstrip("# "))
+    for name in header:
+        table.add_column(name, justify="left" if name in group_keys else "right")
+    for row in rows[2:]:
+        table.add_row(*(c.strip() for c in row.strip("|").split("|")))
+    console.print(table)
+    for group in result["data"]["groups"]:
+        for line in group["problems"]:
+            console.print(f"[yellow]not counted:[/yellow] {line}")
+    console.print(f"wrote {len(result['files'])} files to {result['files'][0].parent}:")
+    for path in result["files"]:
+        console.print(f"  {path}", soft_wrap=True, highlight=False)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """``shortcutlab report``: a bad folder ends with one line on stderr and exit status 2."""
+    parsed = build_parser().parse_args(argv)
+    experiment = Path(parsed.experiment)
+    out = Path(parsed.out) if parsed.out else experiment / REPORT_DIR
+    try:
+        result = make_report(experiment, out)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"shortcutlab report: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print_summary(result, result["data"]["group_keys"])
+    return result
+
+
+if __name__ == "__main__":
+    main()

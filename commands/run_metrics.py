@@ -1,0 +1,129 @@
+"""What one sweep run left behind, as numbers: its logged metrics and whether it finished.
+
+A run folder ``runs/<experiment>/<name>/`` (``shortcutlab sweep``) holds ``metrics.csv`` (Lightning's
+CSVLogger: columns ``epoch``, ``step`` and one per logged metric, each row holding only the
+metrics logged at that point), ``sweep.json`` (the command's exit status) and, after ``--then``,
+``probe/metrics.csv`` (the offline linear probe). A run's *final* value of a metric is the last
+value logged for it in file order: after a resume the file goes on where the checkpoint was, so
+the last row is the latest.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from commands.sweep import FOLLOW_UP_DIR, parse_run_name
+
+METRICS_FILE = "metrics.csv"
+SWEEP_RECORD = "sweep.json"
+# metrics logged with on_step and on_epoch get these suffixes; the epoch value is the one reported
+EPOCH_SUFFIX = "_epoch"
+
+
+@dataclass
+class Point:
+    """One logged value: the ``epoch`` and ``step`` of its row (None where the row has none)."""
+
+    epoch: Optional[int]
+    step: Optional[int]
+    value: float
+
+
+@dataclass
+class Run:
+    """One run folder: its grid values, what it logged, and what went wrong (``problem``)."""
+
+    name: str
+    folder: Path
+    grid: dict[str, str]
+    metrics: dict[str, list[Point]] = field(default_factory=dict)
+    probe_metrics: dict[str, list[Point]] = field(default_factory=dict)
+    recorded: bool = False  # has a sweep.json (False: still running, or not made by the sweep)
+    problem: Optional[str] = None  # why the run is not counted (missing or failed)
+    probe_problem: Optional[str] = None  # why its offline probe is not counted
+
+    @property
+    def counted(self) -> bool:
+        return self.problem is None
+
+    def history(self, metric: str, probe: bool = False) -> list[Point]:
+        """Every value of ``metric`` in file order (``metric_epoch`` when only that was logged)."""
+        logged = self.probe_metrics if probe else self.metrics
+        return logged.get(metric) or logged.get(metric + EPOCH_SUFFIX) or []
+
+    def final(self, metric: str, probe: bool = False) -> Optional[float]:
+        """The last logged value of ``metric`` (None when never logged or not counted)."""
+        if not self.counted or (probe and self.probe_problem is not None):
+            return None
+        points = self.history(metric, probe)
+        return points[-1].value if points else None
+
+
+def _number(text: Optional[str]) -> Optional[float]:
+    if text is None or text.strip() == "":
+        return None
+    return float(text)
+
+
+def read_metrics_csv(path: Path) -> dict[str, list[Point]]:
+    """``metric -> [Point, ...]`` in file order from a CSVLogger ``metrics.csv`` (empty cells skipped)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            raise ValueError(f"{path}: empty file (expected a CSVLogger header: epoch,step,<metrics>)")
+        series: dict[str, list[Point]] = {name: [] for name in reader.fieldnames if name not in ("epoch", "step")}
+        for line, row in enumerate(reader, start=2):
+            try:
+                epoch, step = _number(row.get("epoch")), _number(row.get("step"))
+                for name in series:
+                    value = _number(row.get(name))
+                    if value is not None:
+                        series[name].append(Point(None if epoch is None else int(epoch),
+                                                  None if step is None else int(step), value))
+            except ValueError as err:
+                raise ValueError(f"{path}, line {line}: not a number ({err})") from None
+    return {name: points for name, points in series.items() if points}
+
+
+def _exit_status(record: dict, key: str) -> Optional[int]:
+    status = record.get(key)
+    return status if isinstance(status, int) else None
+
+
+def read_run(folder: Path) -> Run:
+    """The run in ``folder``; a missing or unreadable ``metrics.csv`` or a non-zero exit status in
+    ``sweep.json`` sets ``problem`` instead of raising."""
+    run = Run(folder.name, folder, parse_run_name(folder.name))
+    record_file = folder / SWEEP_RECORD
+    record: dict = {}
+    if record_file.is_file():
+        try:
+            record = json.loads(record_file.read_text())
+            run.recorded = True
+        except json.JSONDecodeError:
+            run.problem = f"unreadable {SWEEP_RECORD}"
+    status = _exit_status(record, "status")
+    if status not in (None, 0):
+        run.problem = f"failed (exit status {status}, see {folder / 'sweep.log'})"
+    elif not (folder / METRICS_FILE).is_file():
+        run.problem = f"missing (no {METRICS_FILE})"
+    if run.problem is None:
+        try:
+            run.metrics = read_metrics_csv(folder / METRICS_FILE)
+        except (ValueError, csv.Error) as err:
+            run.problem = f"unreadable {METRICS_FILE}: {err}"
+    probe_file = folder / FOLLOW_UP_DIR / METRICS_FILE
+    probe_status = _exit_status(record, "probe_status")
+    if probe_status not in (None, 0):
+        run.probe_problem = f"probe failed (exit status {probe_status})"
+    elif probe_file.is_file():
+        try:
+            run.probe_metrics = read_metrics_csv(probe_file)
+        except (ValueError, csv.Error) as err:
+            run.probe_problem = f"unreadable probe {METRICS_FILE}: {err}"
+    elif "probe_command" in record:
+        run.probe_problem = f"probe missing (no {FOLLOW_UP_DIR}/{METRICS_FILE})"
+    return run

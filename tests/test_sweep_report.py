@@ -1,0 +1,268 @@
+"""``shortcutlab sweep`` and ``shortcutlab report`` (issue 11, part 2).
+
+The report is checked on hand-written CSVLogger files against numpy float64 (mean, ddof=1 std,
+``np.corrcoef``); the sweep's naming and ``--print`` on their own; one slow test sweeps two tiny
+digits fits for real, reports on them, reruns (skipping the finished runs) and sweeps a failing run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from commands import report, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# hand-written final values: alpha_min -> seed -> (knn, online probe, offline probe, effective rank)
+FINALS = {
+    "0.6": {0: (0.812, 0.701, 0.905, 31.5), 1: (0.794, 0.688, 0.897, 29.25), 2: (0.830, 0.735, 0.912, 33.0)},
+    "1.0": {0: (0.652, 0.602, 0.851, 18.75), 1: (0.671, 0.611, 0.866, 20.5), 2: (0.644, 0.590, 0.842, 17.0)},
+}
+# effective rank at the first evaluation (epoch 1): the curve's first point
+FIRST_RANK = {"0.6": {0: 12.0, 1: 11.0, 2: 13.5}, "1.0": {0: 10.0, 1: 9.5, 2: 11.25}}
+
+
+def write_run(experiment: Path, alpha: str, seed: int, finals: tuple, first_rank: float,
+              status: int = 0) -> Path:
+    """A run folder as the sweep leaves it: sparse CSVLogger rows (step-wise losses, two
+    evaluations at epochs 1 and 3, an earlier kNN value that is not the final one), a probe."""
+    knn, online, offline, rank = finals
+    run = experiment / f"alpha_min={alpha},seed={seed}"
+    (run / "probe").mkdir(parents=True)
+    run.joinpath("metrics.csv").write_text(
+        "epoch,knn/top1,online_probe/val_top1,rank/effective_rank,rank/entropy,step,train/loss_epoch,train/loss_step\n"
+        "0,,,,,4,,0.93\n"
+        "0,,,,,9,0.91,\n"
+        f"1,0.5,0.45,{first_rank},{np.log(first_rank)},19,,\n"
+        "1,,,,,19,0.85,\n"
+        "2,,,,,29,0.80,0.79\n"
+        f"3,{knn},{online},{rank},{np.log(rank)},39,,\n"
+        "3,,,,,39,0.75,\n")
+    run.joinpath("probe", "metrics.csv").write_text(
+        "epoch,step,train/loss,val/loss,val/top1\n"
+        "0,4,1.2,,\n"
+        "0,4,,1.0,0.5\n"
+        f"1,9,,0.4,{offline}\n")
+    run.joinpath("sweep.json").write_text(json.dumps({"name": run.name, "status": status, "probe_status": 0,
+                                                      "probe_command": "shortcutlab fit ..."}))
+    return run
+
+
+@pytest.fixture()
+def experiment(tmp_path) -> Path:
+    """2 alphas x 3 seeds of hand-written runs."""
+    folder = tmp_path / "runs" / "toy"
+    for alpha, seeds in FINALS.items():
+        for seed, finals in seeds.items():
+            write_run(folder, alpha, seed, finals, FIRST_RANK[alpha][seed])
+    return folder
+
+
+def cell(mean: float, std: float, scale: float, digits: int) -> str:
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+
+
+def test_report_table_matches_numpy(experiment, capsys):
+    result = report.main([str(experiment)])
+    out = experiment / "report"
+    markdown = (out / "report.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in markdown.splitlines() if re.match(r"\| (0\.6|1\.0) \|", line)}
+    assert set(rows) == {"0.6", "1.0"}
+    header = [c.strip() for c in markdown.splitlines()[2].strip("|").split("|")]
+    assert header == ["alpha_min", "n (seeds)", "kNN top-1 (%)", "online probe top-1 (%)",
+                      "offline probe top-1 (%)", "effective rank"]
+    data = json.loads((out / "report.json").read_text())
+    for alpha, seeds in FINALS.items():
+        values = np.array(list(seeds.values()), dtype=np.float64)  # seeds x 4
+        mean, std = values.mean(axis=0), values.std(axis=0, ddof=1)
+        expected = [alpha, "3"] + [cell(mean[i], std[i], 100.0, 1) for i in range(3)] + [cell(mean[3], std[3], 1.0, 2)]
+        assert rows[alpha] == expected
+        group = next(g for g in data["groups"] if g["group"] == {"alpha_min": alpha})
+        for i, name in enumerate(["knn/top1", "online_probe/val_top1", "probe/val/top1", "rank/effective_rank"]):
+            assert group["metrics"][name]["mean"] == pytest.approx(mean[i], rel=1e-12)
+            assert group["metrics"][name]["std"] == pytest.approx(std[i], rel=1e-12)
+            assert group["metrics"][name]["n"] == 3
+        assert group["metrics"]["train/loss"]["mean"] == pytest.approx(0.75)  # the last train/loss_epoch
+    runs = [(a, s) for a in FINALS for s in FINALS[a]]
+    ranks = np.array([FINALS[a][s][3] for a, s in runs])
+    offline = np.array([FINALS[a][s][2] for a, s in runs])
+    assert data["correlation"]["probe"] == "offline probe"
+    assert data["correlation"]["n"] == 6
+    assert data["correlation"]["r"] == pytest.approx(np.corrcoef(ranks, offline)[0, 1], rel=1e-12)
+    assert f"{np.corrcoef(ranks, offline)[0, 1]:.3f}" in markdown
+    assert "Missing or failed runs (not counted): none." in markdown
+    for name in ("metrics_vs_alpha_min.png", "effective_rank_over_epochs.png", "probe_vs_effective_rank.png"):
+        assert (out / name).read_bytes()[:8] == PNG_SIGNATURE, name
+        assert out / name in result["files"]
+    printed = capsys.readouterr().out
+    assert "kNN top-1 (%)" in printed and str(out / "report.md") in printed
+
+
+def test_report_counts_missing_failed_and_single_seed(experiment, tmp_path):
+    """A folder without metrics.csv and a failed run are listed and not counted; a grid point
+    without a folder is listed; a group left with one seed shows no ± ; the online probe stands in
+    for the scatter when no run has an offline probe."""
+    (experiment / "alpha_min=1.0,seed=1" / "metrics.csv").unlink()
+    failed = experiment / "alpha_min=1.0,seed=2"
+    failed.joinpath("sweep.json").write_text(json.dumps({"status": 1}))
+    for run in experiment.iterdir():
+        (run / "probe" / "metrics.csv").unlink(missing_ok=True)
+        (run / "sweep.json").write_text(json.dumps({"status": 1 if run == failed else 0}))
+    import shutil
+    shutil.rmtree(experiment / "alpha_min=0.6,seed=2")
+    out = tmp_path / "elsewhere"
+    report.main([str(experiment), "--out", str(out)])
+    markdown = (out / "report.md").read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith("| 1.0 |"))
+    knn = FINALS["1.0"][0][0]
+    assert row.split("|")[2].strip() == "1" and f"| {100 * knn:.1f} |" in row and "±" not in row
+    assert "offline probe" not in markdown.splitlines()[2]  # logged by no run: no column
+    assert "alpha_min=1.0,seed=1: missing (no metrics.csv)" in markdown
+    assert "alpha_min=1.0,seed=2: failed (exit status 1" in markdown
+    assert "alpha_min=0.6,seed=2: missing (no run folder)" in markdown
+    data = json.loads((out / "report.json").read_text())
+    counted = [("0.6", 0), ("0.6", 1), ("1.0", 0)]
+    ranks = [FINALS[a][s][3] for a, s in counted]
+    online = [FINALS[a][s][1] for a, s in counted]
+    assert data["correlation"]["probe"] == "online probe" and data["correlation"]["n"] == 3
+    assert data["correlation"]["r"] == pytest.approx(np.corrcoef(ranks, online)[0, 1], rel=1e-12)
+
+
+def test_rank_curve_is_the_mean_over_seeds(experiment):
+    group_keys, groups = report.group_runs(report.find_runs(experiment, skip=experiment / "report"))
+    from commands.report_figures import _mean_curve
+
+    for group in groups:
+        alpha = group.key["alpha_min"]
+        epochs, means, stds = _mean_curve(group.counted, "rank/effective_rank")
+        first = np.array(list(FIRST_RANK[alpha].values()))
+        last = np.array([FINALS[alpha][s][3] for s in range(3)])
+        np.testing.assert_allclose(epochs, [2.0, 4.0])  # evaluated after epochs 1 and 3 (0-indexed)
+        np.testing.assert_allclose(means, [first.mean(), last.mean()], rtol=1e-12)
+        np.testing.assert_allclose(stds, [first.std(ddof=1), last.std(ddof=1)], rtol=1e-12)
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda root: None, "no experiment folder"),
+    (lambda root: root.mkdir(), "no runs in"),
+])
+def test_report_bad_input_is_one_line(tmp_path, capsys, setup, message):
+    setup(tmp_path / "exp")
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "exp")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shortcutlab report: error: ") and message in err and "\n" not in err
+
+
+def test_grid_points_first_axis_slowest_and_names_round_trip():
+    axes = [sweep.parse_axis("model.shortcut.alpha_min=0.6,0.8,1.0"), sweep.parse_axis("--seed_everything=0,1")]
+    points = sweep.grid_points(axes)
+    assert [(p["model.shortcut.alpha_min"], p["seed_everything"]) for p in points] == \
+        [("0.6", "0"), ("0.6", "1"), ("0.8", "0"), ("0.8", "1"), ("1.0", "0"), ("1.0", "1")]
+    names = [sweep.run_name(p) for p in points]
+    assert names[1] == "alpha_min=0.6,seed=1"
+    assert [sweep.parse_run_name(n) for n in names] == \
+        [{"alpha_min": p["model.shortcut.alpha_min"], "seed": p["seed_everything"]} for p in points]
+    assert sweep.run_name({}) == "run" and sweep.parse_run_name("run") == {}
+
+
+@pytest.mark.parametrize("axis", ["alpha_min", "alpha_min=", "=0.6", "alpha_min=0.6,,1.0", "data.root=/a/b",
+                                  "x=a=b"])
+def test_bad_grid_axis(axis):
+    with pytest.raises(ValueError, match="--grid"):
+        sweep.parse_axis(axis)
+
+
+def test_same_short_name_twice_is_refused():
+    with pytest.raises(ValueError, match="same short name"):
+        sweep.grid_points([("model.alpha_min", ["1"]), ("data.alpha_min", ["2"])])
+
+
+def test_print_gives_one_command_per_run(tmp_path, capsys):
+    sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path),
+                "--grid", "model.shortcut.alpha_min=0.6,1.0", "--grid", "seed_everything=0,1",
+                "--set", "trainer.max_epochs=3", "--then", "configs/linear_probe_digits.yaml", "--print"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 8  # 4 runs, each followed by its probe
+    fits, probes = [shlex.split(line) for line in lines[::2]], [shlex.split(line) for line in lines[1::2]]
+    expected = [("0.6", "0"), ("0.6", "1"), ("1.0", "0"), ("1.0", "1")]
+    for args, (alpha, seed) in zip(fits, expected):
+        name = f"alpha_min={alpha},seed={seed}"
+        assert args[:3] == ["shortcutlab", "fit", "--config=configs/digits_mae.yaml"]
+        assert f"--model.shortcut.alpha_min={alpha}" in args and f"--seed_everything={seed}" in args
+        assert "--trainer.max_epochs=3" in args
+        assert args[-1] == f"--config={tmp_path / 'e' / name / 'run.yaml'}"
+        logger = json.loads((tmp_path / "e" / name / "run.yaml").read_text().split("\n", 1)[1])
+        assert {lg["init_args"]["version"] for lg in logger["trainer"]["logger"]} == {name}
+    for args, (alpha, seed) in zip(probes, expected):
+        run = tmp_path / "e" / f"alpha_min={alpha},seed={seed}"
+        assert f"--model.checkpoint={run / 'checkpoints' / 'last.ckpt'}" in args
+        assert f"--seed_everything={seed}" in args
+        assert args[-1] == f"--config={run / 'probe' / 'run.yaml'}"
+    assert not any((tmp_path / "e").glob("*/sweep.json"))  # nothing ran
+
+
+def test_sweep_bad_input_is_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        sweep.main(["--experiment", "e", "--config", "configs/no_such.yaml", "--print"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "shortcutlab sweep: error: --config: no file 'configs/no_such.yaml'"
+
+
+def shortcutlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", "import cli; cli.console_main()", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+TINY = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
+        "--set", "trainer.max_epochs=1", "--set", "trainer.limit_train_batches=2",
+        "--set", "trainer.limit_val_batches=1", "--set", "trainer.check_val_every_n_epoch=1",
+        "--set", "trainer.enable_progress_bar=false", "--set", "trainer.accelerator=cpu",
+        "--set", "model.depth=2", "--set", "model.decoder_depth=1"]
+
+
+@pytest.mark.slow
+def test_sweep_then_report_end_to_end(tmp_path):
+    """Two real (tiny) digits fits, their report, a rerun that skips them, a failing sweep."""
+    grid = ["--grid", "model.shortcut.alpha_min=0.6,1.0"]
+    first = shortcutlab("sweep", "--experiment", "tiny", "--runs-dir", str(tmp_path), *TINY, *grid, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "2 of 2 runs finished" in first.stdout
+    for alpha in ("0.6", "1.0"):
+        run = tmp_path / "tiny" / f"alpha_min={alpha}"
+        assert json.loads((run / "sweep.json").read_text())["status"] == 0
+        assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "metrics.csv").is_file()
+    made = shortcutlab("report", str(tmp_path / "tiny"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr[-3000:]
+    data = json.loads((tmp_path / "tiny" / "report" / "report.json").read_text())
+    assert [g["group"] for g in data["groups"]] == [{"alpha_min": "0.6"}, {"alpha_min": "1.0"}]
+    for group in data["groups"]:
+        assert group["n"] == 1
+        for name in ("knn/top1", "online_probe/val_top1"):
+            assert 0.0 <= group["metrics"][name]["mean"] <= 1.0
+        assert group["metrics"]["rank/effective_rank"]["mean"] >= 1.0
+    for name in ("metrics_vs_alpha_min.png", "effective_rank_over_epochs.png", "probe_vs_effective_rank.png"):
+        assert (tmp_path / "tiny" / "report" / name).read_bytes()[:8] == PNG_SIGNATURE
+    assert "kNN top-1 (%)" in made.stdout
+
+    again = shortcutlab("sweep", "--experiment", "tiny", "--runs-dir", str(tmp_path), *TINY, *grid, cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.count("skipped") == 2, again.stdout[-2000:]
+
+    failing = shortcutlab("sweep", "--experiment", "bad", "--runs-dir", str(tmp_path), *TINY,
+                          "--grid", "model.shortcut.alpha_min=0.6,7.0", cwd=tmp_path)
+    assert failing.returncode == 1
+    assert "1 of 2 runs finished; failed: alpha_min=7.0" in failing.stdout
+    assert json.loads((tmp_path / "bad" / "alpha_min=7.0" / "sweep.json").read_text())["status"] != 0
