@@ -21,6 +21,8 @@ the sweep exits non-zero when any run failed.
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import itertools
 import json
 import shlex
@@ -136,6 +138,40 @@ def run_once(args: Sequence[str], log: Path) -> tuple[int, float]:
     return status, time.perf_counter() - start
 
 
+def merge_metrics_csv(earlier: str, path: Path) -> None:
+    """Put the rows of ``earlier`` (the ``metrics.csv`` text before a resume) back in front of the
+    resumed attempt's ``path``: Lightning's CSVLogger deletes an existing ``metrics.csv`` when it
+    starts, which would lose the evaluations logged before the checkpoint. Earlier rows from the
+    first step the resumed attempt logged on are dropped (the interrupted attempt logged them
+    after its checkpoint, and they are logged again)."""
+    old_rows = list(csv.DictReader(io.StringIO(earlier)))
+    new_rows = list(csv.DictReader(io.StringIO(path.read_text()))) if path.is_file() else []
+
+    def step(row: dict) -> float:
+        return float(row["step"]) if row.get("step") not in (None, "") else float("-inf")
+
+    first_new = min((step(row) for row in new_rows), default=float("inf"))
+    rows = [row for row in old_rows if step(row) < first_new] + new_rows
+    columns = sorted({key for row in rows for key in row if key is not None})
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows({key: value for key, value in row.items() if key is not None} for row in rows)
+
+
+def fit_resuming(args: Sequence[str], folder: Path) -> tuple[list[str], int, float]:
+    """Run ``fit`` ``args`` logging to ``folder``, resumed from its last checkpoint when it has
+    one (keeping the metrics logged before it); returns ``(arguments run, exit status, seconds)``."""
+    resume = last_checkpoint(folder)
+    metrics = folder / "metrics.csv"
+    earlier = metrics.read_text() if resume is not None and metrics.is_file() else None
+    run_args = list(args) + ([f"--ckpt_path={resume}"] if resume is not None else [])
+    status, seconds = run_once(run_args, folder / "sweep.log")
+    if earlier is not None:
+        merge_metrics_csv(earlier, metrics)
+    return run_args, status, seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shortcutlab sweep", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -195,9 +231,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         print(f"[{index}/{len(points)}] {parsed.experiment}/{name}", flush=True)
         if record.get("status") != 0:
-            resume = last_checkpoint(run)
-            run_args = args + ([f"--ckpt_path={resume}"] if resume is not None else [])
-            status, seconds = run_once(run_args, run / "sweep.log")
+            run_args, status, seconds = fit_resuming(args, run)
             record = {"name": name, "grid": point, "command": shell_line(run_args), "status": status,
                       "seconds": round(seconds, 1)}
             run.mkdir(parents=True, exist_ok=True)
@@ -211,7 +245,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
             else:
                 follow = follow_up_command(parsed.then, run, checkpoint, point, save_dir, name)
-                status, seconds = run_once(follow, probe / "sweep.log")
+                follow, status, seconds = fit_resuming(follow, probe)
                 record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
             record_file.write_text(json.dumps(record, indent=2) + "\n")
         records.append(record)

@@ -221,10 +221,27 @@ def test_sweep_bad_input_is_one_line(capsys):
     assert err == "shortcutlab sweep: error: --config: no file 'configs/no_such.yaml'"
 
 
-def shortcutlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", "import cli; cli.console_main()", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+def test_resume_keeps_the_metrics_logged_before_the_checkpoint(tmp_path):
+    """CSVLogger deletes metrics.csv when a resumed fit starts; the sweep puts the earlier rows
+    back, dropping those the interrupted attempt logged after its checkpoint (logged again)."""
+    earlier = ("epoch,knn/top1,step,train/loss\n"
+               "0,,4,0.9\n"
+               "0,0.5,9,\n"          # evaluation before the checkpoint (step 9)
+               "1,,14,0.8\n")        # logged after the checkpoint by the interrupted attempt
+    resumed = tmp_path / "metrics.csv"
+    resumed.write_text("epoch,lr,step,train/loss\n"
+                       "1,0.1,14,\n"
+                       "1,,14,0.7\n")
+    sweep.merge_metrics_csv(earlier, resumed)
+    lines = resumed.read_text().splitlines()
+    assert lines == ["epoch,knn/top1,lr,step,train/loss",
+                     "0,,,4,0.9",
+                     "0,0.5,,9,",
+                     "1,,0.1,14,",
+                     "1,,,14,0.7"]
+    nothing_logged = tmp_path / "crashed.csv"  # the resumed attempt failed before logging: all kept
+    sweep.merge_metrics_csv(earlier, nothing_logged)
+    assert nothing_logged.read_text().splitlines()[1:] == ["0,,4,0.9", "0,0.5,9,", "1,,14,0.8"]
 
 
 TINY = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
@@ -235,34 +252,39 @@ TINY = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
 
 
 @pytest.mark.slow
-def test_sweep_then_report_end_to_end(tmp_path):
-    """Two real (tiny) digits fits, their report, a rerun that skips them, a failing sweep."""
-    grid = ["--grid", "model.shortcut.alpha_min=0.6,1.0"]
-    first = shortcutlab("sweep", "--experiment", "tiny", "--runs-dir", str(tmp_path), *TINY, *grid, cwd=tmp_path)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "2 of 2 runs finished" in first.stdout
+def test_sweep_then_report_end_to_end(tmp_path, monkeypatch, capsys):
+    """Two real (tiny) digits fits and their report; a rerun with one more, failing, grid value
+    skips the finished runs, runs the others and exits 1 naming the failed one."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(tmp_path)
+    args = ["--experiment", "tiny", "--runs-dir", str(tmp_path), *TINY]
+    records = sweep.main([*args, "--grid", "model.shortcut.alpha_min=0.6,1.0"])
+    printed = capsys.readouterr().out
+    assert [r["status"] for r in records] == [0, 0], printed[-3000:]
+    assert "2 of 2 runs finished" in printed
     for alpha in ("0.6", "1.0"):
         run = tmp_path / "tiny" / f"alpha_min={alpha}"
         assert json.loads((run / "sweep.json").read_text())["status"] == 0
         assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "metrics.csv").is_file()
-    made = shortcutlab("report", str(tmp_path / "tiny"), cwd=tmp_path)
-    assert made.returncode == 0, made.stderr[-3000:]
+
+    report.main([str(tmp_path / "tiny")])
     data = json.loads((tmp_path / "tiny" / "report" / "report.json").read_text())
     assert [g["group"] for g in data["groups"]] == [{"alpha_min": "0.6"}, {"alpha_min": "1.0"}]
     for group in data["groups"]:
-        assert group["n"] == 1
+        assert group["n"] == 1 and group["problems"] == []
         for name in ("knn/top1", "online_probe/val_top1"):
             assert 0.0 <= group["metrics"][name]["mean"] <= 1.0
         assert group["metrics"]["rank/effective_rank"]["mean"] >= 1.0
     for name in ("metrics_vs_alpha_min.png", "effective_rank_over_epochs.png", "probe_vs_effective_rank.png"):
         assert (tmp_path / "tiny" / "report" / name).read_bytes()[:8] == PNG_SIGNATURE
-    assert "kNN top-1 (%)" in made.stdout
+    assert "kNN top-1 (%)" in capsys.readouterr().out
 
-    again = shortcutlab("sweep", "--experiment", "tiny", "--runs-dir", str(tmp_path), *TINY, *grid, cwd=tmp_path)
-    assert again.returncode == 0 and again.stdout.count("skipped") == 2, again.stdout[-2000:]
-
-    failing = shortcutlab("sweep", "--experiment", "bad", "--runs-dir", str(tmp_path), *TINY,
-                          "--grid", "model.shortcut.alpha_min=0.6,7.0", cwd=tmp_path)
-    assert failing.returncode == 1
-    assert "1 of 2 runs finished; failed: alpha_min=7.0" in failing.stdout
-    assert json.loads((tmp_path / "bad" / "alpha_min=7.0" / "sweep.json").read_text())["status"] != 0
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([*args, "--grid", "model.shortcut.alpha_min=0.6,7.0,1.0"])
+    printed = capsys.readouterr().out
+    assert stop.value.code == 1
+    assert printed.count("skipped") == 2
+    assert "sweep tiny: 2 of 3 runs finished; failed: alpha_min=7.0" in printed
+    failed = tmp_path / "tiny" / "alpha_min=7.0"
+    assert json.loads((failed / "sweep.json").read_text())["status"] == 2
+    assert "alpha_min" in (failed / "sweep.log").read_text().splitlines()[-1]
