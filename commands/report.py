@@ -4,10 +4,10 @@
 
 Reads every run folder of the experiment (``shortcutlab sweep``), groups the runs by all grid
 keys except ``seed`` and writes ``report.md`` (one row per group: kNN, online probe and offline
-probe top-1 in percent and the effective rank, each mean ± sample std over the seeds),
-``report.json`` (the raw numbers) and the figures: each metric against alpha_min, the effective
-rank over epochs per alpha_min, and probe accuracy against effective rank with the Pearson r
-(the decay paper's Figure 5c). A run's value of a metric is the last one logged in its
+probe top-1 in percent, a classifier's own val top-1, and the effective rank, each mean ± sample
+std over the seeds), ``report.json`` (the raw numbers) and the figures: each metric against
+alpha_min, the effective rank over epochs per alpha_min, and probe accuracy against effective
+rank with the Pearson r (the decay paper's Figure 5c). A run's value of a metric is the last one logged in its
 ``metrics.csv``; a run without ``metrics.csv``, or one the sweep recorded as failed, is listed
 as missing/failed and not counted.
 """
@@ -47,7 +47,8 @@ KNN = ReportedMetric("knn/top1", "kNN top-1 (%)", percent=True)
 ONLINE_PROBE = ReportedMetric("online_probe/val_top1", "online probe top-1 (%)", percent=True)
 OFFLINE_PROBE = ReportedMetric("val/top1", "offline probe top-1 (%)", percent=True, probe=True)
 EFFECTIVE_RANK = ReportedMetric("rank/effective_rank", "effective rank", percent=False)
-TABLE_METRICS = (KNN, ONLINE_PROBE, OFFLINE_PROBE, EFFECTIVE_RANK)
+SUPERVISED = ReportedMetric("val/top1", "val top-1 (%)", percent=True)  # a classifier's own accuracy
+TABLE_METRICS = (KNN, ONLINE_PROBE, OFFLINE_PROBE, SUPERVISED, EFFECTIVE_RANK)
 # in report.json only
 EXTRA_METRICS = (ReportedMetric("rank/entropy", "rank entropy", percent=False),
                  ReportedMetric("train/loss", "train loss", percent=False),
@@ -178,6 +179,18 @@ def problems_of(group: Group) -> list[str]:
     return lines
 
 
+def not_counted_cell(group: Group) -> str:
+    """The row's runs that are not counted, short: ``seed=2 (failed)``."""
+    def short(name: str) -> str:
+        return ",".join(f"{k}={v}" for k, v in parse_run_name(name).items() if k not in group.key) or name
+
+    cells = [f"{short(name)} (no folder)" for name in group.missing]
+    cells += [f"{short(run.name)} ({run.problem.split(' ')[0]})" for run in group.runs if run.problem]
+    cells += [f"{short(run.name)} (probe {run.probe_problem.split(' ')[1]})" for run in group.counted
+              if run.probe_problem]
+    return ", ".join(cells)
+
+
 def present_metrics(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list[ReportedMetric]:
     """The metrics at least one counted run logged."""
     return [m for m in metrics if any(g.summary(m) is not None for g in groups)]
@@ -185,8 +198,8 @@ def present_metrics(groups: list[Group], metrics: Sequence[ReportedMetric]) -> l
 
 def scatter_points(runs: list[Run]) -> tuple[Optional[ReportedMetric], list[tuple[Run, float, float]]]:
     """``(probe metric, [(run, effective rank, probe accuracy)])`` of Figure 5c: the offline probe
-    where any run has one, else the online probe."""
-    for probe in (OFFLINE_PROBE, ONLINE_PROBE):
+    where any run has one, else the online probe (else a classifier's own val top-1)."""
+    for probe in (OFFLINE_PROBE, ONLINE_PROBE, SUPERVISED):
         points = [(run, run.final(EFFECTIVE_RANK.name), run.final(probe.name, probe.probe)) for run in runs]
         points = [(run, rank, acc) for run, rank, acc in points if rank is not None and acc is not None]
         if points:
@@ -197,12 +210,15 @@ def scatter_points(runs: list[Run]) -> tuple[Optional[ReportedMetric], list[tupl
 def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
                    metrics: list[ReportedMetric], correlation: dict) -> str:
     """The report as Markdown: the table, how its numbers were made, and the missing/failed runs."""
+    with_problems = any(problems_of(group) for group in groups)
     header = [*(group_keys or ["runs"]), "n (seeds)", *(m.label for m in metrics)]
+    header += ["not counted"] if with_problems else []
     lines = [f"# {experiment}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group in groups:
         n = len(group.counted)
         cells = [*(group.key.values() if group_keys else ["all"]), str(n),
                  *(format_cell(m, group.summary(m), n) for m in metrics)]
+        cells += [not_counted_cell(group)] if with_problems else []
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Each cell: mean ± sample standard deviation (ddof=1) over the n seeds of the row (no ± for "
               "one seed; `(n=k)` where only k of them logged the metric). A run's value is its final value: "
@@ -271,7 +287,8 @@ def make_report(experiment: Path, out: Path) -> dict:
     counted = [run for group in groups for run in group.counted]
     probe, points = scatter_points(counted)
     r = pearson_r([p[1] for p in points], [p[2] for p in points]) if points else None
-    correlation = {"probe": None if probe is None else ("offline probe" if probe.probe else "online probe"),
+    correlation = {"probe": None if probe is None else {OFFLINE_PROBE: "offline probe", ONLINE_PROBE: "online probe",
+                                                        SUPERVISED: "val"}[probe],
                    "r": r, "n": len(points)}
     metrics = present_metrics(groups, TABLE_METRICS)
     markdown = markdown_table(experiment.name, group_keys, groups, metrics, correlation)

@@ -42,8 +42,10 @@ class Run:
     metrics: dict[str, list[Point]] = field(default_factory=dict)
     probe_metrics: dict[str, list[Point]] = field(default_factory=dict)
     recorded: bool = False  # has a sweep.json (False: still running, or not made by the sweep)
-    problem: Optional[str] = None  # why the run is not counted (missing or failed)
-    probe_problem: Optional[str] = None  # why its offline probe is not counted
+    # why the run (its offline probe) is not counted: "missing", "failed" or "unreadable" first
+    # ("probe missing" ...), then the detail in parentheses
+    problem: Optional[str] = None
+    probe_problem: Optional[str] = None
 
     @property
     def counted(self) -> bool:
@@ -104,7 +106,7 @@ def read_run(folder: Path) -> Run:
             record = json.loads(record_file.read_text())
             run.recorded = True
         except json.JSONDecodeError:
-            run.problem = f"unreadable {SWEEP_RECORD}"
+            run.problem = f"unreadable ({SWEEP_RECORD})"
     status = _exit_status(record, "status")
     if status not in (None, 0):
         run.problem = f"failed (exit status {status}, see {folder / 'sweep.log'})"
@@ -114,7 +116,7 @@ def read_run(folder: Path) -> Run:
         try:
             run.metrics = read_metrics_csv(folder / METRICS_FILE)
         except (ValueError, csv.Error) as err:
-            run.problem = f"unreadable {METRICS_FILE}: {err}"
+            run.problem = f"unreadable ({METRICS_FILE}: {err})"
     probe_file = folder / FOLLOW_UP_DIR / METRICS_FILE
     probe_status = _exit_status(record, "probe_status")
     if probe_status not in (None, 0):
@@ -123,7 +125,7 @@ def read_run(folder: Path) -> Run:
         try:
             run.probe_metrics = read_metrics_csv(probe_file)
         except (ValueError, csv.Error) as err:
-            run.probe_problem = f"unreadable probe {METRICS_FILE}: {err}"
+            run.probe_problem = f"probe unreadable ({METRICS_FILE}: {err})"
     elif "probe_command" in record:
         run.probe_problem = f"probe missing (no {FOLLOW_UP_DIR}/{METRICS_FILE})"
     return run

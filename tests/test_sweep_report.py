@@ -130,12 +130,37 @@ def test_report_counts_missing_failed_and_single_seed(experiment, tmp_path):
     assert "alpha_min=1.0,seed=1: missing (no metrics.csv)" in markdown
     assert "alpha_min=1.0,seed=2: failed (exit status 1" in markdown
     assert "alpha_min=0.6,seed=2: missing (no run folder)" in markdown
+    assert row.endswith("| seed=1 (missing), seed=2 (failed) |")
+    assert next(line for line in markdown.splitlines() if line.startswith("| 0.6 |")).endswith(
+        "| seed=2 (no folder) |")
     data = json.loads((out / "report.json").read_text())
     counted = [("0.6", 0), ("0.6", 1), ("1.0", 0)]
     ranks = [FINALS[a][s][3] for a, s in counted]
     online = [FINALS[a][s][1] for a, s in counted]
     assert data["correlation"]["probe"] == "online probe" and data["correlation"]["n"] == 3
     assert data["correlation"]["r"] == pytest.approx(np.corrcoef(ranks, online)[0, 1], rel=1e-12)
+
+
+def test_classifier_runs_report_their_own_val_top1(tmp_path):
+    """A classifier sweep (no kNN, no probe): its val/top1 is the accuracy column and the scatter's."""
+    experiment = tmp_path / "cls"
+    accuracy = {(0.6, 0): 0.91, (0.6, 1): 0.93, (1.0, 0): 0.88, (1.0, 1): 0.87}
+    rank = {(0.6, 0): 7.5, (0.6, 1): 8.0, (1.0, 0): 9.0, (1.0, 1): 10.5}
+    for (alpha, seed), top1 in accuracy.items():
+        run = experiment / f"alpha_min={alpha},seed={seed}"
+        run.mkdir(parents=True)
+        run.joinpath("metrics.csv").write_text("epoch,rank/effective_rank,step,val/loss,val/top1\n"
+                                               f"0,2.0,9,1.5,0.3\n1,{rank[alpha, seed]},19,0.4,{top1}\n")
+    report.main([str(experiment)])
+    markdown = (experiment / "report" / "report.md").read_text()
+    assert markdown.splitlines()[2] == "| alpha_min | n (seeds) | val top-1 (%) | effective rank |"
+    top1 = np.array([0.91, 0.93])
+    assert f"| 0.6 | 2 | {100 * top1.mean():.1f} ± {100 * top1.std(ddof=1):.1f} |" in markdown
+    data = json.loads((experiment / "report" / "report.json").read_text())
+    assert data["correlation"]["probe"] == "val" and data["correlation"]["n"] == 4
+    assert data["correlation"]["r"] == pytest.approx(
+        np.corrcoef(list(rank.values()), list(accuracy.values()))[0, 1], rel=1e-12)
+    assert "Counted without a sweep.json" in markdown
 
 
 def test_rank_curve_is_the_mean_over_seeds(experiment):
