@@ -10,7 +10,8 @@ Every point of the grid (the product of the ``--grid`` axes) is one run in
 (``alpha_min=0.6,seed=1``): ``run.yaml`` (the loggers' config fragment), the saved config,
 ``metrics.csv`` (and TensorBoard events), checkpoints,
 pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after another; with
-``--print`` the commands are printed instead, one line per run, for a cluster array job.
+``--print`` the commands are printed instead, one line per run, for a cluster array job
+(they neither skip finished runs nor resume: ``shortcutlab sweep`` itself does both).
 
 A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
 ``checkpoints/last.ckpt`` (bit for bit, README "Reliability"). ``--then CONFIG`` fits a second
@@ -108,12 +109,14 @@ def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[s
     return args + [f"--config={write_logging_fragment(save_dir, version)}"]
 
 
-def follow_up_command(config: str, run: Path, checkpoint: Path, point: dict[str, str],
+def follow_up_command(config: str, run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
                       save_dir: Path, version: str) -> list[str]:
-    """``fit`` of ``config`` on the run's checkpoint (the offline probe), seeded like the run."""
+    """``fit`` of ``config`` on the run's checkpoint (the offline probe), seeded like the run, with
+    the ``--then-set`` settings ``extra``."""
     args = ["fit", f"--config={config}", f"--model.checkpoint={checkpoint}"]
     if "seed_everything" in point:
         args.append(f"--seed_everything={point['seed_everything']}")
+    args += [a if a.startswith("--") else f"--{a}" for a in extra]
     return args + [f"--config={write_logging_fragment(save_dir, f'{version}/{FOLLOW_UP_DIR}')}"]
 
 
@@ -186,9 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--then", default=None, metavar="CONFIG",
                         help="fit this config after each run on its last checkpoint (model.checkpoint), e.g. "
                              "configs/linear_probe_digits.yaml; logged to <run>/probe")
+    parser.add_argument("--then-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the --then fit (repeatable), e.g. data.data_dir=/data/imagenet")
     parser.add_argument("--runs-dir", default="runs", help="where experiments live (default: runs)")
     parser.add_argument("--print", dest="print_only", action="store_true",
-                        help="print one command per run (for a cluster array job) instead of running them")
+                        help="print one command line per run (for a cluster array job: line i is run i; with "
+                             "--then, the fit && the probe) instead of running them")
     return parser
 
 
@@ -211,9 +217,12 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         if not Path(config).is_file():
             raise FileNotFoundError(f"--config: no file '{config}'")
     points = grid_points([parse_axis(axis) for axis in parsed.grid])
-    for setting in parsed.set:
-        if "=" not in setting:
-            raise ValueError(f"--set: expected KEY=VALUE, got {setting!r}")
+    for option, settings in (("--set", parsed.set), ("--then-set", parsed.then_set)):
+        for setting in settings:
+            if "=" not in setting:
+                raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
+    if parsed.then_set and not parsed.then:
+        raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
     save_dir = Path(parsed.runs_dir) / parsed.experiment
     records = []
     for index, point in enumerate(points, start=1):
@@ -222,10 +231,11 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         args = fit_command(parsed.config, point, parsed.set, save_dir, name)
         probe = run / FOLLOW_UP_DIR
         if parsed.print_only:
-            print(shell_line(args))
+            line = shell_line(args)
             if parsed.then:
-                print(shell_line(follow_up_command(parsed.then, run, run / "checkpoints" / "last.ckpt", point,
-                                                   save_dir, name)))
+                line += " && " + shell_line(follow_up_command(parsed.then, run, run / "checkpoints" / "last.ckpt",
+                                                              point, parsed.then_set, save_dir, name))
+            print(line)
             continue
         record_file = run / "sweep.json"
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
@@ -244,7 +254,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 record["probe_status"] = 1
                 print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
             else:
-                follow = follow_up_command(parsed.then, run, checkpoint, point, save_dir, name)
+                follow = follow_up_command(parsed.then, run, checkpoint, point, parsed.then_set, save_dir, name)
                 follow, status, seconds = fit_resuming(follow, probe)
                 record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
             record_file.write_text(json.dumps(record, indent=2) + "\n")

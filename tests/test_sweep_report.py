@@ -217,10 +217,12 @@ def test_same_short_name_twice_is_refused():
 def test_print_gives_one_command_per_run(tmp_path, capsys):
     sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path),
                 "--grid", "model.shortcut.alpha_min=0.6,1.0", "--grid", "seed_everything=0,1",
-                "--set", "trainer.max_epochs=3", "--then", "configs/linear_probe_digits.yaml", "--print"])
+                "--set", "trainer.max_epochs=3", "--then", "configs/linear_probe_digits.yaml",
+                "--then-set", "trainer.max_epochs=2", "--print"])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 8  # 4 runs, each followed by its probe
-    fits, probes = [shlex.split(line) for line in lines[::2]], [shlex.split(line) for line in lines[1::2]]
+    assert len(lines) == 4  # one line per run: its fit && its probe
+    fits, probes = zip(*((shlex.split(fit), shlex.split(probe)) for fit, probe in
+                         (line.split(" && ") for line in lines)))
     expected = [("0.6", "0"), ("0.6", "1"), ("1.0", "0"), ("1.0", "1")]
     for args, (alpha, seed) in zip(fits, expected):
         name = f"alpha_min={alpha},seed={seed}"
@@ -233,7 +235,8 @@ def test_print_gives_one_command_per_run(tmp_path, capsys):
     for args, (alpha, seed) in zip(probes, expected):
         run = tmp_path / "e" / f"alpha_min={alpha},seed={seed}"
         assert f"--model.checkpoint={run / 'checkpoints' / 'last.ckpt'}" in args
-        assert f"--seed_everything={seed}" in args
+        assert f"--seed_everything={seed}" in args and "--trainer.max_epochs=2" in args
+        assert "--trainer.max_epochs=3" not in args
         assert args[-1] == f"--config={run / 'probe' / 'run.yaml'}"
     assert not any((tmp_path / "e").glob("*/sweep.json"))  # nothing ran
 
