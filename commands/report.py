@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from commands.run_metrics import Run, read_run
-from commands.sweep import parse_run_name
+from commands.sweep import parse_run_name, short_name
 
-SEED_KEY = "seed"
+SEED_KEY = short_name("seed_everything")  # "seed" in run names
 REPORT_DIR = "report"
 
 
@@ -135,8 +135,7 @@ def find_runs(experiment: Path, skip: Path) -> list[Run]:
 def group_runs(runs: list[Run]) -> tuple[list[str], list[Group]]:
     """``(group keys, groups)``: the runs grouped by every grid key except ``seed``, in grid order.
 
-    Runs the full grid (the product of the values seen per key) expects but no folder holds are
-    listed as ``missing`` in their group."""
+    A seed another group has but this one lacks (no folder at all) is listed in its ``missing``."""
     keys = list(runs[0].grid)
     group_keys = [k for k in keys if k != SEED_KEY]
     seen = {k: sorted({run.grid[k] for run in runs}, key=_sort_key) for k in keys}
@@ -152,7 +151,7 @@ def group_runs(runs: list[Run]) -> tuple[list[str], list[Group]]:
             for seed in seen[SEED_KEY]:
                 point = dict(members[0].grid, **{SEED_KEY: seed})
                 name = ",".join(f"{k}={point[k]}" for k in keys)
-                if name not in names and parse_run_name(name) == point:
+                if name not in names:
                     missing.append(name)
         groups.append(Group(dict(zip(group_keys, values)), members, missing))
     return group_keys, groups
@@ -162,7 +161,7 @@ def format_cell(metric: ReportedMetric, summary: Optional[Summary], row_n: int) 
     """``mean ± std`` (the std only for n > 1; ``(n=k)`` when fewer runs than the row have it)."""
     if summary is None:
         return "–"
-    digits = 1 if metric.percent else 2
+    digits = 1 if metric.percent else 3
     text = f"{metric.shown(summary.mean):.{digits}f}"
     if summary.std is not None:
         text += f" ± {metric.shown(summary.std):.{digits}f}"

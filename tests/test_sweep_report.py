@@ -85,7 +85,7 @@ def test_report_table_matches_numpy(experiment, capsys):
     for alpha, seeds in FINALS.items():
         values = np.array(list(seeds.values()), dtype=np.float64)  # seeds x 4
         mean, std = values.mean(axis=0), values.std(axis=0, ddof=1)
-        expected = [alpha, "3"] + [cell(mean[i], std[i], 100.0, 1) for i in range(3)] + [cell(mean[3], std[3], 1.0, 2)]
+        expected = [alpha, "3"] + [cell(mean[i], std[i], 100.0, 1) for i in range(3)] + [cell(mean[3], std[3], 1.0, 3)]
         assert rows[alpha] == expected
         group = next(g for g in data["groups"] if g["group"] == {"alpha_min": alpha})
         for i, name in enumerate(["knn/top1", "online_probe/val_top1", "probe/val/top1", "rank/effective_rank"]):
