@@ -172,6 +172,8 @@ def fit_resuming(args: Sequence[str], folder: Path) -> tuple[list[str], int, flo
     status, seconds = run_once(run_args, folder / "sweep.log")
     if earlier is not None:
         merge_metrics_csv(earlier, metrics)
+        print(f"    resumed from {resume}; the metrics logged before it are kept in {metrics} "
+              "(despite CSVLogger's 'will be deleted' warning)", flush=True)
     return run_args, status, seconds
 
 
