@@ -10,8 +10,7 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +117,6 @@ def test_report_counts_missing_failed_and_single_seed(experiment, tmp_path):
     for run in experiment.iterdir():
         (run / "probe" / "metrics.csv").unlink(missing_ok=True)
         (run / "sweep.json").write_text(json.dumps({"status": 1 if run == failed else 0}))
-    import shutil
     shutil.rmtree(experiment / "alpha_min=0.6,seed=2")
     out = tmp_path / "elsewhere"
     report.main([str(experiment), "--out", str(out)])
@@ -139,6 +137,20 @@ def test_report_counts_missing_failed_and_single_seed(experiment, tmp_path):
     online = [FINALS[a][s][1] for a, s in counted]
     assert data["correlation"]["probe"] == "online probe" and data["correlation"]["n"] == 3
     assert data["correlation"]["r"] == pytest.approx(np.corrcoef(ranks, online)[0, 1], rel=1e-12)
+
+
+def test_failed_probe_is_not_counted(experiment):
+    """A run whose --then probe failed counts for the run's metrics, not for the offline probe."""
+    record = experiment / "alpha_min=0.6,seed=1" / "sweep.json"
+    record.write_text(json.dumps({"status": 0, "probe_status": 1, "probe_command": "shortcutlab fit ..."}))
+    report.main([str(experiment)])
+    markdown = (experiment / "report" / "report.md").read_text()
+    row = [c.strip() for c in next(line for line in markdown.splitlines() if line.startswith("| 0.6 |")).split("|")]
+    offline = np.array([FINALS["0.6"][0][2], FINALS["0.6"][2][2]])
+    assert row[2] == "3"
+    assert row[5] == f"{100 * offline.mean():.1f} ± {100 * offline.std(ddof=1):.1f} (n=2)"
+    assert row[7] == "seed=1 (probe failed)"
+    assert "alpha_min=0.6,seed=1: probe failed (exit status 1)" in markdown
 
 
 def test_classifier_runs_report_their_own_val_top1(tmp_path):
