@@ -7,9 +7,9 @@ keys except ``seed`` and writes ``report.md`` (one row per group: kNN, online pr
 probe top-1 in percent, a classifier's own val top-1, and the effective rank, each mean ± sample
 std over the seeds), ``report.json`` (the raw numbers) and the figures: each metric against
 alpha_min, the effective rank over epochs per alpha_min, and probe accuracy against effective
-rank with the Pearson r (the decay paper's Figure 5c). A run's value of a metric is the last one logged in its
-``metrics.csv``; a run without ``metrics.csv``, or one the sweep recorded as failed, is listed
-as missing/failed and not counted.
+rank with the Pearson r (the decay paper's Figure 5c). A run's value of a metric is the last
+one logged in its ``metrics.csv``; a run without ``metrics.csv``, or one the sweep recorded as
+failed, is listed as missing/failed and not counted.
 """
 from __future__ import annotations
 
