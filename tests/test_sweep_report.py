@@ -79,12 +79,14 @@ def test_report_table_matches_numpy(experiment, capsys):
     assert set(rows) == {"0.6", "1.0"}
     header = [c.strip() for c in markdown.splitlines()[2].strip("|").split("|")]
     assert header == ["alpha_min", "n (seeds)", "kNN top-1 (%)", "online probe top-1 (%)",
-                      "offline probe top-1 (%)", "effective rank"]
+                      "offline probe top-1 (%)", "effective rank exp(H)", "rank entropy H"]
     data = json.loads((out / "report.json").read_text())
     for alpha, seeds in FINALS.items():
         values = np.array(list(seeds.values()), dtype=np.float64)  # seeds x 4
         mean, std = values.mean(axis=0), values.std(axis=0, ddof=1)
-        expected = [alpha, "3"] + [cell(mean[i], std[i], 100.0, 1) for i in range(3)] + [cell(mean[3], std[3], 1.0, 3)]
+        entropy = np.log(values[:, 3])  # the files hold H = log of the effective rank
+        expected = [alpha, "3"] + [cell(mean[i], std[i], 100.0, 1) for i in range(3)] + [cell(mean[3], std[3], 1.0, 3)] \
+            + [cell(entropy.mean(), entropy.std(ddof=1), 1.0, 3)]
         assert rows[alpha] == expected
         group = next(g for g in data["groups"] if g["group"] == {"alpha_min": alpha})
         for i, name in enumerate(["knn/top1", "online_probe/val_top1", "probe/val/top1", "rank/effective_rank"]):
@@ -149,7 +151,7 @@ def test_failed_probe_is_not_counted(experiment):
     offline = np.array([FINALS["0.6"][0][2], FINALS["0.6"][2][2]])
     assert row[2] == "3"
     assert row[5] == f"{100 * offline.mean():.1f} ± {100 * offline.std(ddof=1):.1f} (n=2)"
-    assert row[7] == "seed=1 (probe failed)"
+    assert row[8] == "seed=1 (probe failed)"
     assert "alpha_min=0.6,seed=1: probe failed (exit status 1)" in markdown
 
 
@@ -165,7 +167,7 @@ def test_classifier_runs_report_their_own_val_top1(tmp_path):
                                                f"0,2.0,9,1.5,0.3\n1,{rank[alpha, seed]},19,0.4,{top1}\n")
     report.main([str(experiment)])
     markdown = (experiment / "report" / "report.md").read_text()
-    assert markdown.splitlines()[2] == "| alpha_min | n (seeds) | val top-1 (%) | effective rank |"
+    assert markdown.splitlines()[2] == "| alpha_min | n (seeds) | val top-1 (%) | effective rank exp(H) |"
     top1 = np.array([0.91, 0.93])
     assert f"| 0.6 | 2 | {100 * top1.mean():.1f} ± {100 * top1.std(ddof=1):.1f} |" in markdown
     data = json.loads((experiment / "report" / "report.json").read_text())
