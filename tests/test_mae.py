@@ -103,6 +103,20 @@ def test_sincos_embedding_hand_computed_entries():
     assert e[1] == pytest.approx(np.sin(2.0 * omega_1))
 
 
+
+def test_sincos_embedding_is_timms_table_permuted_up_to_float32_rounding():
+    """Why patches.py keeps its own table: timm's is a channel permutation of it, computed in float32."""
+    from timm.layers.pos_embed_sincos import build_sincos2d_pos_embed
+
+    D, g = 64, 8
+    q = D // 4
+    timm_table = build_sincos2d_pos_embed([g, g], D)  # [sin(row), sin(col), cos(row), cos(col)]
+    quarter = [torch.arange(i * q, (i + 1) * q) for i in range(4)]
+    as_mae = timm_table[:, torch.cat([quarter[1], quarter[3], quarter[0], quarter[2]])]
+    ours = sincos_pos_embed_2d(D, g)
+    torch.testing.assert_close(as_mae, ours, rtol=0, atol=1e-6)
+    assert not torch.equal(as_mae, ours)  # float32 angles: not the MAE table bit for bit
+
 def test_skip_sources_deepest_first_and_fusion_shapes():
     dec = UNetSkipDecoder(num_patches=16, enc_dim=32, enc_depth=12, dec_dim=16, depth=8, num_heads=2, patch_dim=10)
     assert dec.skip_sources == [11, 9, 7, 5, 3, 1]
