@@ -74,3 +74,16 @@ def test_linear_probe_of_a_diffusion_backbone_takes_the_datamodules_pixel_statis
     assert data_mean != [0.5]
     np.testing.assert_allclose(backbone.hparams.pixel_mean, data_mean)
     np.testing.assert_allclose(backbone.hparams.pixel_std, [float(v) for v in data.std])
+
+
+def test_topk_accuracy_on_hand_built_scores():
+    from lightning_mods.linear_probe import topk_accuracy
+
+    scores = torch.tensor([[0.1, 0.7, 0.2],   # label 1: top-1 hit
+                           [0.5, 0.3, 0.2],   # label 1: second best
+                           [0.2, 0.3, 0.5],   # label 0: last
+                           [0.6, 0.1, 0.3]])  # label 2: second best
+    labels = torch.tensor([1, 1, 0, 2])
+    assert topk_accuracy(scores, labels, 1) == 0.25
+    assert topk_accuracy(scores, labels, 2) == 0.75
+    assert topk_accuracy(scores, labels, 5) == 1.0  # k capped at the 3 classes
