@@ -290,7 +290,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--similarity", choices=("euclidean", "cka"), default="euclidean")
     parser.add_argument("--cell-pixels", type=int, default=64, help="side of one cell of the node picture")
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars (also off when stderr is not a terminal)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (also off when stderr is not a terminal)")
     return parser.parse_args(argv)
 
 

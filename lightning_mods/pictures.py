@@ -123,7 +123,8 @@ def labelled_grid(tiles: np.ndarray, title: str, row_labels: Optional[Sequence[s
     if tiles.ndim != 5:
         raise ValueError(f"tiles must be rows x cols x H x W x C, got shape {tiles.shape}")
     rows, cols = tiles.shape[:2]
-    for name, labels, count, what in (("row_labels", row_labels, rows, "row"), ("col_labels", col_labels, cols, "column")):
+    for name, labels, count, what in (("row_labels", row_labels, rows, "row"),
+                                      ("col_labels", col_labels, cols, "column")):
         if labels is not None and len(labels) != count:
             raise ValueError(f"{name} needs {count} label(s), one per {what}, got {len(labels)}")
     grid = image_grid(tiles.reshape(rows * cols, *tiles.shape[2:]), nrow=cols, pad=pad, min_tile=min_tile)

@@ -142,6 +142,7 @@ def test_picture_command_writes_pngs_of_the_expected_size(tmp_path, capsys):
 
     paths = main(["--depth", "2", "--width", "12", "--epochs", "1", "--num-points", "256", "--out", str(tmp_path),
                   "--cell-pixels", "16", "--max-nodes", "5", "--residual-droppath", "--similarity", "cka"])
+    assert "residual MLP" not in capsys.readouterr().err  # stderr is no terminal here: no progress bar
     assert paths["node_outputs"].name == "residual_droppath_node_outputs.png"
     assert png_size(paths["node_outputs"]) == (620, 80 + 5 * 16 + 90)  # 12 nodes down to 5 rows; minimum width
     assert png_size(paths["feature_similarity"]) == (600, 500)
