@@ -23,7 +23,8 @@ Under DDP the head is not part of the DDP-wrapped module: its gradients are aver
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
 the same head (every rank probes the same batches: the cadence counts training batches, the
 same number on every rank). Validation accuracy counts every validation sample once (the
-duplicates a DistributedSampler pads with are masked out) and is summed over ranks.
+duplicates a DistributedSampler pads with are masked out) in a torchmetrics
+``MulticlassAccuracy`` (micro), whose ``compute`` sums the counts over ranks.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.functional.classification import multiclass_accuracy
 
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from .feature_collection import isolated_eval
@@ -118,7 +121,8 @@ class OnlineLinearProbe(Callback):
         self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
         self._device = torch.device("cpu")
         self._pending_state: Optional[dict[str, Any]] = None
-        self._val_counts = torch.zeros(2, dtype=torch.int64)  # correct, total
+        self._val_top1: Optional[MulticlassAccuracy] = None  # this validation epoch's accuracy
+        self._val_total = torch.zeros(1, dtype=torch.int64)  # samples it counted on this rank
         self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
         self._val_nonfinite = False  # a non-finite feature seen this validation epoch
 
@@ -185,13 +189,14 @@ class OnlineLinearProbe(Callback):
         self.optimizer.step()
         average_across_ranks_(b for b in self.head.buffers() if b.is_floating_point())
         self.steps += 1
-        top1 = (logits.detach().argmax(dim=1) == labels).float().mean()
+        top1 = multiclass_accuracy(logits.detach(), labels, int(self.num_classes), average="micro")
         pl_module.log_dict({"online_probe/train_loss": loss.detach(), "online_probe/train_top1": top1},
                            on_step=True, on_epoch=False, batch_size=len(labels))
 
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._val_counts = torch.zeros(2, dtype=torch.int64, device=self._device)
+        self._val_top1 = MulticlassAccuracy(int(self.num_classes), average="micro").to(self._device)
+        self._val_total = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._val_seen = 0
         self._val_nonfinite = False
 
@@ -208,21 +213,23 @@ class OnlineLinearProbe(Callback):
         self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
         with torch.no_grad():
             self.head.eval()
-            hits = self.head(features).argmax(dim=1) == labels
+            logits = self.head(features)
         if real is not None:
-            hits, labels = hits[real.to(hits.device)], labels[real.to(labels.device)]
-        self._val_counts += torch.stack([hits.sum(), hits.new_tensor(len(labels), dtype=torch.int64)])
+            logits, labels = logits[real.to(logits.device)], labels[real.to(labels.device)]
+        if len(labels):  # a batch of padding only: torchmetrics refuses empty updates
+            self._val_top1.update(logits, labels)
+            self._val_total += len(labels)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self.steps == 0:
             return
         nonfinite = int(all_reduce_sum(torch.tensor([int(self._val_nonfinite)], device=self._device)))
-        correct, total = all_reduce_sum(self._val_counts).tolist()
+        total = int(all_reduce_sum(self._val_total))
         if nonfinite:
             rank_zero_warn("OnlineLinearProbe: non-finite validation features; logging NaN")
             log_identical(pl_module, {"online_probe/val_top1": float("nan")})
-        elif total:
-            log_identical(pl_module, {"online_probe/val_top1": correct / total})
+        elif total:  # compute() sums the counts over ranks: every rank calls it
+            log_identical(pl_module, {"online_probe/val_top1": self._val_top1.compute().item()})
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

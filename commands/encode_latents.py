@@ -13,7 +13,10 @@ augmentation), mapped back to ``[-1, 1]`` pixels and encoded. Written to ``--out
   ``N x C x h x w``), ``labels`` (int64), and with ``--hflip`` ``flip_mean``/``flip_std`` of
   the mirrored images;
 - ``metadata.json``: ``scaling_factor``, ``shift_factor``, ``latent_channels``,
-  ``latent_size``, ``num_classes``, ``image_size``, the shard names and sizes of each split.
+  ``latent_size``, ``num_classes``, ``class_names`` (the image datamodule's, or null),
+  ``image_size``, the shard names and sizes of each split.
+
+A progress bar over each split's batches on a terminal (``--quiet``: none).
 
 ``datamodules.latents.Latents`` reads them.
 """
@@ -24,10 +27,11 @@ import os
 from typing import Optional
 
 import torch
+from rich.progress import Progress
 from torch.utils.data import DataLoader, Dataset
 
+from commands.progress import command_progress, show_progress, tracked
 from datamodules.latents import METADATA_FILE
-
 from lightning_mods.latent_vae import FrozenVAE
 
 SPLITS = ("train", "val")
@@ -47,8 +51,9 @@ def to_vae_input(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, va
 def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std: tuple[float, ...], out_dir: str,
                  split: str, batch_size: int = 64, num_workers: int = 0, shard_size: int = 10000,
                  hflip: bool = False, dtype: torch.dtype = torch.float16,
-                 device: torch.device = torch.device("cpu")) -> dict:
-    """Encode one split into shards; returns ``{"num_samples", "shards": [{"file", "num_samples"}]}``."""
+                 device: torch.device = torch.device("cpu"), progress: Optional[Progress] = None) -> dict:
+    """Encode one split into shards; returns ``{"num_samples", "shards": [{"file", "num_samples"}]}``
+    (with ``progress``, a bar over the batches)."""
     if shard_size % batch_size:
         shard_size = max(batch_size, shard_size // batch_size * batch_size)  # whole batches per shard
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
@@ -69,7 +74,7 @@ def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std:
             v.clear()
 
     buffered = 0
-    for images, labels in loader:
+    for images, labels in tracked(progress, loader, f"encode the {split} split (batches of {batch_size})"):
         pixels = to_vae_input(images.to(device), mean_t, std_t, vae.image_channels)
         moments = list(vae.encode_moments(pixels))
         if hflip:
@@ -88,7 +93,7 @@ def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std:
 def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, num_workers: int = 0,  # noqa: ANN001
                    shard_size: int = 10000, hflip: bool = False, dtype: str = "float16",
                    device: str = "auto", scaling_factor: Optional[float] = None,
-                   splits: tuple[str, ...] = SPLITS) -> dict:
+                   splits: tuple[str, ...] = SPLITS, progress: Optional[Progress] = None) -> dict:
     """Encode ``splits`` of an image datamodule into ``out``; returns the metadata written."""
     if dtype not in ("float16", "float32"):
         raise ValueError(f"dtype must be 'float16' or 'float32', got {dtype!r}")
@@ -108,6 +113,7 @@ def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, nu
         "latent_size": datamodule.image_size // vae.downsample_factor,
         "image_size": datamodule.image_size,
         "num_classes": int(datamodule.num_classes),
+        "class_names": list(getattr(datamodule, "class_names", None) or []) or None,  # for the sample pictures
         "source": f"{type(datamodule).__module__}.{type(datamodule).__name__}",
         "hflip": bool(hflip),
         "dtype": dtype,
@@ -117,7 +123,7 @@ def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, nu
         metadata["splits"][split] = encode_split(
             vae, sources[split], datamodule.mean, datamodule.std, out, split, batch_size=batch_size,
             num_workers=num_workers, shard_size=shard_size, hflip=hflip, dtype=getattr(torch, dtype),
-            device=torch_device)
+            device=torch_device, progress=progress)
     with open(os.path.join(out, METADATA_FILE), "w") as f:
         json.dump(metadata, f, indent=2)
     return metadata
@@ -141,12 +147,15 @@ def main(args: Optional[list[str]] = None) -> dict:
     parser.add_argument("--device", type=str, default="auto")
     parser.add_argument("--scaling-factor", type=Optional[float], default=None,
                         help="latent scale (default: the VAE config's scaling_factor)")
+    parser.add_argument("--quiet", type=bool, default=False,
+                        help="no progress bars (also off when stderr is not a terminal)")
     cfg = parser.parse_args(args)
     datamodule = parser.instantiate(cfg).data
-    metadata = encode_dataset(cfg.vae_path, datamodule, cfg.out, batch_size=cfg.batch_size,
-                              num_workers=cfg.num_workers, shard_size=cfg.shard_size, hflip=cfg.hflip,
-                              dtype=cfg.dtype, device=cfg.device, scaling_factor=cfg.scaling_factor,
-                              splits=tuple(cfg.splits))
+    with command_progress(show_progress(cfg.quiet)) as progress:
+        metadata = encode_dataset(cfg.vae_path, datamodule, cfg.out, batch_size=cfg.batch_size,
+                                  num_workers=cfg.num_workers, shard_size=cfg.shard_size, hflip=cfg.hflip,
+                                  dtype=cfg.dtype, device=cfg.device, scaling_factor=cfg.scaling_factor,
+                                  splits=tuple(cfg.splits), progress=progress)
     sizes = ", ".join(f"{s}: {v['num_samples']}" for s, v in metadata["splits"].items())
     print(f"encoded {sizes} images into {metadata['latent_channels']}x{metadata['latent_size']}x"
           f"{metadata['latent_size']} latents under {cfg.out}")

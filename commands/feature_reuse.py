@@ -5,7 +5,8 @@ section 3.1, figures 1, 3 and 4).
 
 trains the residual MLP (:mod:`lightning_mods.backbone.residual_mlp`) on the spiral
 (:mod:`datamodules.spiral`) with Adam, lr 0.1, batch 256, optionally with the
-ResidualDroppath callback, and writes two PNGs into ``--out``:
+ResidualDroppath callback (a progress bar over the epochs on a terminal; ``--quiet``: none),
+and writes two titled PNGs into ``--out``:
 
 - ``<variant>_node_outputs.png``: ``H`` rows (nodes; above ``--max-nodes`` the two input-coordinate
   nodes and evenly spaced others)
@@ -14,7 +15,9 @@ ResidualDroppath callback, and writes two PNGs into ``--out``:
   orange negative, width proportional to ``|W[j, i]|`` over the layer's largest) and the
   contour plot of every node's output over the grid (50 x 50 over ``[-1, 1]^2``, colours
   symmetric around 0 per node). The last column also shows 400 training points.
-  Each cell is ``--cell-pixels`` square.
+  Each cell is ``--cell-pixels`` square; around the cells the title, the column (input, W_l,
+  layer l) and row (node) labels, a colour bar in units of each panel's largest output and a
+  legend of the weight lines and training points (:data:`NODE_MARGINS`).
 - ``<variant>_feature_similarity.png`` (600 x 500 pixels): the layer-by-layer heatmap over
   the grid of ``[input, layer 1, ..., layer N]``. ``euclidean`` (default, the paper's):
   mean over grid points of ``||h_i(p) - h_j(p)||_2``, comparable because every layer lives in
@@ -34,11 +37,13 @@ import torch
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.gridspec import GridSpec
+from rich.progress import Progress
 
-from lightning_mods.pictures import figure_to_array, save_png
 from callbacks.residual_droppath import ResidualDroppath
+from commands.progress import EpochProgress, command_progress, show_progress
 from datamodules.spiral import Spiral, grid_points
 from lightning_mods.backbone.residual_mlp import ResidualMLP
+from lightning_mods.pictures import figure_to_array, save_png
 from lightning_mods.spiral_classifier import SpiralClassifier
 
 Similarity = Literal["euclidean", "cka"]
@@ -127,28 +132,53 @@ def _weight_lines(ax, weight: np.ndarray, sources: list[tuple[int, int]], target
     ax.add_collection(LineCollection(segments, colors=colours, linewidths=widths))
 
 
+NODE_MARGINS = {"left": 110, "right": 120, "top": 80, "bottom": 90}  # pixels around the node cells
+NODE_MIN_WIDTH = 620  # pixels: room for the title and the legend however few the cells
+
+
 def node_outputs_figure(outputs: Sequence[np.ndarray], weights: Sequence[np.ndarray], nodes: list[int],
                         grid_size: int, in_features: int = 2, train_points: Optional[np.ndarray] = None,
-                        train_labels: Optional[np.ndarray] = None, cell_pixels: int = 64) -> Figure:
-    """``len(nodes)`` rows x ``2N + 1`` columns of ``cell_pixels``-square cells (see module docstring).
+                        train_labels: Optional[np.ndarray] = None, cell_pixels: int = 64,
+                        title: str = "node outputs of the residual MLP", dpi: int = 100) -> Figure:
+    """``len(nodes)`` rows x ``2N + 1`` columns of ``cell_pixels``-square cells (see module docstring),
+    inside :data:`NODE_MARGINS` holding the title, column and row labels, the colour bar of the node
+    outputs and the legend of the weight lines and training points.
 
     ``outputs`` are ``[input, layer 1, ..., layer N]`` over the grid (``grid_size^2 x width``),
     ``weights[l]`` the ``width x width`` matrix into layer ``l + 1``.
     """
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.lines import Line2D
+
     depth = len(outputs) - 1
     if len(weights) != depth:
         raise ValueError(f"weights must have one matrix per layer ({depth}), got {len(weights)}")
     rows, cols = len(nodes), 2 * depth + 1
-    fig = Figure(figsize=(cols, rows), dpi=cell_pixels)  # 1 inch per cell at cell_pixels dpi
-    grid = GridSpec(rows, cols, figure=fig, left=0, right=1, bottom=0, top=1, wspace=0.08, hspace=0.08)
+    m = NODE_MARGINS
+    width = max(m["left"] + cols * cell_pixels + m["right"], NODE_MIN_WIDTH)
+    height = m["top"] + rows * cell_pixels + m["bottom"]
+    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+    left, right = m["left"] / width, (m["left"] + cols * cell_pixels) / width
+    bottom, top = m["bottom"] / height, (m["bottom"] + rows * cell_pixels) / height
+    grid = GridSpec(rows, cols, figure=fig, left=left, right=right, bottom=bottom, top=top, wspace=0.08, hspace=0.08)
+    small = cell_pixels < 48  # short labels that fit above and beside small cells
+    label_size = 6 if small else 8
     for col in range(0, cols, 2):
         layer = col // 2
         for r, node in enumerate(nodes):
             ax = fig.add_subplot(grid[r, col])
             ax.set_xticks([])
             ax.set_yticks([])
+            if r == 0:
+                heading = ("in" if small else "input") if layer == 0 else (f"L{layer}" if small else f"layer {layer}")
+                ax.set_title(heading, fontsize=label_size)
+            if col == 0:
+                name = f"node {node}" + (f"\n(input x{node + 1})" if node < in_features and not small else "")
+                ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=label_size)
             if layer == 0 and node >= in_features:
-                ax.axis("off")  # zero padding of the 2-D input
+                for spine in ax.spines.values():
+                    spine.set_visible(False)  # zero padding of the 2-D input: nothing to draw
                 continue
             _contour(ax, outputs[layer][:, node], grid_size)
             if layer == depth and train_points is not None and train_labels is not None:
@@ -161,35 +191,59 @@ def node_outputs_figure(outputs: Sequence[np.ndarray], weights: Sequence[np.ndar
         # into layer 1 only the input rows holding a coordinate carry weight (the rest are zeros)
         sources = [(r, n) for r, n in enumerate(nodes) if layer > 1 or n < in_features]
         _weight_lines(ax, weights[layer - 1], sources, nodes, rows)
+        ax.set_title(f"W{layer}", fontsize=label_size)
+    fig.suptitle(title, y=1 - 8 / height, va="top", fontsize=10)
+    # every contour is scaled to its own largest |output|: one colour bar in those units serves all
+    cax = fig.add_axes((right + 30 / width, bottom, 12 / width, top - bottom))
+    bar = fig.colorbar(ScalarMappable(Normalize(-1, 1), cmap="RdBu_r"), cax=cax)
+    bar.set_label("node output / its max |output|\n(per panel)", fontsize=7)
+    bar.ax.tick_params(labelsize=7)
+    handles = [Line2D([], [], color=POSITIVE, lw=2, label="positive weight (width: |W|)"),
+               Line2D([], [], color=NEGATIVE, lw=2, label="negative weight"),
+               Line2D([], [], color=POSITIVE, marker="o", lw=0, markersize=4, label="class 0 training points"),
+               Line2D([], [], color=NEGATIVE, marker="o", lw=0, markersize=4, label="class 1 training points")]
+    fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(8 / width, 22 / height), ncol=2, fontsize=7,
+               frameon=False)
+    fig.text(8 / width, 6 / height, "each panel: a node's output over the input square [-1, 1]^2 "
+             "(x1 horizontal, x2 vertical); W_l: the weights into layer l (L_l)", fontsize=7)
     return fig
 
 
-def similarity_figure(matrix: np.ndarray, metric: Similarity) -> Figure:
+def similarity_figure(matrix: np.ndarray, metric: Similarity, title: str = "") -> Figure:
     """Heatmap of a ``(N + 1) x (N + 1)`` layer similarity matrix (index 0 = input), 600 x 500 px."""
     fig = Figure(figsize=SIMILARITY_FIGSIZE, dpi=100)
-    ax = fig.add_axes((0.12, 0.12, 0.68, 0.78))
-    cax = fig.add_axes((0.84, 0.12, 0.04, 0.78))
+    ax = fig.add_axes((0.12, 0.12, 0.66, 0.74))
+    cax = fig.add_axes((0.82, 0.12, 0.04, 0.74))
     image = ax.imshow(matrix, cmap="viridis_r" if metric == "euclidean" else "viridis", origin="upper")
-    fig.colorbar(image, cax=cax)
-    ax.set_xlabel("layer (0 = input)")
-    ax.set_ylabel("layer (0 = input)")
-    ax.set_title("mean Euclidean distance" if metric == "euclidean" else "linear CKA")
+    measure = "mean Euclidean distance ||h_i - h_j||" if metric == "euclidean" else "linear CKA"
+    fig.colorbar(image, cax=cax).set_label(measure + " (bright: similar)")  # viridis_r for distances
+    ticks = range(len(matrix))
+    ax.set_xticks(ticks, ["in" if i == 0 else str(i) for i in ticks])
+    ax.set_yticks(ticks, ["in" if i == 0 else str(i) for i in ticks])
+    ax.set_xlabel("layer j (in = input)")
+    ax.set_ylabel("layer i (in = input)")
+    ax.set_title((title + "\n" if title else "") + f"layer-to-layer feature similarity: {measure}", fontsize=10)
     return fig
 
 
 def draw_pictures(net: ResidualMLP, out_dir: str | Path, variant: str, grid_size: int = 50, max_nodes: int = 8,
                   similarity: Similarity = "euclidean", train_points: Optional[np.ndarray] = None,
-                  train_labels: Optional[np.ndarray] = None, cell_pixels: int = 64) -> dict[str, Path]:
-    """Write ``<variant>_node_outputs.png`` and ``<variant>_feature_similarity.png`` into ``out_dir``."""
+                  train_labels: Optional[np.ndarray] = None, cell_pixels: int = 64,
+                  description: Optional[str] = None) -> dict[str, Path]:
+    """Write ``<variant>_node_outputs.png`` and ``<variant>_feature_similarity.png`` into ``out_dir``;
+    ``description`` (default: the variant) heads both titles."""
     outputs = layer_outputs(net, grid_points(grid_size))
     weights = [layer.fc.weight.detach().double().cpu().numpy() for layer in net.layers]
     nodes = sample_nodes(net.width, max_nodes, net.in_features)
     out_dir = Path(out_dir)
+    model = f"{description or variant.replace('_', ' ')}: residual MLP, {len(weights)} layers x {net.width} nodes"
+    shown = "" if len(nodes) == net.width else f", {len(nodes)} of the {net.width} nodes shown"
     node_fig = node_outputs_figure(outputs, weights, nodes, grid_size, net.in_features, train_points,
-                                   train_labels, cell_pixels)
-    sim_fig = similarity_figure(similarity_matrix(outputs, similarity), similarity)
+                                   train_labels, cell_pixels,
+                                   title=f"{model}\nnode outputs per layer and the weights between them{shown}")
+    sim_fig = similarity_figure(similarity_matrix(outputs, similarity), similarity, title=model)
     return {
-        "node_outputs": save_png(figure_to_array(node_fig, dpi=cell_pixels), out_dir / f"{variant}_node_outputs.png"),
+        "node_outputs": save_png(figure_to_array(node_fig, dpi=100), out_dir / f"{variant}_node_outputs.png"),
         "feature_similarity": save_png(figure_to_array(sim_fig, dpi=100),
                                        out_dir / f"{variant}_feature_similarity.png"),
     }
@@ -197,14 +251,18 @@ def draw_pictures(net: ResidualMLP, out_dir: str | Path, variant: str, grid_size
 
 def train_on_spiral(depth: int, width: int, epochs: int, residual_droppath: bool = False, drop_rate: float = 0.1,
                     seed: int = 0, num_points: int = 16384, batch_size: int = 256, lr: float = 0.1,
-                    accelerator: str = "cpu", out_dir: str | Path = ".") -> tuple[SpiralClassifier, Spiral, dict]:
-    """Fit :class:`SpiralClassifier` on :class:`Spiral`; returns the model, the data and test metrics."""
+                    accelerator: str = "cpu", out_dir: str | Path = ".",
+                    progress: Optional[Progress] = None) -> tuple[SpiralClassifier, Spiral, dict]:
+    """Fit :class:`SpiralClassifier` on :class:`Spiral`; returns the model, the data and test metrics.
+    With ``progress``, one bar over the epochs."""
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     L.seed_everything(seed, verbose=False)
     data = Spiral(num_points=num_points, batch_size=batch_size, seed=seed)
     model = SpiralClassifier(depth=depth, width=width, lr=lr)
     callbacks = [ResidualDroppath(drop_rate=drop_rate, seed=seed)] if residual_droppath else []
+    if progress is not None:
+        callbacks.append(EpochProgress(progress, f"train {depth} x {width} residual MLP"))
     trainer = L.Trainer(max_epochs=epochs, accelerator=accelerator, devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks, default_root_dir=str(out_dir), num_sanity_val_steps=0,
@@ -232,6 +290,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--similarity", choices=("euclidean", "cka"), default="euclidean")
     parser.add_argument("--cell-pixels", type=int, default=64, help="side of one cell of the node picture")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (also off when stderr is not a terminal)")
     return parser.parse_args(argv)
 
 
@@ -240,15 +300,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Path]:
     args = parse_args(argv)
     if args.cell_pixels < 8:
         raise ValueError(f"cell_pixels must be >= 8, got {args.cell_pixels}")
-    model, data, metrics = train_on_spiral(args.depth, args.width, args.epochs, args.residual_droppath,
-                                           args.drop_rate, args.seed, args.num_points, args.batch_size, args.lr,
-                                           args.accelerator, args.out)
-    points, labels = data.train_dataset.tensors
-    show = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))[:400]
     variant = "residual_droppath" if args.residual_droppath else "standard"
-    paths = draw_pictures(model.net, args.out, variant, data.grid_size, args.max_nodes, args.similarity,
-                          points[show].numpy(), labels[show].numpy(), args.cell_pixels)
-    print(f"grid accuracy (nearest-arm labels): {metrics['test/acc']:.4f}")
+    description = (f"ResidualDroppath training (drop rate {args.drop_rate:g})" if args.residual_droppath
+                   else "standard training")
+    with command_progress(show_progress(args.quiet)) as progress:
+        stages = progress.add_task(f"feature reuse, {description}: train", total=2)
+        model, data, metrics = train_on_spiral(args.depth, args.width, args.epochs, args.residual_droppath,
+                                               args.drop_rate, args.seed, args.num_points, args.batch_size, args.lr,
+                                               args.accelerator, args.out, progress)
+        progress.update(stages, advance=1, description=f"feature reuse, {description}: draw the pictures")
+        points, labels = data.train_dataset.tensors
+        show = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))[:400]
+        paths = draw_pictures(model.net, args.out, variant, data.grid_size, args.max_nodes, args.similarity,
+                              points[show].numpy(), labels[show].numpy(), args.cell_pixels, description)
+        progress.update(stages, advance=1, description=f"feature reuse, {description}: done")
+    print(f"grid accuracy (nearest-arm labels): {metrics['test/top1']:.4f}")
     for name, path in paths.items():
         print(f"{name}: {path}")
     return paths

@@ -25,9 +25,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+from rich.progress import Progress
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.knn import knn_predict
+from commands.progress import command_progress, show_progress, tracked
 from lightning_mods.pictures import figure_to_array, save_png
 from lightning_mods.checkpoint import module_from_checkpoint
 from lightning_mods.linear_probe import topk_accuracy, train_linear_probe_on_features
@@ -38,11 +40,13 @@ METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
 
 @torch.no_grad()
 def extract_block_features(module, loader: DataLoader, blocks: Sequence[int], timestep: int,  # noqa: ANN001
-                           device: torch.device, seed: int = 0) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """``{block: N x D}`` patch-token means at noise level ``timestep`` and the ``N`` labels."""
+                           device: torch.device, seed: int = 0, progress: Optional[Progress] = None,
+                           description: str = "features") -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """``{block: N x D}`` patch-token means at noise level ``timestep`` and the ``N`` labels
+    (with ``progress``, a bar over the batches)."""
     feats: dict[int, list[torch.Tensor]] = {b: [] for b in blocks}
     labels = []
-    for i, (images, targets) in enumerate(loader):
+    for i, (images, targets) in enumerate(tracked(progress, loader, description)):
         pooled = module.noised_block_features(images.to(device), list(blocks), timestep, seed=seed + i)
         for b, f in zip(blocks, pooled):
             feats[b].append(f.float().cpu())
@@ -53,12 +57,17 @@ def extract_block_features(module, loader: DataLoader, blocks: Sequence[int], ti
 def probe_sweep(module, train_loader: DataLoader, val_loader: DataLoader, blocks: Sequence[int],  # noqa: ANN001
                 timesteps: Sequence[int], num_classes: int, probe_epochs: int = 100, probe_lr: float = 1e-2,
                 probe_batch_size: int = 1024, knn_k: int = 20, knn_temperature: float = 0.07,
-                device: torch.device = torch.device("cpu")) -> list[dict]:
-    """One row per (block, timestep) with the linear-probe and kNN accuracies (0..1)."""
+                device: torch.device = torch.device("cpu"), progress: Optional[Progress] = None) -> list[dict]:
+    """One row per (block, timestep) with the linear-probe and kNN accuracies (0..1); with
+    ``progress``, a bar over the pairs and one over each feature pass."""
     rows = []
+    pairs = None if progress is None else progress.add_task("probe (block, noise level) pairs",
+                                                            total=len(blocks) * len(timesteps))
     for t in timesteps:
-        train_feats, train_labels = extract_block_features(module, train_loader, blocks, t, device)
-        val_feats, val_labels = extract_block_features(module, val_loader, blocks, t, device, seed=10 ** 6)
+        train_feats, train_labels = extract_block_features(module, train_loader, blocks, t, device,
+                                                           progress=progress, description=f"t={t}: train features")
+        val_feats, val_labels = extract_block_features(module, val_loader, blocks, t, device, seed=10 ** 6,
+                                                       progress=progress, description=f"t={t}: held-out features")
         for b in blocks:
             linear = train_linear_probe_on_features(train_feats[b], train_labels, val_feats[b], val_labels,
                                                     num_classes, epochs=probe_epochs, lr=probe_lr,
@@ -68,6 +77,8 @@ def probe_sweep(module, train_loader: DataLoader, val_loader: DataLoader, blocks
             rows.append({"block": int(b), "timestep": int(t), "linear_top1": linear["top1"],
                          "linear_top5": linear["top5"], "knn_top1": topk_accuracy(scores, val_labels, 1),
                          "knn_top5": topk_accuracy(scores, val_labels, 5)})
+            if progress is not None:
+                progress.update(pairs, advance=1, description=f"probe (block, noise level) pairs: {b}, t={t} done")
     return rows
 
 
@@ -197,6 +208,8 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--knn-k", type=int, default=20)
     parser.add_argument("--knn-temperature", type=float, default=0.07)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (also off when stderr is not a terminal)")
     parsed, overrides = parser.parse_known_args(args)
 
     module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides, parsed.allow_model_override)
@@ -212,10 +225,11 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     workers = datamodule.num_workers if parsed.num_workers is None else parsed.num_workers
     train_loader = subset_loader(datamodule.bank_dataset, parsed.max_train, parsed.batch_size, workers, seed=0)
     val_loader = subset_loader(datamodule.val_dataset, parsed.max_val, parsed.batch_size, workers, seed=1)
-    rows = probe_sweep(module, train_loader, val_loader, blocks, parsed.timesteps, int(datamodule.num_classes),
-                       probe_epochs=parsed.probe_epochs, probe_lr=parsed.probe_lr,
-                       probe_batch_size=parsed.probe_batch_size, knn_k=parsed.knn_k,
-                       knn_temperature=parsed.knn_temperature, device=device)
+    with command_progress(show_progress(parsed.quiet)) as progress:
+        rows = probe_sweep(module, train_loader, val_loader, blocks, parsed.timesteps, int(datamodule.num_classes),
+                           probe_epochs=parsed.probe_epochs, probe_lr=parsed.probe_lr,
+                           probe_batch_size=parsed.probe_batch_size, knn_k=parsed.knn_k,
+                           knn_temperature=parsed.knn_temperature, device=device, progress=progress)
     paths = write_results(rows, parsed.out)
     best = best_pair(rows, "linear_top1")
     print(f"best linear probe: block {best['block']}, t={best['timestep']}, top-1 {best['linear_top1'] * 100:.2f}%; "

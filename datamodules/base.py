@@ -85,6 +85,7 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
 
     dataset_name: ClassVar[str] = "ImageDataModule"
     num_classes: int
+    class_names: Sequence[str] | None = None  # label -> name, for pictures (None: the index is the name)
     in_chans: int
     default_mean: ClassVar[tuple[float, ...]]
     default_std: ClassVar[tuple[float, ...]]

@@ -136,6 +136,7 @@ class ImageNet(ImageDataModule):
         self.class_list = class_list
         self.skip_corrupt = skip_corrupt
         self.classes: list[str] | None = classes
+        self.class_names = classes  # the wnids, when a class list names them
         self.num_classes = num_classes
         self.record_resolved_hparam("num_classes", num_classes)  # the CLI links it into the model
 

@@ -90,6 +90,7 @@ class Latents(ImageDataModule):
         self.metadata = read_metadata(latent_dir)
         meta = self.metadata
         self.num_classes = int(meta["num_classes"])
+        self.class_names = meta.get("class_names")  # absent from latents encoded before it was recorded
         self.in_chans = int(meta["latent_channels"])
         self.scaling_factor = float(meta["scaling_factor"])
         self.shift_factor = float(meta.get("shift_factor") or 0.0)

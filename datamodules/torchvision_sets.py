@@ -131,6 +131,7 @@ class CIFAR10(CIFARPickles):
     dataset_name = "CIFAR10"
     torchvision_class = torchvision.datasets.CIFAR10
     num_classes = 10
+    class_names = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
     default_mean = CIFAR10_MEAN
     default_std = CIFAR10_STD
     folder_parts = ("cifar-10-batches-py",)

@@ -28,13 +28,14 @@ import math
 from functools import partial
 from typing import Literal, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 
 from lightning_mods.eval_mode import isolated_eval
-from lightning_mods.pictures import image_grid, log_picture
+from lightning_mods.pictures import labelled_grid, log_picture
 from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
 from .latent_vae import FrozenVAE
 from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
@@ -344,20 +345,43 @@ class DiffusionModule(LightningModule):
         samples = self.sample(num_samples, labels, seed, sampler, num_steps, guidance_scale)
         return self.to_pixels(samples)
 
-    def grid_labels(self, num_samples: int, start: int = 0) -> Optional[torch.Tensor]:
-        """Labels ``start, start + 1, ...`` modulo the number of classes (balanced classes) for a
-        class-conditional model, else ``None``."""
+    def sample_grid_classes(self, num_samples: int) -> tuple[Optional[list[int]], int]:
+        """The sample grid's layout: ``(classes, columns)``, one class per row, about
+        ``num_samples`` images in a near-square grid; the classes spread evenly over all of them
+        (digits, 16 images: 0, 3, 6, 9, four samples each). Unconditional: ``(None, columns)``."""
+        rows = max(1, math.ceil(math.sqrt(num_samples)))
         if not self.class_conditional:
-            return None
-        return torch.arange(start, start + num_samples, device=self.device) % self.hparams.num_classes
+            return None, rows
+        rows = min(rows, self.hparams.num_classes)
+        classes = np.unique(np.linspace(0, self.hparams.num_classes - 1, rows).round().astype(int)).tolist()
+        return classes, max(1, math.ceil(num_samples / len(classes)))
+
+    def class_names(self) -> Optional[Sequence[str]]:
+        """The datamodule's ``class_names`` when it has them (e.g. CIFAR-10), else ``None``."""
+        names = getattr(getattr(self.trainer, "datamodule", None), "class_names", None)
+        return list(names) if names is not None and len(names) == self.hparams.num_classes else None
+
+    def sample_grid_title(self, num_steps: int) -> str:
+        hp, space = self.hparams, "latent" if self.is_latent else "pixel"
+        kind = "one class per row" if self.class_conditional else "unconditional"
+        guidance = f", guidance {hp.guidance_scale:g}" if self.class_conditional else ""
+        return (f"{type(self).__name__} ({space} U-ViT) samples, epoch {self.current_epoch}, step {self.global_step}\n"
+                f"{hp.sampler}, {num_steps} steps{guidance}, seed {hp.sample_seed}; {kind}")
 
     def log_sample_grid(self) -> None:
-        n, steps = self.hparams.num_sample_images, None
+        n, steps = self.hparams.num_sample_images, self.hparams.num_sampling_steps
         if self.trainer.fast_dev_run:  # a code check: 4 images, 2 steps (1000 steps of U-ViT-S are minutes on a CPU)
-            n, steps = min(n, 4), min(2, self.hparams.num_sampling_steps)
-        images = self.generate_images(n, self.grid_labels(n), seed=self.hparams.sample_seed, num_steps=steps)
-        tiles = images.permute(0, 2, 3, 1).float().cpu().numpy()
-        log_picture(self.trainer, "diffusion/samples", image_grid(tiles, nrow=int(math.ceil(math.sqrt(n)))))
+            n, steps = min(n, 4), min(2, steps)
+        classes, cols = self.sample_grid_classes(n)
+        rows = len(classes) if classes is not None else math.ceil(n / cols)
+        labels = None if classes is None else torch.tensor(classes, device=self.device).repeat_interleave(cols)
+        images = self.generate_images(rows * cols, labels, seed=self.hparams.sample_seed, num_steps=steps)
+        tiles = images.permute(0, 2, 3, 1).float().cpu().numpy().reshape(rows, cols, *images.shape[2:],
+                                                                          images.shape[1])
+        names = self.class_names()
+        row_labels = None if classes is None else [names[c] if names else f"class {c}" for c in classes]
+        log_picture(self.trainer, "diffusion/samples",
+                    labelled_grid(tiles, self.sample_grid_title(steps), row_labels=row_labels))
 
     def on_validation_epoch_start(self) -> None:
         # after the callbacks' hooks: EMAWeightAveraging has swapped the averaged weights in

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.functional.classification import multiclass_accuracy
 
 from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
@@ -39,8 +40,10 @@ class ProbeHead(nn.Module):
 
 
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
-    k = min(k, logits.shape[1])
-    return (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float().mean().item()
+    """Fraction of rows whose label is among the ``k`` highest logits (``k`` capped at the number
+    of classes), through torchmetrics' micro-averaged ``multiclass_accuracy``."""
+    num_classes = logits.shape[1]
+    return multiclass_accuracy(logits, labels, num_classes, average="micro", top_k=min(k, num_classes)).item()
 
 
 def train_linear_probe_on_features(

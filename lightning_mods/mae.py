@@ -24,7 +24,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_mods.pictures import image_grid, log_picture
+from lightning_mods.pictures import labelled_grid, log_picture
 from .backbone.mae_decoder import ClassicDecoder, UNetSkipDecoder
 from .backbone.mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
@@ -255,8 +255,13 @@ class MaskedAutoencoder(LightningModule):
         std = torch.tensor(getattr(dm, "std", (1.0,) * images.shape[1]), device=images.device).view(1, -1, 1, 1)
         rows = [((t * std + mean).clamp(0, 1)).permute(0, 2, 3, 1).float().cpu().numpy()
                 for t in (images, masked, recon)]
-        tiles = np.stack(rows, axis=1).reshape(-1, *rows[0].shape[1:])  # per image: original, masked, recon
-        log_picture(self.trainer, "mae/reconstructions", image_grid(tiles, nrow=3))
+        tiles = np.stack(rows, axis=1)  # one validation image per row: original, masked, reconstruction
+        title = (f"{type(self).__name__} reconstructions, epoch {self.current_epoch}, step {self.global_step}\n"
+                 f"validation images, {self.hparams.mask_ratio:.0%} of the patches masked;\n"
+                 f"reconstruction: the visible patches pasted back")
+        log_picture(self.trainer, "mae/reconstructions", labelled_grid(
+            tiles, title, row_labels=[f"val {i}" for i in range(len(tiles))],
+            col_labels=["original", "masked input", "reconstruction"]))
 
     # --- optimisation ---------------------------------------------------------------------
     def configure_optimizers(self):

@@ -16,30 +16,35 @@ import math
 from typing import Iterable
 
 import torch
+from timm.optim import param_groups_weight_decay as timm_param_groups_weight_decay
 from torch import nn
 
 NO_DECAY_NAME_PARTS = ("pos_embed", "cls_token", "mask_token", "time_token", "label_emb", "dist_token",
                        "reg_token", "alpha")
 
 
+def no_decay_names(module: nn.Module, no_decay_name_parts: Iterable[str] = NO_DECAY_NAME_PARTS) -> list[str]:
+    """Names of the parameters kept from decay by name: the last name part contains one of
+    ``no_decay_name_parts`` (``encoder.pos_embed``, ``blocks.0.alpha_attn``) or the full name
+    starts with one (``label_emb.weight``)."""
+    parts = tuple(no_decay_name_parts)
+    return [name for name, _ in module.named_parameters()
+            if any(part in name.rsplit(".", 1)[-1] or name.startswith(part) for part in parts)]
+
+
 def param_groups_weight_decay(
     module: nn.Module, weight_decay: float, no_decay_name_parts: Iterable[str] = NO_DECAY_NAME_PARTS
 ) -> list[dict]:
-    """Two groups: decayed weights (ndim >= 2) and everything else (norms, biases, tokens)."""
-    parts = tuple(no_decay_name_parts)
-    decay, no_decay = [], []
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if p.ndim <= 1 or any(part in leaf or name.startswith(part) for part in parts):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    """timm's ``param_groups_weight_decay``: no decay on 1-D parameters (norms, biases) and on the
+    parameters :func:`no_decay_names` picks; frozen parameters left out.
+
+    Returned decay group first, then the no-decay group (timm lists them the other way round):
+    the optimiser state in checkpoints written before timm did this is stored in that order.
+    """
+    # timm matches no_weight_decay_list with fnmatch; our names hold no wildcard characters
+    groups = timm_param_groups_weight_decay(module, weight_decay,
+                                            no_weight_decay_list=no_decay_names(module, no_decay_name_parts))
+    return sorted(groups, key=lambda group: group["weight_decay"] == 0.0)
 
 
 def per_device_batch_size(trainer) -> int:  # noqa: ANN001 (Trainer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 from lightning.pytorch import Trainer
@@ -111,3 +111,43 @@ def image_grid(images: np.ndarray, nrow: int, pad: int = 2, pad_value: float = 1
         r, q = divmod(i, nrow)
         grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = images[i]
     return grid
+
+
+def labelled_grid(tiles: np.ndarray, title: str, row_labels: Optional[Sequence[str]] = None,
+                  col_labels: Optional[Sequence[str]] = None, pad: int = 2, min_tile: int = 96,
+                  dpi: int = 100) -> "Figure":
+    """``rows x cols x H x W x C`` images (floats in [0, 1]) as one titled figure: the tiles of
+    :func:`image_grid` (enlarged to ``min_tile`` pixels), a label left of every row and above
+    every column when given."""
+    tiles = np.asarray(tiles, dtype=np.float32)
+    if tiles.ndim != 5:
+        raise ValueError(f"tiles must be rows x cols x H x W x C, got shape {tiles.shape}")
+    rows, cols = tiles.shape[:2]
+    for name, labels, count, what in (("row_labels", row_labels, rows, "row"),
+                                      ("col_labels", col_labels, cols, "column")):
+        if labels is not None and len(labels) != count:
+            raise ValueError(f"{name} needs {count} label(s), one per {what}, got {len(labels)}")
+    grid = image_grid(tiles.reshape(rows * cols, *tiles.shape[2:]), nrow=cols, pad=pad, min_tile=min_tile)
+    tile_h, tile_w = (grid.shape[0] - pad) / max(rows, 1), (grid.shape[1] - pad) / max(cols, 1)
+    label_width = max((len(str(label)) for label in row_labels or ()), default=0)
+    title_width = max(len(line) for line in title.splitlines() or [""])
+    width = max(grid.shape[1] / dpi + 0.4 + 0.08 * label_width, 0.07 * title_width + 0.4)  # ~0.07 in per 9 pt char
+    fig = Figure(figsize=(width, grid.shape[0] / dpi + 0.5 + 0.18 * len(title.splitlines())), dpi=dpi,
+                 layout="constrained")
+    ax = fig.add_subplot()
+    image = grid[..., 0] if grid.shape[-1] == 1 else grid
+    ax.imshow(image, cmap="gray" if image.ndim == 2 else None, vmin=0.0, vmax=1.0, interpolation="nearest")
+    if row_labels is not None:
+        ax.set_yticks(pad / 2 + tile_h * (np.arange(rows) + 0.5), [str(label) for label in row_labels])
+    else:
+        ax.set_yticks([])
+    if col_labels is not None:
+        ax.set_xticks(pad / 2 + tile_w * (np.arange(cols) + 0.5), [str(label) for label in col_labels])
+    else:
+        ax.set_xticks([])
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0, labelsize=8)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title(title, fontsize=9)
+    return fig

@@ -437,3 +437,38 @@ def test_image_grid_tiles_and_enlarges_small_images():
     expected[1:5, 6:10, 0] = 0.75
     np.testing.assert_array_equal(grid, expected)
     assert image_grid(np.stack([a, b]), nrow=1, pad=0, min_tile=1).shape == (4, 2, 1)
+
+
+def test_online_probe_accuracies_on_a_hand_built_case():
+    """An identity head on one-hot features predicts the hot index. Validation as rank 1 of 2 over
+    5 samples: it holds samples 1 (hit), 3 (miss) and sample 0 again as padding (a hit that must
+    not count), so val_top1 = 1/2 exactly (2/3 if the padding counted)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    probe = OnlineLinearProbe(num_classes=3, feature_dim=3, batch_norm=False, every_n_steps=1)
+    probe._build_head(3)
+    with torch.no_grad():
+        probe.head.linear.weight.copy_(torch.eye(3))
+        probe.head.linear.bias.zero_()
+    features = torch.eye(3)[[0, 1, 2, 2, 0]]  # predictions 0, 1, 2, 2, 0
+    labels = torch.tensor([0, 1, 0, 0, 1])
+    module, logged = Passthrough(), {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(value))
+    module.log_dict = lambda values, **kwargs: logged.update({k: float(v) for k, v in values.items()})
+    dataset = TensorDataset(features, labels)
+    loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=1,
+                                                                          shuffle=False))
+    trainer = SimpleNamespace(sanity_checking=False, val_dataloaders=loader,
+                              precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+
+    probe.on_train_batch_end(trainer, module, None, (features[:4], labels[:4]), 0)
+    assert logged["online_probe/train_top1"] == 0.5  # hits on samples 0 and 1 of 4, before the step
+    with torch.no_grad():  # back to the identity head the step moved
+        probe.head.linear.weight.copy_(torch.eye(3))
+        probe.head.linear.bias.zero_()
+    probe.on_validation_epoch_start(trainer, module)
+    for i, batch in enumerate(loader):
+        probe.on_validation_batch_end(trainer, module, None, batch, i)
+    probe.on_validation_epoch_end(trainer, module)
+    assert logged["online_probe/val_top1"] == 0.5

@@ -230,3 +230,31 @@ def test_digits_config_fits_one_step_and_validates_from_its_checkpoint(tmp_path)
     assert validated.trainer.callback_metrics["val/loss"].item() == pytest.approx(fit_loss, rel=1e-6)
     pictures = sorted(tmp_path.rglob("diffusion_samples_step*.png"))
     assert len(pictures) == 2
+
+
+def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):
+    from types import SimpleNamespace
+
+    import lightning_mods.diffusion as diffusion
+
+    module = DiffusionModule(**{**TINY, "num_classes": 10, "class_conditional": True, "num_sample_images": 16,
+                                "sampler": "ddim", "num_sampling_steps": 50, "guidance_scale": 2.0})
+    assert module.sample_grid_classes(16) == ([0, 3, 6, 9], 4)  # 4 rows spread over 0..9, 4 samples each
+    assert module.sample_grid_classes(64) == ([0, 1, 3, 4, 5, 6, 8, 9], 8)  # round(9 * i / 7)
+    assert module.sample_grid_classes(144) == (list(range(10)), 15)  # at most the 10 classes
+    names = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+    module.trainer = SimpleNamespace(fast_dev_run=False, current_epoch=2, global_step=40,
+                                     datamodule=SimpleNamespace(class_names=names))
+    # every "sample" is a flat image whose grey level is its label / 10: the rows must read 0, .3, .6, .9
+    monkeypatch.setattr(module, "generate_images", lambda n, labels, **kwargs:
+                        (labels.float() / 10).view(-1, 1, 1, 1).expand(n, 1, 8, 8))
+    logged = {}
+    monkeypatch.setattr(diffusion, "log_picture", lambda trainer, tag, picture: logged.update({tag: picture}))
+    module.log_sample_grid()
+    ax = logged["diffusion/samples"].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["zero", "three", "six", "nine"]
+    assert "epoch 2, step 40" in ax.get_title() and "ddim, 50 steps, guidance 2" in ax.get_title()
+    grid = np.asarray(ax.images[0].get_array())
+    for row, label in enumerate((0, 3, 6, 9)):
+        centre = int(ax.get_yticks()[row])
+        assert np.allclose(np.unique(grid[centre]), [label / 10, 1.0]), row  # the row's tiles, and white pad

@@ -103,6 +103,20 @@ def test_sincos_embedding_hand_computed_entries():
     assert e[1] == pytest.approx(np.sin(2.0 * omega_1))
 
 
+
+def test_sincos_embedding_is_timms_table_permuted_up_to_float32_rounding():
+    """Why patches.py keeps its own table: timm's is a channel permutation of it, computed in float32."""
+    from timm.layers.pos_embed_sincos import build_sincos2d_pos_embed
+
+    D, g = 64, 8
+    q = D // 4
+    timm_table = build_sincos2d_pos_embed([g, g], D)  # [sin(row), sin(col), cos(row), cos(col)]
+    quarter = [torch.arange(i * q, (i + 1) * q) for i in range(4)]
+    as_mae = timm_table[:, torch.cat([quarter[1], quarter[3], quarter[0], quarter[2]])]
+    ours = sincos_pos_embed_2d(D, g)
+    torch.testing.assert_close(as_mae, ours, rtol=0, atol=1e-6)
+    assert not torch.equal(as_mae, ours)  # float32 angles: not the MAE table bit for bit
+
 def test_skip_sources_deepest_first_and_fusion_shapes():
     dec = UNetSkipDecoder(num_patches=16, enc_dim=32, enc_depth=12, dec_dim=16, depth=8, num_heads=2, patch_dim=10)
     assert dec.skip_sources == [11, 9, 7, 5, 3, 1]
@@ -229,3 +243,27 @@ def test_bad_settings(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:
         MaskedAutoencoder(**{**TINY, **kwargs})
     assert "\n" not in str(err.value)
+
+
+def test_reconstruction_picture_labels_its_rows_and_columns(monkeypatch):
+    from types import SimpleNamespace
+
+    import lightning_mods.mae as mae
+
+    model = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                              decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, num_reconstructions=2)
+    model.trainer = SimpleNamespace(sanity_checking=False, current_epoch=1, global_step=7,
+                                    datamodule=SimpleNamespace(mean=(0.5,), std=(0.25,)))
+    logged = {}
+    monkeypatch.setattr(mae, "log_picture", lambda trainer, tag, picture: logged.update({tag: picture}))
+    images = torch.randn(3, 1, 16, 16)
+    model._val_images = images[:2]
+    model.on_validation_epoch_end()
+    ax = logged["mae/reconstructions"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["original", "masked input", "reconstruction"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["val 0", "val 1"]
+    assert "epoch 1, step 7" in ax.get_title() and "75% of the patches masked" in ax.get_title()
+    # the first tile is the original image, un-normalised (x * std + mean) and clipped to [0, 1]
+    grid = np.asarray(ax.images[0].get_array())
+    original = (images[0, 0] * 0.25 + 0.5).clamp(0, 1).numpy()
+    np.testing.assert_allclose(grid[2:2 + 96:6, 2:2 + 96:6], original, atol=1e-6)  # 16 px tiles enlarged 6x

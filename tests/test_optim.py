@@ -99,3 +99,32 @@ def test_param_groups_skip_frozen_parameters():
     layer.bias.requires_grad_(False)
     groups = param_groups_weight_decay(layer, 0.05)
     assert [len(g["params"]) for g in groups] == [1]
+
+
+class _GroupedParts(torch.nn.Module):
+    """One parameter of every kind the weight-decay rule tells apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos_embed = torch.nn.Parameter(torch.zeros(1, 4, 3))  # a name part: no decay
+        self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 3))  # a name part: no decay
+        self.label_emb = torch.nn.Embedding(5, 3)  # 2-D, but the name starts with a part: no decay
+        self.gate_alpha = torch.nn.Parameter(torch.ones(2, 2))  # 2-D, the leaf contains "alpha": no decay
+        self.proj = torch.nn.Linear(3, 3)  # weight decayed, bias (1-D) not
+        self.norm = torch.nn.LayerNorm(3)  # 1-D: no decay
+        self.frozen = torch.nn.Linear(3, 3, bias=False).requires_grad_(False)  # left out
+
+
+def test_param_groups_match_the_rule_written_out_by_hand():
+    model = _GroupedParts()
+    p = dict(model.named_parameters())
+    groups = param_groups_weight_decay(model, 0.05)
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
+    assert {id(x) for x in groups[0]["params"]} == {id(p["proj.weight"])}
+    assert {id(x) for x in groups[1]["params"]} == {id(p[n]) for n in (
+        "pos_embed", "cls_token", "label_emb.weight", "gate_alpha", "proj.bias", "norm.weight", "norm.bias")}
+    # MAE's rule (no name parts): tokens and embeddings of 2+ dimensions are decayed
+    groups = param_groups_weight_decay(model, 0.05, no_decay_name_parts=())
+    assert {id(x) for x in groups[0]["params"]} == {id(p[n]) for n in (
+        "pos_embed", "cls_token", "label_emb.weight", "gate_alpha", "proj.weight")}
+    assert {id(x) for x in groups[1]["params"]} == {id(p[n]) for n in ("proj.bias", "norm.weight", "norm.bias")}

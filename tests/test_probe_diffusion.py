@@ -1,11 +1,14 @@
 """The blocks x noise levels probe of diffusion features (SPEC section 3, "the paper reports the
 best layer/noise pair"): the sweep finds the informative pair, the command writes its outputs."""
 import csv
+import io
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+from rich.console import Console
+from rich.progress import Progress
 from torch.utils.data import DataLoader, TensorDataset
 
 from commands.probe_diffusion import best_pair, main, probe_sweep, write_results
@@ -26,9 +29,12 @@ def test_sweep_reports_the_informative_block_and_noise_level(tmp_path):
     one_hot = torch.nn.functional.one_hot(labels, 4).float() * 3.0
     train = DataLoader(TensorDataset(one_hot[:80], labels[:80]), batch_size=32)
     val = DataLoader(TensorDataset(one_hot[80:], labels[80:]), batch_size=32)
+    progress = Progress(console=Console(file=io.StringIO()))
     rows = probe_sweep(InformativeAt(), train, val, blocks=[0, 1, 2], timesteps=[10, 500], num_classes=4,
-                       probe_epochs=15, probe_lr=0.1, probe_batch_size=40)
+                       probe_epochs=15, probe_lr=0.1, probe_batch_size=40, progress=progress)
     assert len(rows) == 6
+    # one bar over the 6 pairs stays; the bars over each feature pass were removed when done
+    assert [(t.completed, t.total) for t in progress.tasks] == [(6, 6)]
     by_pair = {(r["block"], r["timestep"]): r for r in rows}
     assert by_pair[(1, 10)]["linear_top1"] == 1.0 and by_pair[(1, 10)]["knn_top1"] == 1.0
     assert max(r["linear_top1"] for k, r in by_pair.items() if k != (1, 10)) < 0.75
@@ -74,3 +80,16 @@ def test_linear_probe_of_a_diffusion_backbone_takes_the_datamodules_pixel_statis
     assert data_mean != [0.5]
     np.testing.assert_allclose(backbone.hparams.pixel_mean, data_mean)
     np.testing.assert_allclose(backbone.hparams.pixel_std, [float(v) for v in data.std])
+
+
+def test_topk_accuracy_on_hand_built_scores():
+    from lightning_mods.linear_probe import topk_accuracy
+
+    scores = torch.tensor([[0.1, 0.7, 0.2],   # label 1: top-1 hit
+                           [0.5, 0.3, 0.2],   # label 1: second best
+                           [0.2, 0.3, 0.5],   # label 0: last
+                           [0.6, 0.1, 0.3]])  # label 2: second best
+    labels = torch.tensor([1, 1, 0, 2])
+    assert topk_accuracy(scores, labels, 1) == 0.25
+    assert topk_accuracy(scores, labels, 2) == 0.75
+    assert topk_accuracy(scores, labels, 5) == 1.0  # k capped at the 3 classes

@@ -133,14 +133,35 @@ def png_size(path) -> tuple[int, int]:
 
 def test_picture_command_writes_pngs_of_the_expected_size(tmp_path, capsys):
     paths = main(["--depth", "3", "--width", "4", "--epochs", "1", "--num-points", "256", "--out", str(tmp_path),
-                  "--cell-pixels", "20"])
+                  "--cell-pixels", "64", "--quiet"])
     assert paths["node_outputs"] == tmp_path / "standard_node_outputs.png"
-    assert png_size(paths["node_outputs"]) == ((2 * 3 + 1) * 20, 4 * 20)  # 2N + 1 columns, H rows
+    # 2N + 1 columns and H rows of 64-pixel cells inside margins of 110 + 120 and 80 + 90 pixels
+    assert png_size(paths["node_outputs"]) == (110 + (2 * 3 + 1) * 64 + 120, 80 + 4 * 64 + 90)
     assert png_size(paths["feature_similarity"]) == (600, 500)
     assert "grid accuracy" in capsys.readouterr().out
 
     paths = main(["--depth", "2", "--width", "12", "--epochs", "1", "--num-points", "256", "--out", str(tmp_path),
                   "--cell-pixels", "16", "--max-nodes", "5", "--residual-droppath", "--similarity", "cka"])
+    assert "residual MLP" not in capsys.readouterr().err  # stderr is no terminal here: no progress bar
     assert paths["node_outputs"].name == "residual_droppath_node_outputs.png"
-    assert png_size(paths["node_outputs"]) == (5 * 16, 5 * 16)  # 12 nodes sampled down to 5 rows
+    assert png_size(paths["node_outputs"]) == (620, 80 + 5 * 16 + 90)  # 12 nodes down to 5 rows; minimum width
     assert png_size(paths["feature_similarity"]) == (600, 500)
+
+
+def test_node_picture_has_title_labels_legend_and_colour_bar():
+    from commands.feature_reuse import node_outputs_figure
+
+    grid = 5
+    outputs = [np.random.default_rng(i).normal(size=(grid * grid, 3)) for i in range(3)]  # input, layers 1, 2
+    weights = [np.eye(3), -np.eye(3)]
+    fig = node_outputs_figure(outputs, weights, [0, 1, 2], grid, train_points=np.zeros((4, 2)),
+                              train_labels=np.array([0, 1, 0, 1]), title="a model")
+    assert fig._suptitle.get_text() == "a model"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "positive weight (width: |W|)", "negative weight", "class 0 training points", "class 1 training points"]
+    headings = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert headings == ["input", "layer 1", "layer 2", "W1", "W2"]
+    row_labels = [ax.get_ylabel() for ax in fig.axes[:3]]  # the input column, drawn first
+    assert row_labels == ["node 0\n(input x1)", "node 1\n(input x2)", "node 2"]
+    colour_bar = fig.axes[-1]
+    assert "max |output|" in colour_bar.get_ylabel() and colour_bar.get_ylim() == (-1.0, 1.0)
