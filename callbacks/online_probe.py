@@ -36,6 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_mods import metric_names
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from .feature_collection import isolated_eval
 
@@ -186,7 +187,8 @@ class OnlineLinearProbe(Callback):
         average_across_ranks_(b for b in self.head.buffers() if b.is_floating_point())
         self.steps += 1
         top1 = (logits.detach().argmax(dim=1) == labels).float().mean()
-        pl_module.log_dict({"online_probe/train_loss": loss.detach(), "online_probe/train_top1": top1},
+        pl_module.log_dict({metric_names.ONLINE_PROBE_TRAIN_LOSS: loss.detach(),
+                            metric_names.ONLINE_PROBE_TRAIN_TOP1: top1},
                            on_step=True, on_epoch=False, batch_size=len(labels))
 
     # --- validation -------------------------------------------------------------------------
@@ -220,9 +222,9 @@ class OnlineLinearProbe(Callback):
         correct, total = all_reduce_sum(self._val_counts).tolist()
         if nonfinite:
             rank_zero_warn("OnlineLinearProbe: non-finite validation features; logging NaN")
-            log_identical(pl_module, {"online_probe/val_top1": float("nan")})
+            log_identical(pl_module, {metric_names.ONLINE_PROBE_VAL_TOP1: float("nan")})
         elif total:
-            log_identical(pl_module, {"online_probe/val_top1": correct / total})
+            log_identical(pl_module, {metric_names.ONLINE_PROBE_VAL_TOP1: correct / total})
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

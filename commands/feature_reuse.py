@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.gridspec import GridSpec
 
 from lightning_mods.pictures import figure_to_array, save_png
+from lightning_mods import metric_names
 from callbacks.residual_droppath import ResidualDroppath
 from datamodules.spiral import Spiral, grid_points
 from lightning_mods.backbone.residual_mlp import ResidualMLP
@@ -248,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Path]:
     variant = "residual_droppath" if args.residual_droppath else "standard"
     paths = draw_pictures(model.net, args.out, variant, data.grid_size, args.max_nodes, args.similarity,
                           points[show].numpy(), labels[show].numpy(), args.cell_pixels)
-    print(f"grid accuracy (nearest-arm labels): {metrics['test/acc']:.4f}")
+    print(f"grid accuracy (nearest-arm labels): {metrics[metric_names.TEST_TOP1]:.4f}")
     for name, path in paths.items():
         print(f"{name}: {path}")
     return paths
