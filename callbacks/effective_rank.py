@@ -132,6 +132,7 @@ def draw_rank_profile(profiles: list[tuple[int, list[float]]], title: str = "eff
                 label=f"epoch {epoch}" if named or latest else None)
     ax.set_xlabel("block index (1 = nearest the input)")
     ax.set_ylabel("effective rank exp(H)")
+    ax.ticklabel_format(axis="y", useOffset=False)  # a flat profile: values, not "1e-9 + 1.114"
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small", title="evaluated after")
