@@ -41,7 +41,7 @@ from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
-    {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    {"class_path": "callbacks.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
     # reliability (README "Reliability"); a config's callback list replaces these, so each
     # shipped config names them too
     {"class_path": "callbacks.exact_resume.ExactResume"},
