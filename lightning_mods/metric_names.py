@@ -9,7 +9,7 @@ name                                  meaning                                   
 ``val/loss``, ``test/loss``           the same objective on the val / test split         the objective's
 ``train/top1``                        top-1 accuracy on the training batches (epoch)     fraction in [0, 1]
 ``val/top1``, ``test/top1``           top-1 accuracy of the classifier / probe head      fraction in [0, 1]
-``val/top5``, ``test/top5``           top-5 accuracy (top-k, k = min(5, classes))       fraction in [0, 1]
+``val/top5``, ``test/top5``           top-5 accuracy (top-k, k = min(5, classes))        fraction in [0, 1]
 ``knn/top1``, ``knn/top5``            weighted kNN accuracy of the features (k=20)       fraction in [0, 1]
 ``online_probe/train_loss``           cross-entropy of the online linear head (step)     nats
 ``online_probe/train_top1``           its top-1 accuracy on the probed samples (step)    fraction in [0, 1]
