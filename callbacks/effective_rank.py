@@ -19,11 +19,14 @@ Two sources of singular values (:func:`singular_values`):
 - ``"features"`` (RankMe): the singular values of ``X`` itself, uncentred.
 
 :class:`EffectiveRank` computes both numbers on the validation features gathered over all
-ranks (optionally per block: the rank-over-depth profile, drawn as a picture); non-finite
-features (a diverged network) give NaN and a warning, not an SVD error.
+ranks (optionally per block: the rank-over-depth profile, written to ``rank_per_block.csv``
+and drawn as a picture, not logged as metrics); non-finite features (a diverged network) give
+NaN and a warning, not an SVD error.
 """
 from __future__ import annotations
 
+import csv
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, Optional
 
 import torch
@@ -33,12 +36,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
-from lightning_mods.pictures import log_picture
+from lightning_mods import metric_names
+from lightning_mods.pictures import log_picture, run_dir
 from .schedule import check_every_n_epochs, evaluation_due
 
 Source = Literal["covariance", "features"]
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 SOURCES = ("covariance", "features")
+PROFILE_FILE = "rank_per_block.csv"
+PROFILE_COLUMNS = ("epoch", "step", "block", "entropy", "effective_rank")
+LEGEND_LINES = 8  # more evaluated epochs than this: a colour bar instead of a legend entry per line
 
 
 class RankMeasures(NamedTuple):
@@ -105,37 +112,73 @@ def rank_measures(features: torch.Tensor, source: Source = "covariance",
 
 
 def draw_rank_profile(profiles: list[tuple[int, list[float]]], title: str = "effective rank over depth"):
-    """Line plot of effective rank against block index, one line per ``(epoch, values)``,
-    the last one highlighted. Returns a matplotlib ``Figure`` (no pyplot state)."""
+    """Line plot of effective rank against block index, one line per ``(epoch, values)`` coloured
+    by epoch, the last one drawn in black with markers; a legend names every epoch (a colour bar
+    stands for them beyond ``LEGEND_LINES`` lines). Returns a matplotlib ``Figure`` (no pyplot state)."""
     from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.0, 3.4), layout="constrained")
+    fig = Figure(figsize=(5.6, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    cmap = colormaps["viridis"]
+    epochs = [epoch for epoch, _ in profiles]
+    shades = ScalarMappable(Normalize(min(epochs), max(max(epochs), min(epochs) + 1)), colormaps["viridis"])
+    named = len(profiles) <= LEGEND_LINES
     for i, (epoch, values) in enumerate(profiles):
         latest = i == len(profiles) - 1
-        shade = cmap(i / max(1, len(profiles) - 1))
         ax.plot(range(1, len(values) + 1), values, marker="o" if latest else None,
-                color="black" if latest else shade, alpha=1.0 if latest else 0.5,
-                linewidth=2.0 if latest else 1.0, label=f"epoch {epoch}" if latest or i == 0 else None)
-    ax.set_xlabel("block")
+                color="black" if latest else shades.to_rgba(epoch), linewidth=2.0 if latest else 1.2,
+                label=f"epoch {epoch}" if named or latest else None)
+    ax.set_xlabel("block index (1 = nearest the input)")
     ax.set_ylabel("effective rank exp(H)")
+    ax.ticklabel_format(axis="y", useOffset=False)  # a flat profile: values, not "1e-9 + 1.114"
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
+    ax.legend(loc="best", fontsize="small", title="evaluated after")
+    if not named:
+        fig.colorbar(shades, ax=ax, label="epoch")
     return fig
+
+
+def write_profiles(path: Path, history: list[dict[str, Any]]) -> Path:
+    """``rank_per_block.csv``: one row per evaluation and block (``PROFILE_COLUMNS``), from
+    the entries of :attr:`EffectiveRank.history` that have a profile. Rewritten whole, so a
+    resumed run's file holds exactly the evaluations its restored history holds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(PROFILE_COLUMNS)
+        for entry in history:
+            entropies = entry.get("entropy_profile") or [float("nan")] * len(entry["profile"])  # older checkpoints
+            for block, (h, r) in enumerate(zip(entropies, entry["profile"]), start=1):
+                writer.writerow([entry["epoch"], entry["step"], block, repr(h), repr(r)])
+    return path
+
+
+def read_profiles(path: Path) -> dict[int, dict[str, list[float]]]:
+    """``{epoch: {"entropy": [...], "effective_rank": [...]}}`` (blocks in order) of a
+    ``rank_per_block.csv``."""
+    profiles: dict[int, dict[str, list[float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            entry = profiles.setdefault(int(row["epoch"]), {"entropy": [], "effective_rank": []})
+            entry["entropy"].append(float(row["entropy"]))
+            entry["effective_rank"].append(float(row["effective_rank"]))
+    return profiles
 
 
 class EffectiveRank(Callback):
     """Entropy and effective rank of the gathered validation features after validation epochs.
 
-    Logs ``rank/entropy`` and ``rank/effective_rank`` (and with ``per_block``
-    ``rank/block_XX/entropy``, ``rank/block_XX/effective_rank`` for blocks ``XX = 01, 02, ...``
-    and the picture ``rank/profile``) at the end of every ``every_n_epochs``-th validation
-    epoch of ``fit`` (and the last one), and in every ``validate``; identical on every rank
-    (rank 0 computes, the others receive). Skips the sanity check; under ``fast_dev_run=n``
-    uses only the first ``n`` batches of the validation set.
+    Logs ``rank/entropy`` and ``rank/effective_rank`` of the features at the end of every
+    ``every_n_epochs``-th validation epoch of ``fit`` (and the last one), and in every
+    ``validate``; identical on every rank (rank 0 computes, the others receive). With
+    ``per_block`` the profile over depth (both numbers for every block's output) is kept in
+    :attr:`last_profile` and :attr:`history`, written (rank 0) to ``<log_dir>/rank_per_block.csv``
+    (:func:`read_profiles` reads it back) and drawn as the picture ``rank/profile``: a curve
+    per evaluation is read as a picture, not as one logged metric per block. Skips the sanity
+    check; under ``fast_dev_run=n`` uses only the first ``n`` batches of the validation set.
 
     Args:
         every_n_epochs: evaluate after every n-th epoch.
@@ -170,8 +213,11 @@ class EffectiveRank(Callback):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.draw_profile = draw_profile
-        # one entry per evaluation: epoch, step, the logged values and the per-block profile
+        # one entry per evaluation of fit: epoch, step, the logged values and the per-block
+        # effective ranks ("profile") and entropies ("entropy_profile")
         self.history: list[dict[str, Any]] = []
+        # the last evaluation's per-block values (fit or validate): {"entropy": [...], "effective_rank": [...]}
+        self.last_profile: dict[str, list[float]] = {}
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -188,17 +234,25 @@ class EffectiveRank(Callback):
             return
         metrics, profile = self.evaluate(trainer, pl_module)
         log_identical(pl_module, metrics)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.history.append({"epoch": int(trainer.current_epoch), "step": int(trainer.global_step),
-                                 "metrics": metrics, "profile": profile})
-        if profile and self.draw_profile and trainer.is_global_zero:
-            profiles = [(h["epoch"], h["profile"]) for h in self.history if h["profile"]] \
-                or [(int(trainer.current_epoch), profile)]
-            fig = draw_rank_profile(profiles, f"effective rank over depth ({self.source})")
+        entry = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), "metrics": metrics,
+                 "profile": profile["effective_rank"], "entropy_profile": profile["entropy"]}
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.history.append(entry)
+        self.last_profile = profile
+        if not self.per_block or not trainer.is_global_zero:
+            return
+        # validate: Lightning does not restore the fit's history, the file holds this evaluation
+        evaluated = [h for h in self.history if h.get("profile")] if fitting else [entry]
+        write_profiles(run_dir(trainer) / PROFILE_FILE, evaluated)
+        if self.draw_profile:
+            fig = draw_rank_profile([(h["epoch"], h["profile"]) for h in evaluated],
+                                    f"effective rank over depth ({self.source} spectrum)")
             log_picture(trainer, "rank/profile", fig)
 
-    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict[str, float], list[float]]:
-        """``(metrics, per-block effective ranks)``, the same on every rank."""
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """``(metrics, per-block {"entropy": [...], "effective_rank": [...]})``, the same on every rank
+        (empty lists without ``per_block``)."""
         dataset = datamodule_dataset(trainer, "val_dataset", "EffectiveRank")
         if self.max_samples is not None and self.max_samples < len(dataset):
             dataset = torch.utils.data.Subset(dataset, range(self.max_samples))
@@ -217,11 +271,8 @@ class EffectiveRank(Callback):
                     continue
                 values[i] = torch.tensor(rank_measures(x, self.source, DTYPES[self.dtype]), dtype=torch.float64)
         values = broadcast_from_rank_zero(values).cpu()
-        metrics = {"rank/entropy": float(values[0, 0]), "rank/effective_rank": float(values[0, 1])}
-        for b, (h, r) in enumerate(values[1:].tolist(), start=1):
-            metrics[f"rank/block_{b:02d}/entropy"] = h
-            metrics[f"rank/block_{b:02d}/effective_rank"] = r
-        return metrics, values[1:, 1].tolist()
+        metrics = {metric_names.RANK_ENTROPY: float(values[0, 0]), metric_names.EFFECTIVE_RANK: float(values[0, 1])}
+        return metrics, {"entropy": values[1:, 0].tolist(), "effective_rank": values[1:, 1].tolist()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": [dict(h) for h in self.history]}

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 
 from datamodules.base import check_positive
 from lightning_mods.fid import GeneratedImages, UInt8Images, generation_metrics, subset_indices
-
+from lightning_mods import metric_names
 from .distributed import log_identical
 from .schedule import check_every_n_epochs
 
@@ -145,7 +145,8 @@ class GenerationMetrics(Callback):
         metrics = self.evaluate(trainer, pl_module) if trainer.is_global_zero else {}
         metrics = trainer.strategy.broadcast(metrics, src=0)
         self.last_metrics = dict(metrics)
-        log_identical(pl_module, {f"val/{name}": value for name, value in metrics.items()}, batch_size=1)
+        log_identical(pl_module, {metric_names.generation_metric(name): value for name, value in metrics.items()},
+                      batch_size=1)
 
     # --- what --------------------------------------------------------------------------------
     def reference_images(self, trainer: Trainer, pl_module: LightningModule) -> tuple[UInt8Images, str]:

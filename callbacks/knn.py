@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_mods import metric_names
 from .distributed import all_reduce_sum, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
 from .schedule import check_every_n_epochs, evaluation_due
@@ -173,7 +174,7 @@ class KNNEvaluator(Callback):
         finite = torch.isfinite(bank.features).all() & torch.isfinite(queries.features).all()
         if int(all_reduce_sum(finite.logical_not().to(torch.int64).view(1))):  # same answer on every rank
             rank_zero_warn("KNNEvaluator: non-finite features at this evaluation; logging NaN")
-            return {f"knn/top{k}": float("nan") for k in ks}
+            return {metric_names.knn_topk(k): float("nan") for k in ks}
         if len(queries.labels):
             scores = knn_predict(bank.features, bank.labels, queries.features, num_classes, self.k,
                                  self.temperature, self.chunk_size)
@@ -182,7 +183,7 @@ class KNNEvaluator(Callback):
             correct = torch.zeros(len(ks), dtype=torch.int64, device=bank.features.device)
         counts = all_reduce_sum(torch.cat([correct, correct.new_tensor([len(queries.labels)])]))
         total = int(counts[-1])
-        return {f"knn/top{k}": int(c) / total for k, c in zip(ks, counts[:-1].tolist())}
+        return {metric_names.knn_topk(k): int(c) / total for k, c in zip(ks, counts[:-1].tolist())}
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch}

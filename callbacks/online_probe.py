@@ -39,6 +39,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
 
+from lightning_mods import metric_names
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from .feature_collection import isolated_eval
 
@@ -190,7 +191,8 @@ class OnlineLinearProbe(Callback):
         average_across_ranks_(b for b in self.head.buffers() if b.is_floating_point())
         self.steps += 1
         top1 = multiclass_accuracy(logits.detach(), labels, int(self.num_classes), average="micro")
-        pl_module.log_dict({"online_probe/train_loss": loss.detach(), "online_probe/train_top1": top1},
+        pl_module.log_dict({metric_names.ONLINE_PROBE_TRAIN_LOSS: loss.detach(),
+                            metric_names.ONLINE_PROBE_TRAIN_TOP1: top1},
                            on_step=True, on_epoch=False, batch_size=len(labels))
 
     # --- validation -------------------------------------------------------------------------
@@ -227,9 +229,9 @@ class OnlineLinearProbe(Callback):
         total = int(all_reduce_sum(self._val_total))
         if nonfinite:
             rank_zero_warn("OnlineLinearProbe: non-finite validation features; logging NaN")
-            log_identical(pl_module, {"online_probe/val_top1": float("nan")})
+            log_identical(pl_module, {metric_names.ONLINE_PROBE_VAL_TOP1: float("nan")})
         elif total:  # compute() sums the counts over ranks: every rank calls it
-            log_identical(pl_module, {"online_probe/val_top1": self._val_top1.compute().item()})
+            log_identical(pl_module, {metric_names.ONLINE_PROBE_VAL_TOP1: self._val_top1.compute().item()})
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -11,9 +11,11 @@ from typing import Any, Optional, Sequence
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_mods import metric_names
 from lightning_mods.pictures import picture_dir, run_dir
 
-DEFAULT_METRICS = ("knn/top1", "online_probe/val_top1", "rank/effective_rank", "rank/entropy")
+DEFAULT_METRICS = (metric_names.KNN_TOP1, metric_names.ONLINE_PROBE_VAL_TOP1, metric_names.EFFECTIVE_RANK,
+                   metric_names.RANK_ENTROPY)
 
 
 def _as_float(value: Any) -> Optional[float]:
@@ -40,13 +42,12 @@ def collect_summary(trainer: Trainer, metrics: Sequence[str]) -> dict[str, Any]:
 
 
 def format_value(name: str, value: Optional[float]) -> str:
-    """Accuracies (names ending in ``top1``, ``top5``, ``acc``...) as percentages, other numbers
-    with 4 significant digits."""
+    """The logged value in its logged unit (accuracies are fractions, as in the progress bar and
+    the validate table): accuracies with 4 decimals, other numbers with 4 significant digits."""
     if value is None:
         return "-"
-    leaf = name.rsplit("/", 1)[-1].lower()
-    if leaf.startswith(("top", "acc")) or "_top" in leaf or leaf.endswith("acc"):
-        return f"{100.0 * value:.2f} %"
+    if name in metric_names.FRACTIONS:
+        return f"{value:.4f}"
     return f"{value:.4g}"
 
 

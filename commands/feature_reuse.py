@@ -39,6 +39,7 @@ from matplotlib.figure import Figure
 from matplotlib.gridspec import GridSpec
 from rich.progress import Progress
 
+from lightning_mods import metric_names
 from callbacks.residual_droppath import ResidualDroppath
 from commands.progress import EpochProgress, command_progress, show_progress
 from datamodules.spiral import Spiral, grid_points
@@ -314,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Path]:
         paths = draw_pictures(model.net, args.out, variant, data.grid_size, args.max_nodes, args.similarity,
                               points[show].numpy(), labels[show].numpy(), args.cell_pixels, description)
         progress.update(stages, advance=1, description=f"feature reuse, {description}: done")
-    print(f"grid accuracy (nearest-arm labels): {metrics['test/top1']:.4f}")
+    print(f"grid accuracy (nearest-arm labels): {metrics[metric_names.TEST_TOP1]:.4f}")
     for name, path in paths.items():
         print(f"{name}: {path}")
     return paths

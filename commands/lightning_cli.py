@@ -27,6 +27,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from callbacks.bad_input_cleanup import RemoveLogsOnBadInput
 from callbacks.prediction_writer import PredictionWriter
@@ -40,7 +41,7 @@ from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
-    {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    {"class_path": "callbacks.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
     # reliability (README "Reliability"); a config's callback list replaces these, so each
     # shipped config names them too
     {"class_path": "callbacks.exact_resume.ExactResume"},
@@ -198,6 +199,7 @@ class ShortcutLabCLI(LightningCLI):
                                         if not str(_class_path(c)).endswith("ProgressBar")]
 
     def after_instantiate_classes(self) -> None:
+        expect_frozen_eval_modules(self.model)
         self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
@@ -365,6 +367,69 @@ def info_logs_to_stdout() -> None:
                 handler.setStream(sys.stdout)
 
 
+# Third-party output that says nothing about the run, silenced by exact message (and, for
+# warnings, category and emitting module), so that any other message still shows:
+LIGHTNING_INFO_NOISE = (
+    # advertisements for Lightning's cloud services, on every fit
+    r"^💡 Tip: For seamless cloud (logging and experiment tracking|uploads and versioning), try installing",
+    # our configs list RichModelSummary on purpose; Lightning reports that it adds no default summary
+    r"^Trainer already configured with model summary callbacks: ",
+    # our recipes size their schedules with trainer.estimated_stepping_batches; an internal step
+    r"^Loading `train_dataloader` to estimate number of stepping batches\.$",
+)
+
+
+class _DropMessages(logging.Filter):
+    """Drops log records whose message matches one of ``patterns``."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(p.search(record.getMessage()) for p in self.patterns)
+
+
+_LIGHTNING_INFO_FILTER = _DropMessages(LIGHTNING_INFO_NOISE)
+
+
+def silence_third_party_noise() -> None:
+    """Filter the third-party lines every fit printed that concern neither the run nor the user's
+    settings. Idempotent."""
+    # rank_zero_info's records are created on this logger (lightning.pytorch.utilities.rank_zero)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_LIGHTNING_INFO_FILTER)
+    # torch 2.15 deprecated LeafSpec; Lightning 2.6's own _pytree helper still builds one per
+    # batch it flattens: nothing a user of shortcutlab can change
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+def frozen_eval_mode_count(model: torch.nn.Module) -> Optional[int]:
+    """The number of modules in eval mode (Lightning's count, root included) when every one of
+    them lies in a frozen subtree (a module in eval mode with parameters, none of them
+    trainable: the LinearProbe's backbone); ``None`` when there are none, or when any other
+    module is in eval mode."""
+    frozen: set[int] = set()
+    for module in model.modules():
+        params = list(module.parameters())
+        if not module.training and params and not any(p.requires_grad for p in params):
+            frozen.update(id(sub) for sub in module.modules())
+    in_eval = [module for _, module in model.named_modules() if not module.training]
+    if not in_eval or any(id(module) not in frozen for module in in_eval):
+        return None
+    return len(in_eval)
+
+
+def expect_frozen_eval_modules(model: torch.nn.Module) -> None:
+    """Silence Lightning's "Found N module(s) in eval mode at the start of training" when the N
+    are exactly the model's intentionally frozen modules (:func:`frozen_eval_mode_count`): a
+    module left in eval mode by mistake changes N, and the warning shows."""
+    count = frozen_eval_mode_count(model)
+    if count is not None:
+        warnings.filterwarnings("ignore", message=rf"Found {count} module\(s\) in eval mode at the start of training",
+                                category=PossibleUserWarning, module=r"lightning\.pytorch\.loops\.fit_loop")
+
+
 def console_main() -> None:
     """The ``shortcutlab`` console command (returns None: a console script exits with its value).
 
@@ -372,6 +437,7 @@ def console_main() -> None:
     ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
     """
     info_logs_to_stdout()
+    silence_third_party_noise()
     try:
         run_reporting_stops(parser_kwargs=raising_parsers())
     except (ValueError, FileNotFoundError, MisconfigurationException) as err:

@@ -33,6 +33,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from . import metric_names
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from .backbone.residual import residual_blocks
@@ -176,18 +177,18 @@ class ImageClassifier(LightningModule):
         logits = self(images)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
         self.train_top1(logits, labels)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
-        self.log("train/top1", self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
         return loss
 
     def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
         images, labels = batch[0], batch[1]
         logits = self(images)
-        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
+        self.log(metric_names.LOSS[stage], F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
         top1(logits, labels)
         top5(logits, labels)
-        self.log(f"{stage}/top1", top1, prog_bar=True, batch_size=labels.shape[0])
-        self.log(f"{stage}/top5", top5, batch_size=labels.shape[0])
+        self.log(metric_names.TOP1[stage], top1, prog_bar=True, batch_size=labels.shape[0])
+        self.log(metric_names.TOP5[stage], top5, batch_size=labels.shape[0])
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_top1, self.val_top5)

@@ -36,6 +36,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_mods.eval_mode import isolated_eval
 from lightning_mods.pictures import labelled_grid, log_picture
+from . import metric_names
 from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
 from .latent_vae import FrozenVAE
 from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
@@ -275,7 +276,7 @@ class DiffusionModule(LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
         loss = self.diffusion_loss(self.to_model_space(images), self._condition(labels, self.hparams.label_dropout))
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
@@ -284,7 +285,7 @@ class DiffusionModule(LightningModule):
         generator = torch.Generator().manual_seed(1234 + batch_idx)
         y = self._condition(labels, self.hparams.label_dropout, generator)
         loss = self.diffusion_loss(self.to_model_space(images), y, generator)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
+        self.log(metric_names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
         return loss
 
     # --- sampling --------------------------------------------------------------------------

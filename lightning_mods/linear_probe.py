@@ -20,6 +20,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
 
+from . import metric_names
 from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
 from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
@@ -131,6 +132,8 @@ class LinearProbe(LightningModule):
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
 
     def setup(self, stage: str) -> None:
         # a backbone that takes its input normalisation from the datamodule (DiffusionModule:
@@ -154,21 +157,25 @@ class LinearProbe(LightningModule):
         logits = self(images)
         loss = F.cross_entropy(logits, labels)
         self.train_top1(logits, labels)
-        self.log("train/loss", loss, prog_bar=True, batch_size=labels.shape[0])
-        self.log("train/top1", self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
         return loss
 
-    def validation_step(self, batch, batch_idx: int) -> None:
+    def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
         images, labels = batch[0], batch[1]
         logits = self(images)
-        self.val_top1(logits, labels)
-        self.val_top5(logits, labels)
-        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
-        self.log("val/top1", self.val_top1, prog_bar=True, batch_size=labels.shape[0])
-        self.log("val/top5", self.val_top5, batch_size=labels.shape[0])
+        top1(logits, labels)
+        top5(logits, labels)
+        self.log(metric_names.LOSS[stage], F.cross_entropy(logits, labels), sync_dist=True,
+                 batch_size=labels.shape[0])
+        self.log(metric_names.TOP1[stage], top1, prog_bar=True, batch_size=labels.shape[0])
+        self.log(metric_names.TOP5[stage], top5, batch_size=labels.shape[0])
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_top1, self.val_top5)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
+        self._evaluate(batch, "test", self.test_top1, self.test_top5)
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """The backbone's ``embeddings``, the probe's ``logits`` and ``labels``, for

@@ -24,6 +24,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from . import metric_names
 from lightning_mods.pictures import labelled_grid, log_picture
 from .backbone.mae_decoder import ClassicDecoder, UNetSkipDecoder
 from .backbone.mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
@@ -214,7 +215,7 @@ class MaskedAutoencoder(LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0]
         loss, _, _ = self(images)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True,
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True,
                  batch_size=images.shape[0])
         return loss
 
@@ -225,7 +226,7 @@ class MaskedAutoencoder(LightningModule):
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0]
         loss, _, _ = self(images, generator=self._val_generator(batch_idx))
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
+        self.log(metric_names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
         if batch_idx == 0 and self._val_images is None:
             self._val_images = images[: self.hparams.num_reconstructions].detach()
         return loss

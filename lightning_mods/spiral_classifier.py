@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 
+from . import metric_names
 from .backbone.residual_mlp import ResidualMLP
 from .backbone.shortcut import ShortcutSchedule
 
@@ -53,9 +54,12 @@ class SpiralClassifier(LightningModule):
         logits = self(points)
         loss = F.cross_entropy(logits, labels)
         accuracy(logits, labels)
-        self.log(f"{stage}/loss", loss, prog_bar=stage == "train", sync_dist=stage != "train",
+        training = stage == "train"
+        # the classifier's way: the loss per step and as epoch mean, accuracies per epoch
+        self.log(metric_names.LOSS[stage], loss, prog_bar=training, on_step=training, on_epoch=True,
+                 sync_dist=not training, batch_size=labels.shape[0])
+        self.log(metric_names.TOP1[stage], accuracy, prog_bar=not training, on_step=False, on_epoch=True,
                  batch_size=labels.shape[0])
-        self.log(f"{stage}/top1", accuracy, prog_bar=True, batch_size=labels.shape[0])
         return loss
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:

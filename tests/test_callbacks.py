@@ -16,11 +16,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from callbacks.distributed import distributed_padding_mask
-from callbacks.effective_rank import EffectiveRank, effective_rank, entropy, rank_measures, singular_values
+from callbacks.effective_rank import (EffectiveRank, effective_rank, entropy, rank_measures, read_profiles,
+                                     singular_values)
 from callbacks.feature_collection import collect_features, isolated_eval
 from callbacks.knn import KNNEvaluator, knn_classify, knn_predict, topk_correct
 from callbacks.online_probe import OnlineLinearProbe
-from callbacks.run_summary import RunSummary
+from callbacks.run_summary import RunSummary, format_value
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
@@ -299,8 +300,9 @@ def test_callbacks_do_not_change_pretraining(tmp_path):
     for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
         assert torch.equal(a, b), name
     assert probe.steps == 2  # batches 0 and 4 of 6 (every_n_steps=4)
-    for name in ("knn/top1", "online_probe/val_top1", "rank/effective_rank", "rank/block_02/entropy"):
+    for name in ("knn/top1", "online_probe/val_top1", "rank/effective_rank", "rank/entropy"):
         assert name in trainer.callback_metrics, name
+    assert not [name for name in trainer.callback_metrics if name.startswith("rank/block")]  # a file, not metrics
 
 
 class Passthrough(LightningModule):
@@ -395,6 +397,67 @@ def test_evaluation_schedule_and_picture(tmp_path):
     assert pictures == ["rank_profile_step0000002.png", "rank_profile_step0000004.png",
                         "rank_profile_step0000005.png"]
     assert len(rank_cb.history[-1]["profile"]) == 2
+    profiles = read_profiles(tmp_path / "lightning_logs" / "version_0" / "rank_per_block.csv")
+    assert list(profiles) == [1, 3, 4]
+    for entry in rank_cb.history:
+        assert profiles[entry["epoch"]] == {"entropy": entry["entropy_profile"], "effective_rank": entry["profile"]}
+
+
+class HandBuiltBlocks(Passthrough):
+    """Block 1: the inputs; block 2: their first coordinate only (rank one)."""
+
+    def forward_block_features(self, x):
+        return [x, x * torch.tensor([1.0, 0, 0, 0, 0, 0])]
+
+
+def numpy_rank_measures(x: np.ndarray) -> tuple[float, float]:
+    """Entropy and exp(entropy) of the normalised singular values of ``x`` (float64)."""
+    s = np.linalg.svd(x.astype(np.float64), compute_uv=False)
+    p = s[s > 0] / s.sum()
+    h = float(-(p * np.log(p)).sum())
+    return h, math.exp(h)
+
+
+def test_per_block_profile_is_a_file_and_an_attribute_not_metrics(tmp_path):
+    rank_cb = EffectiveRank(source="features", per_block=True)
+    trainer = tiny_trainer(tmp_path, [rank_cb], max_epochs=1, logger=True, default_root_dir=tmp_path)
+    data = TinyData()
+    trainer.validate(HandBuiltBlocks(), datamodule=data, verbose=False)
+    x = data.val_dataset.tensors[0].numpy()
+    h1, r1 = numpy_rank_measures(x)
+    assert rank_cb.last_profile["entropy"] == pytest.approx([h1, 0.0], abs=1e-12)
+    assert rank_cb.last_profile["effective_rank"] == pytest.approx([r1, 1.0], abs=1e-12)
+    assert sorted(trainer.callback_metrics) == ["rank/effective_rank", "rank/entropy"]
+    assert metric(trainer, "rank/effective_rank") == pytest.approx(r1, rel=1e-6)  # the features = block 1
+    run = tmp_path / "lightning_logs" / "version_0"
+    header, *rows = (run / "rank_per_block.csv").read_text().splitlines()
+    assert header == "epoch,step,block,entropy,effective_rank"
+    assert [row.split(",")[:3] for row in rows] == [["0", "0", "1"], ["0", "0", "2"]]
+    assert read_profiles(run / "rank_per_block.csv") == {0: rank_cb.last_profile}
+    assert [p.name for p in (run / "pictures").glob("*.png")] == ["rank_profile_step0000000.png"]
+
+
+def test_rank_profile_picture_has_title_axes_and_a_legend_entry_per_epoch():
+    from callbacks.effective_rank import draw_rank_profile
+
+    fig = draw_rank_profile([(4, [3.0, 2.0]), (9, [3.5, 2.5]), (14, [4.0, 3.0])], "effective rank over depth")
+    ax = fig.axes[0]
+    assert ax.get_title() == "effective rank over depth"
+    assert ax.get_xlabel().startswith("block index") and ax.get_ylabel() == "effective rank exp(H)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["epoch 4", "epoch 9", "epoch 14"]
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[3.0, 2.0], [3.5, 2.5], [4.0, 3.0]]
+    many = draw_rank_profile([(e, [1.0, 2.0]) for e in range(12)])
+    assert [t.get_text() for t in many.axes[0].get_legend().get_texts()] == ["epoch 11"]
+    assert len(many.axes) == 2  # the colour bar stands for the epochs
+
+
+def test_run_summary_shows_accuracies_as_the_logged_fractions():
+    assert format_value("knn/top1", 0.48611) == "0.4861"
+    assert format_value("online_probe/val_top1", 1.0) == "1.0000"
+    assert format_value("val/top5", 0.125) == "0.1250"
+    assert format_value("rank/effective_rank", 31.3912) == "31.39"
+    assert format_value("val/loss", 0.000123456) == "0.0001235"
+    assert format_value("knn/top1", None) == "-"
 
 
 def test_run_summary_table_and_file(tmp_path, capsys):

@@ -29,8 +29,7 @@ from callbacks.online_probe import OnlineLinearProbe
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-COMPARED = ("knn/top1", "knn/top5", "rank/entropy", "rank/effective_rank", "rank/block_01/effective_rank",
-            "rank/block_02/effective_rank", "online_probe/val_top1")
+COMPARED = ("knn/top1", "knn/top5", "rank/entropy", "rank/effective_rank", "online_probe/val_top1")
 
 
 def make_model():
@@ -93,6 +92,7 @@ SCRIPT = textwrap.dedent("""
         "world_size": trainer.world_size,
         "metrics": {{k: float(trainer.callback_metrics[k]) for k in COMPARED if k in trainer.callback_metrics}},
         "probe_steps": probe.steps,
+        "rank_profile": callbacks[2].last_profile["effective_rank"],
         "probe_head": {{k: v.tolist() for k, v in probe.head.state_dict().items()}},
     }}
     (out / f"rank{{trainer.global_rank}}.json").write_text(json.dumps(seen))
@@ -136,6 +136,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     assert set(ranks[0]["metrics"]) == set(COMPARED)
     # every rank logged the same values and holds the same probe head
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert len(ranks[0]["rank_profile"]) == 2 and ranks[0]["rank_profile"] == ranks[1]["rank_profile"]
     assert ranks[0]["probe_head"] == ranks[1]["probe_head"]
     assert ranks[0]["probe_steps"] == ranks[1]["probe_steps"] == 2  # batches 0 and 2 of 4
 
@@ -162,3 +163,4 @@ def test_ddp_two_processes_match_one_process(tmp_path):
         assert ddp[name] == single[name], name  # counts of the same 23 queries: exact
     for name in COMPARED:
         assert ddp[name] == pytest.approx(single[name], rel=1e-5), name
+    assert ranks[0]["rank_profile"] == pytest.approx(callbacks[2].last_profile["effective_rank"], rel=1e-5)

@@ -1,0 +1,130 @@
+"""Third-party noise a fit printed (commands/lightning_cli.py: silence_third_party_noise,
+expect_frozen_eval_modules) is filtered precisely: Lightning's eval-mode warning still shows for
+a module left in eval mode by mistake."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from commands.lightning_cli import expect_frozen_eval_modules, frozen_eval_mode_count, silence_third_party_noise
+
+REPO = Path(__file__).resolve().parents[1]
+NOISE = ("💡 Tip", "Trainer already configured with model summary callbacks", "to estimate number of stepping batches",
+         "LeafSpec", "module(s) in eval mode")
+
+
+class FrozenBackboneProbe(LightningModule):
+    """A frozen backbone in eval mode (Linear, ReLU, Linear: 4 modules with its container) and a
+    trainable head; ``stray_eval`` leaves a parameter-free Dropout of the head in eval mode."""
+
+    def __init__(self, stray_eval: bool = False) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.backbone.requires_grad_(False)
+        self.backbone.eval()
+        self.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(4, 2))
+        if stray_eval:
+            self.head[0].eval()
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.head(self.backbone(batch[0])), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+def eval_mode_warnings(model: LightningModule, tmp_path, expect: bool) -> list[str]:
+    loader = DataLoader(TensorDataset(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])), batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if expect:
+            expect_frozen_eval_modules(model)
+        Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                enable_checkpointing=False, default_root_dir=tmp_path).fit(model, loader)
+    return [str(w.message) for w in caught if "in eval mode at the start of training" in str(w.message)]
+
+
+def test_eval_mode_warning_silenced_only_for_the_frozen_modules(tmp_path):
+    assert frozen_eval_mode_count(FrozenBackboneProbe()) == 4
+    assert frozen_eval_mode_count(FrozenBackboneProbe(stray_eval=True)) is None
+    assert frozen_eval_mode_count(nn.Sequential(nn.Linear(2, 2))) is None  # nothing in eval mode
+    # Lightning warns about the 4 frozen modules unless told they are intentional ...
+    assert eval_mode_warnings(FrozenBackboneProbe(), tmp_path, expect=False)[0].startswith("Found 4 module(s)")
+    assert eval_mode_warnings(FrozenBackboneProbe(), tmp_path, expect=True) == []
+    # ... and a module left in eval mode by mistake still shows (5 modules)
+    stray = eval_mode_warnings(FrozenBackboneProbe(stray_eval=True), tmp_path, expect=True)
+    assert stray and stray[0].startswith("Found 5 module(s)")
+
+
+def test_lightning_tips_are_dropped_and_other_info_kept(caplog):
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    silence_third_party_noise()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger](x)")
+        rank_zero_info("Trainer already configured with model summary callbacks: [RichModelSummary].")
+        rank_zero_info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+
+
+@pytest.mark.slow
+def test_a_short_probe_fit_prints_no_third_party_noise(tmp_path):
+    backbone = ("{class_path: lightning_mods.mae.MaskedAutoencoder, init_args: {image_size: 16, in_chans: 1, "
+                "patch_size: 8, embed_dim: 16, depth: 2, num_heads: 2, decoder_embed_dim: 16, decoder_depth: 1, "
+                "decoder_num_heads: 2}}")
+    command = [sys.executable, "-c", "import cli; cli.console_main()", "fit",
+               "--config", "configs/linear_probe_digits.yaml", f"--model.backbone={backbone}",
+               "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+               "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for text in NOISE:
+        assert text not in done.stderr and text not in done.stdout, text
+    assert "Seed set to 0" in done.stdout and "Modules in eval mode" in done.stdout  # the run's own facts stay
+
+
+class TwoLayers(LightningModule):
+    """8 + 17 trainable parameters, a frozen Linear(2, 2) of 6 in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 2)
+        self.second = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+        self.frozen = nn.Linear(2, 2).requires_grad_(False).eval()
+
+    def training_step(self, batch, batch_idx):
+        return self.second(self.frozen(self.first(batch[0]))).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_model_summary_has_no_flops_column(tmp_path, capsys):
+    from callbacks.model_summary import RichModelSummaryWithoutFlops
+
+    loader = DataLoader(TensorDataset(torch.randn(2, 3)), batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                callbacks=[RichModelSummaryWithoutFlops(max_depth=1)], default_root_dir=tmp_path).fit(TwoLayers(), loader)
+    out = capsys.readouterr().out
+    assert "FLOPs" not in out
+    header = next(line for line in out.splitlines() if "Name" in line)
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == ["", "Name", "Type", "Params", "Mode"]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if "│" in line]
+    assert rows == [["0", "first", "Linear", "8", "train"], ["1", "second", "Sequential", "17", "train"],
+                    ["2", "frozen", "Linear", "6", "eval"]]
+    for line in ("Trainable params: 25", "Non-trainable params: 6", "Total params: 31", "Modules in train mode: 5",
+                 "Modules in eval mode: 1"):
+        assert line in out, line
