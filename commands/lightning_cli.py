@@ -5,6 +5,11 @@
 
 Values that data and model must agree on (image size, channels, number of classes) are
 linked from the datamodule to the model; a model that has no such argument ignores the link.
+
+Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_to_parser``,
+``add_arguments_to_parser``, ``parse_arguments``, ``before/after_instantiate_classes``,
+``instantiate_classes``) but one: ``_parse_ckpt_path``, whose docstring says why and which test
+fails if Lightning changes it.
 """
 from __future__ import annotations
 
