@@ -325,6 +325,7 @@ _TYPE = re.compile(r"^Expected a <class '([^']+)'>\. Got value: (.*)$")
 _UNKNOWN_OPTION = re.compile(r"^(?:Option|Group '[^']*' does not accept option|"
                              r"Subcommand '[^']*' does not accept option) '([^']+)'(?: is not accepted)?")
 _UNRECOGNISED = re.compile(r"^unrecognized arguments: (\S+)")
+_NOT_A_CLASS = re.compile(r"^Expected a dot import path string: (\S+)$")
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
@@ -374,9 +375,20 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
     elif match := _UNRECOGNISED.match(innermost):
         option = match.group(1).split("=")[0]
         return f"unknown option '{option}'{_did_you_mean(option, option_names)}"
+    elif (match := _NOT_A_CLASS.match(innermost)) and field in ("", *catalogue.KINDS):
+        return unknown_class_message(match.group(1), field)
     else:
         reason = innermost[0].lower() + innermost[1:] if innermost[:1].isupper() and field else innermost
     return f"{field}: {reason}" if field else reason
+
+
+def unknown_class_message(name: str, field: str) -> str:
+    """``model: no class 'Nope'; known: DiffusionModule, ...`` (the short names of ``field``'s
+    kind, every model and datamodule when the field is unknown, e.g. ``--model.help``)."""
+    known = [f.name for kind in ([field] if field else ["model", "data"]) for f in catalogue.find(kind)]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{field + ': ' if field else ''}no class '{name}'; {hint}known: {', '.join(known)} (or a full import path)"
 
 
 def root_message(err: BaseException) -> str:

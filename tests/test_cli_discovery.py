@@ -192,3 +192,19 @@ def test_opted_in_optimizer_and_scheduler_replace_the_recipe(tmp_path):
     assert {id(p) for p in group["params"]} == {id(p) for p in out.model.parameters()}
     (scheduler,) = out.trainer.lr_scheduler_configs
     assert type(scheduler.scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.scheduler.step_size == 3
+
+
+@pytest.mark.parametrize("args, start, kinds", [
+    (["--model", "MaskedAutoEncoder", "--data", "Digits"],
+     "model: no class 'MaskedAutoEncoder'; did you mean 'MaskedAutoencoder'? known: ", ["model"]),
+    (["--model", "MaskedAutoencoder", "--data", "Digit"], "data: no class 'Digit'; did you mean 'Digits'? known: ",
+     ["data"]),
+    (["--model.help", "Nope"], "no class 'Nope'; known: ", ["model", "data"]),
+])
+def test_an_unknown_class_name_is_one_line_naming_the_known_ones(args, start, kinds, tmp_path, monkeypatch, capsys):
+    code, lines = console(["fit", *args, f"--trainer.default_root_dir={tmp_path}"], monkeypatch, capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"shortcutlab: error: {start}")
+    known = lines[0].split("known: ")[1].removesuffix(" (or a full import path)").split(", ")
+    assert known == [name for kind in kinds for name in
+                     ("DiffusionModule ImageClassifier LinearProbe MaskedAutoencoder SpiralClassifier" if kind == "model"
+                      else "CIFAR10 CIFAR100 Digits ImageNet Latents MNIST Spiral").split()]
