@@ -1,5 +1,6 @@
 """The ``shortcutlab`` command.
 
+    shortcutlab                                             # overview: models, data, configs, commands
     shortcutlab fit --config configs/digits_mae.yaml        # LightningCLI: fit/validate/test/predict
     shortcutlab sweep ... / shortcutlab report runs/<experiment>
     shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents
@@ -7,15 +8,18 @@
 Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the others each have a
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
 way: ``cli`` -> ``commands`` -> ``callbacks``/``datamodules`` -> ``lightning_mods`` ->
-``lightning_mods.backbone``.
+``lightning_mods.backbone``. The overview imports neither torch nor Lightning (it reads the
+class list from the source, :mod:`commands.catalogue`), so it prints at once.
 """
 from __future__ import annotations
 
 import importlib
 import sys
+import textwrap
+from pathlib import Path
 from typing import Optional
 
-from commands.lightning_cli import console_main as lightning_console_main
+from commands import catalogue
 
 # subcommand -> (module in commands/, one-line description)
 COMMANDS = {
@@ -26,6 +30,60 @@ COMMANDS = {
     "probe-diffusion": ("commands.probe_diffusion", "linear probe / kNN of a diffusion model's blocks per noise level"),
     "encode-latents": ("commands.encode_latents", "encode a dataset with the frozen VAE for latent diffusion"),
 }
+# LightningCLI's subcommands (Trainer methods)
+TRAINING = {
+    "fit": "train a model (validation and checkpoints as the config sets them)",
+    "validate": "one pass over the validation split, e.g. of a checkpoint (--ckpt_path FILE)",
+    "test": "one pass over the test split (--ckpt_path FILE)",
+    "predict": "write the model's outputs on the held-out split (predictions.pt in the log folder)",
+}
+CONFIGS = Path(__file__).resolve().parent / "configs"
+QUICKSTART = "shortcutlab fit --config configs/digits_mae.yaml"
+WIDTH = 100
+
+
+def _rows(rows: list[tuple[str, str]]) -> list[str]:
+    """``name  description`` lines, the descriptions aligned and wrapped."""
+    pad = max(len(name) for name, _ in rows) + 4
+    return [line for name, text in rows
+            for line in textwrap.wrap(text, WIDTH, initial_indent=f"  {name:<{pad - 2}}", subsequent_indent=" " * pad,
+                                       break_on_hyphens=False)]
+
+
+def overview() -> str:
+    """The text of ``shortcutlab`` and ``shortcutlab --help``."""
+    configs = sorted(CONFIGS.rglob("*.yaml")) if CONFIGS.is_dir() else []
+    lines = [
+        "usage: shortcutlab <command> [options]     (shortcutlab <command> --help: its options)",
+        "",
+        "Decayed identity shortcuts (MAE, ResNet, U-ViT diffusion) and ResidualDroppath in Lightning.",
+        "",
+        f"Quickstart (the bundled digits, CPU, minutes):  {QUICKSTART}",
+        "",
+        "Training commands (LightningCLI; settings from --config files and --key=value, later ones win):",
+        *_rows(list(TRAINING.items())),
+        "  Classes go by their short name and settings by their dotted key, e.g.",
+        "    shortcutlab fit --model MaskedAutoencoder --data Digits --model.shortcut.alpha_min 0.8",
+        "  shortcutlab fit --model.help NAME / --data.help NAME: a class's settings;",
+        "  shortcutlab fit --config FILE --print_config: the full resolved config.",
+        "",
+        "Models (--model NAME). The three families (README \"What the three model families do\") are",
+        "MaskedAutoencoder, ImageClassifier (+ the ResidualDroppath callback) and DiffusionModule:",
+        *_rows([(f.name, f.summary) for f in catalogue.find("model")]),
+        "",
+        "Data (--data NAME):",
+        *_rows([(f.name, f.summary) for f in catalogue.find("data")]),
+        "",
+        "Callbacks (trainer.callbacks in a config, or --trainer.callbacks+=NAME):",
+        *_rows([(f.name, f.summary) for f in catalogue.find("callback")]),
+        "",
+        f"Configs: configs/ ({len(configs)} YAML files; configs/README.md says what each one reproduces)"
+        if configs else "Configs: the configs/ folder of the source repository (configs/README.md).",
+        "",
+        "Other commands:",
+        *_rows([(name, text) for name, (_, text) in COMMANDS.items()]),
+    ]
+    return "\n".join(lines)
 
 
 def run_command(name: str, args: list[str]) -> None:
@@ -37,11 +95,16 @@ def run_command(name: str, args: list[str]) -> None:
 def console_main(argv: Optional[list[str]] = None) -> None:
     """The ``shortcutlab`` console command."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in COMMANDS:
+    if not args or args[0] in ("-h", "--help"):
+        print(overview())
+        return
+    if args[0] in COMMANDS:
         run_command(args[0], args[1:])
         return
     if argv is not None:
         sys.argv = [sys.argv[0], *args]
+    from commands.lightning_cli import console_main as lightning_console_main  # torch: only when training
+
     lightning_console_main()
 
 

@@ -5,10 +5,17 @@
 
 Values that data and model must agree on (image size, channels, number of classes) are
 linked from the datamodule to the model; a model that has no such argument ignores the link.
+
+Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_to_parser``,
+``add_arguments_to_parser``, ``parse_arguments``, ``before/after_instantiate_classes``,
+``instantiate_classes``) but one: ``_parse_ckpt_path``, whose docstring says why and which test
+fails if Lightning changes it.
 """
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
 import logging
 import os
 import pickle
@@ -25,10 +32,12 @@ import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from commands import catalogue
 from callbacks.bad_input_cleanup import RemoveLogsOnBadInput
 from callbacks.prediction_writer import PredictionWriter
 
@@ -83,27 +92,6 @@ def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
     return type(callback).__name__
 
 
-class _TopLevelModelHyperparameters(_InstantiatorFn):
-    """Lightning's instantiator that hands the config to ``save_hyperparameters``, applied to
-    the top-level model only.
-
-    Lightning registers it for every LightningModule subclass, so a LightningModule nested in
-    the model's ``init_args`` (the LinearProbe's ``backbone``) would record the top-level
-    model's hyper-parameters instead of its own.
-    """
-
-    def __init__(self, cli: LightningCLI) -> None:
-        super().__init__(cli=cli, key="model")
-
-    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
-        self.cli._dump_config()
-        top = (self.cli.config_dump.get("model") or {}).get("class_path")
-        if top == f"{class_type.__module__}.{class_type.__qualname__}":
-            return super().__call__(class_type, *args, applied_instantiation_links=applied_instantiation_links,
-                                    **kwargs)
-        return class_type(*args, **kwargs)
-
-
 class ShortcutLabCLI(LightningCLI):
     """LightningCLI with the data -> model links and the default callbacks."""
 
@@ -116,28 +104,69 @@ class ShortcutLabCLI(LightningCLI):
         # set_defaults (not trainer_defaults) keeps these replaceable from YAML
         parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS})
 
-    def _add_instantiators(self) -> None:
-        super()._add_instantiators()
-        self.parser.add_instantiator(_TopLevelModelHyperparameters(self), LightningModule, subclasses=True,
-                                     prepend=True)
-
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, args)
         """Lightning's parsing; with raising parsers (``console_main``) a parse error becomes one
         :class:`BadInput` line, and ``ckpt_path`` is checked before anything reads it."""
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise BadInput(explain_parse_error(err, self.option_names(args))) from err
+            raise BadInput(explain_parse_error(err, self.option_names())) from err
+        self.check_optimizer_override()
         subcommand = self.config.get("subcommand")
         # read once here; _parse_ckpt_path uses it (checkpoints of large models are gigabytes)
         self._checked_ckpt = check_ckpt_path(self.config[subcommand].get("ckpt_path")) if subcommand else None
 
-    def option_names(self, args: Optional[list[str]]) -> list[str]:
-        """The ``--options`` of the subcommand named in ``args`` (``sys.argv`` when None)."""
-        words = sys.argv[1:] if args is None else [str(a) for a in args]
-        subcommand = next((w for w in words if w in getattr(self, "_subcommand_parsers", {})), None)
-        parser = self._subcommand_parsers[subcommand] if subcommand else self.parser
-        return [o for o in parser._option_string_actions if o.startswith("--")]
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's parser, built once the model, data and callback classes are imported
+        (jsonargparse lists, and resolves by short name, only the subclasses imported)."""
+        catalogue.import_all()
+        parser = super().init_parser(**kwargs)
+        if not hasattr(self, "built_parsers"):
+            self.built_parsers: list[LightningArgumentParser] = []
+        self.built_parsers.append(parser)  # the main parser, then one per subcommand
+        return parser
+
+    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_default_arguments_to_parser(parser)
+        parser.add_argument(
+            "--replace_module_optimizer", type=bool, default=False,
+            help="Let --optimizer (and --lr_scheduler) replace the model's own configure_optimizers recipe "
+                 "(its parameter groups, learning-rate scaling and schedule). Without it --optimizer is an error.")
+
+    def option_names(self) -> list[str]:
+        """The ``--options`` of the subcommands (all alike but for a few ``Trainer`` method
+        arguments), for "did you mean"."""
+        parsers = [p for p in getattr(self, "built_parsers", []) if p is not getattr(self, "parser", None)]
+        return sorted({f"--{key}" for parser in parsers for key in parser.get_defaults(skip_validation=True).keys()})
+
+    def check_optimizer_override(self) -> None:
+        """``--optimizer`` replaces a model's own ``configure_optimizers`` only with
+        ``--replace_module_optimizer=true`` (then a warning says what no longer applies); an
+        ``--lr_scheduler`` without ``--optimizer``, which LightningCLI would ignore, is an error."""
+        cfg = self.config.get(str(self.config.get("subcommand")), self.config)
+        optimizer, scheduler, model = cfg.get("optimizer"), cfg.get("lr_scheduler"), cfg.get("model")
+        class_name = _short_name(model) if model is not None else ""
+        if optimizer is None and scheduler is not None:
+            raise BadInput(f"lr_scheduler: {_short_name(scheduler)} is used only together with --optimizer; a "
+                           f"model's own schedule is set by its settings (--model.help {class_name or 'NAME'})")
+        if optimizer is None or not class_name:
+            return
+        module_name = model.class_path.rpartition(".")[0]
+        model_class = getattr(importlib.import_module(module_name), class_name)
+        if model_class.configure_optimizers is LightningModule.configure_optimizers:
+            return  # no recipe of its own to replace
+        if not cfg.get("replace_module_optimizer"):
+            raise BadInput(
+                f"optimizer: {_short_name(optimizer)} would replace {class_name}'s own optimiser recipe "
+                "(configure_optimizers: parameter groups, learning-rate scaling, schedule); set that recipe through "
+                f"the model's settings (--model.help {class_name}), or add --replace_module_optimizer=true to train "
+                f"every parameter with {_short_name(optimizer)} instead")
+        schedule = f"and {_describe(scheduler)}" if scheduler is not None else "at a constant learning rate"
+        rank_zero_warn(
+            f"--replace_module_optimizer: {class_name}.configure_optimizers is not used; every parameter trains "
+            f"with {_describe(optimizer)} {schedule}, in one group: the module's own parameter groups (no weight "
+            "decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, and the model "
+            "settings they read, do not apply", category=UserWarning)
 
     def _parse_ckpt_path(self) -> None:
         """The model is the network that wrote ``--ckpt_path``: Lightning's version (the
@@ -147,6 +176,14 @@ class ShortcutLabCLI(LightningCLI):
         A model class or setting of the config that disagrees with the checkpoint is a one-line
         ValueError naming both values (nothing is built, nothing trains); values linked from the
         data are checked as weight shapes once the model is built (:meth:`instantiate_classes`).
+
+        Overrides a private LightningCLI method on purpose: Lightning calls it between
+        ``parse_arguments`` and ``before_instantiate_classes`` and offers no public hook there.
+        Its version would replace the config's model by the checkpoint's silently and
+        ``torch.load`` the whole checkpoint a second time (gigabytes; ours was read once, memory
+        mapped, by ``parse_arguments``). If Lightning renamed or stopped calling it, the
+        refusals would be lost: ``tests/test_checkpoint_identity.py::
+        test_ckpt_path_of_another_class_is_a_one_line_error`` fails then.
         """
         self._ckpt_weights: Optional[tuple[str, dict]] = None
         if not self.config.get("subcommand"):
@@ -179,7 +216,10 @@ class ShortcutLabCLI(LightningCLI):
             raise
 
     def instantiate_classes(self) -> None:
-        super().instantiate_classes()
+        with warnings.catch_warnings():
+            # said once, with what no longer applies, by check_optimizer_override
+            warnings.filterwarnings("ignore", message=r"`\w+\.configure_optimizers` will be overridden by")
+            super().instantiate_classes()
         if getattr(self, "_ckpt_weights", None) is not None:
             # links from the data (image size, channels, classes) can still give other shapes
             ckpt_path, state = self._ckpt_weights
@@ -203,6 +243,22 @@ class ShortcutLabCLI(LightningCLI):
         self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
+
+
+def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
+    return str(component.get("class_path", "")).rpartition(".")[2]
+
+
+def _describe(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
+    """``AdamW(lr=0.001, weight_decay=0.05)``: the class, its ``lr`` and the settings that differ
+    from the class's defaults."""
+    module_name, _, class_name = str(component.class_path).rpartition(".")
+    defaults = inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters
+    init = component.get("init_args")
+    settings = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
+    shown = {k: v for k, v in settings.items()
+             if k == "lr" or k not in defaults or v != defaults[k].default}
+    return f"{class_name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)
@@ -271,6 +327,7 @@ _TYPE = re.compile(r"^Expected a <class '([^']+)'>\. Got value: (.*)$")
 _UNKNOWN_OPTION = re.compile(r"^(?:Option|Group '[^']*' does not accept option|"
                              r"Subcommand '[^']*' does not accept option) '([^']+)'(?: is not accepted)?")
 _UNRECOGNISED = re.compile(r"^unrecognized arguments: (\S+)")
+_NOT_A_CLASS = re.compile(r"^Expected a dot import path string: (\S+)$")
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
@@ -320,9 +377,20 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
     elif match := _UNRECOGNISED.match(innermost):
         option = match.group(1).split("=")[0]
         return f"unknown option '{option}'{_did_you_mean(option, option_names)}"
+    elif (match := _NOT_A_CLASS.match(innermost)) and field in ("", *catalogue.KINDS):
+        return unknown_class_message(match.group(1), field)
     else:
         reason = innermost[0].lower() + innermost[1:] if innermost[:1].isupper() and field else innermost
     return f"{field}: {reason}" if field else reason
+
+
+def unknown_class_message(name: str, field: str) -> str:
+    """``model: no class 'Nope'; known: DiffusionModule, ...`` (the short names of ``field``'s
+    kind, every model and datamodule when the field is unknown, e.g. ``--model.help``)."""
+    known = [f.name for kind in ([field] if field else ["model", "data"]) for f in catalogue.find(kind)]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{field + ': ' if field else ''}no class '{name}'; {hint}known: {', '.join(known)} (or a full import path)"
 
 
 def root_message(err: BaseException) -> str:

@@ -1,0 +1,75 @@
+"""The classes a ``shortcutlab`` config can name (models, data, callbacks), found by reading the
+source, so ``shortcutlab --help`` lists them without importing torch; and the imports that
+make LightningCLI know them (``fit --help`` lists them, ``--model MaskedAutoencoder`` resolves).
+
+A class counts when it subclasses one of the Lightning bases of its kind, directly or through
+other classes of the same package; only the leaves are listed (``ImageDataModule`` is a base
+of ``Digits``, not something to train on).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# kind -> (package, the Lightning base classes of that kind, by the name the source uses)
+KINDS = {
+    "model": ("lightning_mods", ("LightningModule",)),
+    "data": ("datamodules", ("LightningDataModule",)),
+    "callback": ("callbacks", ("Callback", "BasePredictionWriter")),
+}
+
+
+@dataclass(frozen=True)
+class Found:
+    """One class: its name, the module defining it and the first sentence of its docstring."""
+
+    name: str
+    module: str
+    summary: str
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+def _first_sentence(docstring: str | None) -> str:
+    paragraph = " ".join((docstring or "").split("\n\n")[0].split())
+    paragraph = re.sub(r":\w+:`~?([^`]+)`", r"\1", paragraph).replace("``", "")  # reST roles and literals
+    return re.sub(r"\s*\(see (the )?module docstring\)", "", paragraph)
+
+
+def _base_name(node: ast.expr) -> str:
+    """``L.LightningDataModule`` -> ``LightningDataModule``."""
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def find(kind: str) -> list[Found]:
+    """The classes of ``kind`` (``model``, ``data``, ``callback``) in their package, by name."""
+    package, roots = KINDS[kind]
+    bases: dict[str, list[str]] = {}
+    found: dict[str, Found] = {}
+    for path in sorted((ROOT / package).glob("*.py")):
+        module = f"{package}.{path.stem}"
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [_base_name(b) for b in node.bases]
+                found[node.name] = Found(node.name, module, _first_sentence(ast.get_docstring(node)))
+
+    def is_kind(name: str, seen: frozenset = frozenset()) -> bool:
+        return any(b in roots or (b in bases and b not in seen and is_kind(b, seen | {name})) for b in bases[name])
+
+    used_as_base = {b for names in bases.values() for b in names}
+    return sorted((f for name, f in found.items() if is_kind(name) and name not in used_as_base),
+                  key=lambda f: f.name)
+
+
+def import_all() -> None:
+    """Import every module that defines a model, datamodule or callback: jsonargparse lists and
+    resolves by short name only the subclasses already imported."""
+    for kind in KINDS:
+        for module in sorted({f.module for f in find(kind)}):
+            importlib.import_module(module)
