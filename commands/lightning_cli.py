@@ -227,9 +227,9 @@ def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_
         if not isinstance(cls, type):
             continue
         if evaluation_every is not None and issubclass(cls, ScheduledEvaluation):
-            init["every_n_epochs"] = evaluation_every
+            init["every_n_epochs"] = int(evaluation_every)  # a plain int: PositiveInt does not dump to YAML
         if checkpoint_every is not None and issubclass(cls, ModelCheckpoint) and init.get("filename") != "latest":
-            init["every_n_epochs"] = checkpoint_every
+            init["every_n_epochs"] = int(checkpoint_every)
 
 
 def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)

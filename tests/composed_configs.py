@@ -36,3 +36,13 @@ def is_diffusion(name: str) -> bool:
     """Whether the run trains a DiffusionModule (read from its files' text, without parsing)."""
     files = ROWS[name]["configs"] if name in ROWS else [name]
     return any("lightning_mods.diffusion.DiffusionModule" in (CONFIG_DIR / f).read_text() for f in files)
+
+
+def declared_callbacks(name: str) -> list[dict]:
+    """The ``trainer.callbacks`` a run's files declare, as written: the last list given, plus
+    what later files append with ``callbacks+``."""
+    callbacks: list[dict] = []
+    for f in ROWS[name]["configs"] if name in ROWS else [name]:
+        trainer = (yaml.safe_load((CONFIG_DIR / f).read_text()) or {}).get("trainer") or {}
+        callbacks = list(trainer.get("callbacks", callbacks)) + list(trainer.get("callbacks+", []))
+    return callbacks
