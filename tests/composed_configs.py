@@ -46,3 +46,18 @@ def declared_callbacks(name: str) -> list[dict]:
         trainer = (yaml.safe_load((CONFIG_DIR / f).read_text()) or {}).get("trainer") or {}
         callbacks = list(trainer.get("callbacks", callbacks)) + list(trainer.get("callbacks+", []))
     return callbacks
+
+
+def declared_section(name: str, key: str) -> dict:
+    """A run's ``data`` or ``model`` section as its files write it, merged left to right (a
+    quick look without LightningCLI's parse: class path and the values the files set)."""
+    def merge(into: dict, new: dict) -> dict:
+        for k, v in new.items():
+            into[k] = merge(dict(into.get(k) or {}), v) if isinstance(v, dict) else v
+        return into
+
+    merged: dict = {}
+    for f in ROWS[name]["configs"] if name in ROWS else [name]:
+        merge(merged, (yaml.safe_load((CONFIG_DIR / f).read_text()) or {}).get(key) or {})
+    merged.setdefault("init_args", {})
+    return merged

@@ -10,20 +10,20 @@ from pathlib import Path
 import pytest
 
 from commands import lightning_cli as cli
-from composed_configs import CONFIG_DIR, REPO, ROWS, SINGLE_FILES, command_args, is_diffusion, resolved_config
+from composed_configs import CONFIG_DIR, REPO, ROWS, SINGLE_FILES, command_args, declared_section, is_diffusion
 
 RUNS = list(ROWS) + SINGLE_FILES
 
 
-def probe_checkpoint(config: dict, folder: Path) -> list[str]:
+def probe_checkpoint(name: str, folder: Path) -> list[str]:
     """A linear-probe config takes its backbone from a checkpoint: a tiny MAE one of the data's geometry."""
-    if config["model"]["class_path"] != "lightning_mods.linear_probe.LinearProbe":
+    if declared_section(name, "model").get("class_path") != "lightning_mods.linear_probe.LinearProbe":
         return []
     import torch
 
     from lightning_mods.checkpoint import build_module
 
-    data = config["data"]
+    data = declared_section(name, "data")
     size = int(data["init_args"].get("image_size") or 32)
     module, _ = build_module({"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": dict(
         image_size=size, in_chans=1 if data["class_path"].endswith(("Digits", "MNIST")) else 3, patch_size=size // 2,
@@ -52,11 +52,9 @@ def test_every_row_of_the_readme_is_a_composition_and_back():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in RUNS if not is_diffusion(n)])
 def test_fit_one_step(name, tmp_path, data_roots):
-    args = command_args(name)
-    config = resolved_config(args)
-    overrides = data_roots(config["data"]["class_path"], config["data"]["init_args"]) \
-        + probe_checkpoint(config, tmp_path / "ckpt")
-    cli.main(["fit", *args, *overrides,
+    data = declared_section(name, "data")
+    overrides = data_roots(data["class_path"], data["init_args"]) + probe_checkpoint(name, tmp_path / "ckpt")
+    cli.main(["fit", *command_args(name), *overrides,
               "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",
               "--trainer.sync_batchnorm=false", f"--trainer.default_root_dir={tmp_path / 'run'}"])
