@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, Optional
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -38,7 +38,7 @@ from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
 from lightning_mods import metric_names
 from lightning_mods.pictures import log_picture, run_dir
-from .schedule import check_every_n_epochs, evaluation_due
+from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 Source = Literal["covariance", "features"]
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -168,7 +168,7 @@ def read_profiles(path: Path) -> dict[int, dict[str, list[float]]]:
     return profiles
 
 
-class EffectiveRank(Callback):
+class EffectiveRank(ScheduledEvaluation):
     """Entropy and effective rank of the gathered validation features after validation epochs.
 
     Logs ``rank/entropy`` and ``rank/effective_rank`` of the features at the end of every
@@ -181,7 +181,8 @@ class EffectiveRank(Callback):
     check; under ``fast_dev_run=n`` uses only the first ``n`` batches of the validation set.
 
     Args:
-        every_n_epochs: evaluate after every n-th epoch.
+        every_n_epochs: evaluate after every n-th epoch; None: at every validation
+            (``trainer.check_val_every_n_epoch``).
         source: ``"covariance"`` (the paper's N x N sample covariance) or ``"features"`` (RankMe).
         dtype: ``"float64"`` or ``"float32"``, the precision of the SVD.
         per_block: also every block's output (``forward_block_features``): the profile.
@@ -190,7 +191,7 @@ class EffectiveRank(Callback):
         draw_profile: save the rank-over-depth picture (with ``per_block``).
     """
 
-    def __init__(self, every_n_epochs: int = 1, source: Source = "covariance",
+    def __init__(self, every_n_epochs: Optional[int] = None, source: Source = "covariance",
                  dtype: Literal["float64", "float32"] = "float64", per_block: bool = False,
                  max_samples: Optional[int] = None, batch_size: Optional[int] = None,
                  num_workers: Optional[int] = None, draw_profile: bool = True) -> None:

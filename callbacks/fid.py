@@ -1,7 +1,8 @@
 """Generation quality at validation: FID (and KID, IS) of samples of the diffusion model against
 the dataset (SPEC section 3; metrics in :mod:`lightning_mods.fid`).
 
-Runs every ``every_n_epochs`` validation epochs of ``fit`` and at every ``validate`` (e.g.
+Runs every ``every_n_epochs`` validation epochs of ``fit`` (None: every validation), after the
+last epoch of ``fit``, and at every ``validate`` (e.g.
 ``shortcutlab validate --config ... --ckpt_path ...``). It runs when the first validation batch
 starts: by then every ``on_validation_epoch_start`` hook has run, so Lightning's
 ``EMAWeightAveraging`` has swapped the averaged weights in, whatever the callback order.
@@ -21,13 +22,13 @@ import os
 from typing import Any, Literal, Optional, Sequence
 
 import torch
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
 from datamodules.base import check_positive
 from lightning_mods.fid import GeneratedImages, UInt8Images, generation_metrics, subset_indices
 from lightning_mods import metric_names
 from .distributed import log_identical
-from .schedule import check_every_n_epochs
+from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 
 # datamodule settings that change how images are loaded, never which images or their pixels
@@ -46,7 +47,7 @@ def reference_fingerprint(datamodule: Any, indices: Optional[Sequence[int]]) -> 
     return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
-class GenerationMetrics(Callback):
+class GenerationMetrics(ScheduledEvaluation):
     """FID/KID/IS of ``num_samples`` generated images against a reference split.
 
     The model provides ``generate_images(n, labels, seed=..., ...)`` and ``grid_labels(n, start)``
@@ -54,7 +55,8 @@ class GenerationMetrics(Callback):
 
     Args:
         num_samples: images generated per evaluation (the paper: 50000).
-        every_n_epochs: evaluate at validation epochs whose ``(epoch + 1)`` is a multiple.
+        every_n_epochs: evaluate at validation epochs whose ``(epoch + 1)`` is a multiple (and
+            the last epoch of ``fit``); None: at every validation (``trainer.check_val_every_n_epoch``).
         on_validate: also evaluate in ``validate`` runs.
         batch_size: images generated per sampling batch.
         reference: datamodule of the reference images (None: the trainer's datamodule; needed
@@ -79,7 +81,7 @@ class GenerationMetrics(Callback):
     def __init__(
         self,
         num_samples: int = 10000,
-        every_n_epochs: int = 10,
+        every_n_epochs: Optional[int] = None,
         on_validate: bool = True,
         batch_size: int = 250,
         reference: Optional[LightningDataModule] = None,
@@ -132,11 +134,9 @@ class GenerationMetrics(Callback):
 
     # --- when --------------------------------------------------------------------------------
     def should_run(self, trainer: Trainer) -> bool:
-        if trainer.sanity_checking:
-            return False
-        if trainer.state.fn == "validate":
+        if trainer.state.fn == "validate" and not trainer.sanity_checking:
             return self.on_validate
-        return trainer.state.fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        return trainer.state.fn == "fit" and evaluation_due(trainer, self.every_n_epochs)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:

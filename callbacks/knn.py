@@ -22,13 +22,13 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mods import metric_names
 from .distributed import all_reduce_sum, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
-from .schedule import check_every_n_epochs, evaluation_due
+from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 SIMILARITY_BUDGET = 2 ** 24  # similarity entries per chunk (64 MiB in float32)
 
@@ -105,7 +105,7 @@ def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
 
-class KNNEvaluator(Callback):
+class KNNEvaluator(ScheduledEvaluation):
     """kNN accuracy of ``pl_module.forward_features`` after validation epochs.
 
     Logs ``knn/top1`` (and ``knn/top5`` when there are more than 5 classes), identical on every
@@ -116,13 +116,14 @@ class KNNEvaluator(Callback):
     Args:
         k: neighbours (paper: 20).
         temperature: of the vote weights ``exp(similarity / T)``.
-        every_n_epochs: evaluate after every n-th epoch (0-indexed epochs ``n-1, 2n-1, ...``).
+        every_n_epochs: evaluate after every n-th epoch (0-indexed epochs ``n-1, 2n-1, ...``);
+            None: at every validation (``trainer.check_val_every_n_epoch``).
         num_classes: classes of the labels (default: the datamodule's ``num_classes``).
         batch_size, num_workers: of the feature loaders (default: the datamodule's).
         chunk_size: queries scored at once (default: bounded by a similarity budget).
     """
 
-    def __init__(self, k: int = 20, temperature: float = 0.07, every_n_epochs: int = 1,
+    def __init__(self, k: int = 20, temperature: float = 0.07, every_n_epochs: Optional[int] = None,
                  num_classes: Optional[int] = None, batch_size: Optional[int] = None,
                  num_workers: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
         super().__init__()

@@ -1,29 +1,64 @@
-"""When the evaluation callbacks run (kNN, effective rank): the same decision on every rank,
-from state the trainer restores on resume (the epoch counter), never during the sanity check."""
+"""When the evaluation callbacks run (kNN, effective rank, FID): the same decision on every rank,
+from state the trainer restores on resume (the epoch counter), never during the sanity check.
+
+``every_n_epochs=None`` follows the trainer's validation cadence (``check_val_every_n_epoch``);
+an int evaluates at the validation epochs ``n - 1, 2n - 1, ...`` (0-indexed). Either way the
+last epoch of ``fit`` evaluates, so a short run (``--trainer.max_epochs 2``) still reports values.
+"""
 from __future__ import annotations
 
-from lightning.pytorch import Trainer
+from typing import Optional
+
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 
-def check_every_n_epochs(owner: str, every_n_epochs: int) -> int:
-    """``every_n_epochs`` as an int >= 1, or a one-line ValueError naming ``owner``."""
+def check_every_n_epochs(owner: str, every_n_epochs: Optional[int]) -> Optional[int]:
+    """``every_n_epochs`` as None or an int >= 1, or a one-line ValueError naming ``owner``."""
+    if every_n_epochs is None:
+        return None
     if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-        raise ValueError(f"{owner}: every_n_epochs must be an integer >= 1, got {every_n_epochs!r}")
+        raise ValueError(f"{owner}: every_n_epochs must be an integer >= 1 or null (follow "
+                         f"trainer.check_val_every_n_epoch), got {every_n_epochs!r}")
     return every_n_epochs
 
 
-def evaluation_due(trainer: Trainer, every_n_epochs: int) -> bool:
+def is_last_epoch(trainer: Trainer) -> bool:
+    """Whether this is the last epoch of ``max_epochs`` (False for step- or time-limited runs)."""
+    return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+
+
+def evaluation_due(trainer: Trainer, every_n_epochs: Optional[int]) -> bool:
     """Whether an evaluation callback runs at the end of this validation epoch.
 
-    Never during the sanity check. In ``validate`` always. In ``fit``: after epochs
-    ``n - 1, 2n - 1, ...`` (0-indexed) and after the last epoch of ``max_epochs``, so a run
-    always ends with a value.
+    Never during the sanity check. In ``validate`` always. In ``fit``: at every validation
+    (``every_n_epochs=None``) or after epochs ``n - 1, 2n - 1, ...`` (0-indexed), and after the
+    last epoch of ``max_epochs``.
     """
     if trainer.sanity_checking:
         return False
     if trainer.state.fn != TrainerFn.FITTING:
         return True
-    epoch = trainer.current_epoch
-    last = trainer.max_epochs is not None and trainer.max_epochs > 0 and epoch + 1 >= trainer.max_epochs
-    return (epoch + 1) % every_n_epochs == 0 or last
+    if every_n_epochs is None or is_last_epoch(trainer):
+        return True
+    return (trainer.current_epoch + 1) % every_n_epochs == 0
+
+
+class ScheduledEvaluation(Callback):
+    """Base of the evaluation callbacks: makes the trainer validate at the last epoch of ``fit``
+    when ``check_val_every_n_epoch`` would skip it (Lightning validates only at its multiples),
+    so that epoch's evaluation runs; the trainer's own value is back after the epoch.
+
+    Subclasses set ``self.every_n_epochs`` and ask :func:`evaluation_due` in their hooks.
+    """
+
+    _saved_check_val: Optional[int] = None
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        every = trainer.check_val_every_n_epoch
+        if every is not None and is_last_epoch(trainer) and (trainer.current_epoch + 1) % every != 0:
+            self._saved_check_val, trainer.check_val_every_n_epoch = every, 1
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._saved_check_val is not None:
+            trainer.check_val_every_n_epoch, self._saved_check_val = self._saved_check_val, None

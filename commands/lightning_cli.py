@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 import torch
 import yaml
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -43,6 +44,7 @@ from callbacks.prediction_writer import PredictionWriter
 
 from callbacks.nonfinite_guard import NonFiniteTrainingError
 from callbacks.preemption import received_signal
+from callbacks.schedule import ScheduledEvaluation
 
 from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, init_parameters,
                                        load_checkpoint, setting_conflicts, state_dict_mismatch)
@@ -103,6 +105,12 @@ class ShortcutLabCLI(LightningCLI):
             )
         # set_defaults (not trainer_defaults) keeps these replaceable from YAML
         parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS})
+        parser.add_argument("--evaluation_every_n_epochs", type=Optional[PositiveInt], default=None,
+                            help="every_n_epochs of the evaluation callbacks in trainer.callbacks (kNN, "
+                                 "effective rank, FID); null: as the config says")
+        parser.add_argument("--checkpoint_every_n_epochs", type=Optional[PositiveInt], default=None,
+                            help="every_n_epochs of the ModelCheckpoint callbacks in trainer.callbacks "
+                                 "except the every-epoch resume point (filename 'latest'); null: as the config says")
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, args)
         """Lightning's parsing; with raising parsers (``console_main``) a parse error becomes one
@@ -233,6 +241,8 @@ class ShortcutLabCLI(LightningCLI):
         cfg = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
         trainer_cfg = cfg.get("trainer", {})
         warn_on_slow_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
+        apply_cadences(trainer_cfg.get("callbacks") or [], cfg.get("evaluation_every_n_epochs"),
+                       cfg.get("checkpoint_every_n_epochs"))
         if trainer_cfg.get("enable_progress_bar") is False and trainer_cfg.get("callbacks"):
             # honour enable_progress_bar=false instead of failing on the default Rich bar
             trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"]
@@ -259,6 +269,24 @@ def _describe(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a cl
     shown = {k: v for k, v in settings.items()
              if k == "lr" or k not in defaults or v != defaults[k].default}
     return f"{class_name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
+def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_every: Optional[int]) -> None:
+    """The top-level cadence knobs: ``evaluation_every`` into the evaluation callbacks
+    (:class:`callbacks.schedule.ScheduledEvaluation`), ``checkpoint_every`` into the ModelCheckpoint
+    callbacks but the every-epoch ``latest`` one (parsed ``class_path``/``init_args`` entries,
+    changed in place; None leaves a cadence as configured)."""
+    for callback in callbacks:
+        if not hasattr(callback, "get") or callback.get("init_args") is None:
+            continue
+        module, _, name = str(callback.get("class_path", "")).rpartition(".")
+        cls, init = getattr(importlib.import_module(module), name, None) if module else None, callback["init_args"]
+        if not isinstance(cls, type):
+            continue
+        if evaluation_every is not None and issubclass(cls, ScheduledEvaluation):
+            init["every_n_epochs"] = int(evaluation_every)  # a plain int: PositiveInt does not dump to YAML
+        if checkpoint_every is not None and issubclass(cls, ModelCheckpoint) and init.get("filename") != "latest":
+            init["every_n_epochs"] = int(checkpoint_every)
 
 
 def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)

@@ -2,7 +2,7 @@
 "Representations: linear probe on a chosen block's tokens at a chosen noise level; the paper
 reports the best layer/noise pair").
 
-    python -m commands.probe_diffusion --config configs/cifar100_uvit_s_alpha0.7.yaml \\
+    python -m commands.probe_diffusion --config runs/cifar100_uvit_s_alpha0.7/lightning_logs/version_0/config.yaml \\
         --ckpt runs/cifar100_uvit_s_alpha0.7/checkpoints/last.ckpt \\
         --blocks 0 3 6 9 12 --timesteps 0 25 50 100 200 400 --out runs/probe_alpha0.7
 

@@ -1,41 +1,32 @@
-"""Every config in configs/ parses and runs ``fit`` for one step, with data roots pointed at
-files generated in the real on-disk formats (tests/conftest.py). Diffusion configs need a VAE,
-latents and an FID extractor and are run, with ``validate`` too, in test_diffusion_configs.py."""
+"""Every composition in configs/compositions.yaml (each paper-table row's command) and every
+single-file config in configs/ runs ``fit`` for one step, with data roots pointed at files
+generated in the real on-disk formats (tests/conftest.py). Diffusion rows need a VAE, latents
+and an FID extractor and are run, with ``validate`` too, in test_diffusion_configs.py."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from commands import lightning_cli as cli
+from composed_configs import CONFIG_DIR, REPO, ROWS, SINGLE_FILES, command_args, declared_section, is_diffusion
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml")
-                 if "lightning_mods.diffusion.DiffusionModule" not in p.read_text())
-
-
-def data_section(config: Path) -> tuple[str, dict]:
-    """``(class_path, init_args)`` of a config's datamodule."""
-    cfg = yaml.safe_load(config.read_text()) or {}
-    data = cfg.get("data") or {}
-    if not isinstance(data, dict):
-        return str(data), {}
-    return data.get("class_path", ""), data.get("init_args") or {}
+RUNS = list(ROWS) + SINGLE_FILES
 
 
-def probe_checkpoint(config: Path, folder: Path) -> list[str]:
+def probe_checkpoint(name: str, folder: Path) -> list[str]:
     """A linear-probe config takes its backbone from a checkpoint: a tiny MAE one of the data's geometry."""
-    if "lightning_mods.linear_probe.LinearProbe" not in config.read_text():
+    if declared_section(name, "model").get("class_path") != "lightning_mods.linear_probe.LinearProbe":
         return []
     import torch
 
     from lightning_mods.checkpoint import build_module
 
-    class_path, init = data_section(config)
-    size = int(init.get("image_size", 32))
+    data = declared_section(name, "data")
+    size = int(data["init_args"].get("image_size") or 32)
     module, _ = build_module({"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": dict(
-        image_size=size, in_chans=1 if class_path.endswith(("Digits", "MNIST")) else 3, patch_size=size // 2,
+        image_size=size, in_chans=1 if data["class_path"].endswith(("Digits", "MNIST")) else 3, patch_size=size // 2,
         embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)})
     path = folder / "backbone.ckpt"
     folder.mkdir(parents=True, exist_ok=True)
@@ -43,17 +34,27 @@ def probe_checkpoint(config: Path, folder: Path) -> list[str]:
     return [f"--model.init_args.checkpoint={path}"]
 
 
-def test_there_are_configs():
-    assert len(CONFIGS) >= 1
+def test_every_row_of_the_readme_is_a_composition_and_back():
+    """configs/README.md shows exactly the commands of compositions.yaml, and every file in
+    configs/ is used by a row or is a single-file config."""
+    readme = (CONFIG_DIR / "README.md").read_text()
+    shown = dict(re.findall(r"^\| `([\w.]+)` \| `shortcutlab fit ([^`]*)`", readme, flags=re.M))
+    assert set(shown) == set(ROWS)
+    for name, row in ROWS.items():
+        expected = " ".join([f"--config configs/{c}" for c in row["configs"]] + list(row.get("args", [])))
+        assert shown[name] == expected, name
+    used = {c for row in ROWS.values() for c in row["configs"]}
+    fragments = {str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.glob("*/*.yaml")}
+    assert fragments == used
+    assert all((REPO / "configs" / c).is_file() for c in used)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_fit_one_step(config, tmp_path, data_roots):
-    overrides = data_roots(*data_section(config)) + probe_checkpoint(config, tmp_path / "ckpt")
-    args = ["fit", f"--config={config}", *overrides,
-            "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
-            "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",
-            "--trainer.sync_batchnorm=false",
-            f"--trainer.default_root_dir={tmp_path / 'run'}"]
-    cli.main(args)
+@pytest.mark.parametrize("name", [n for n in RUNS if not is_diffusion(n)])
+def test_fit_one_step(name, tmp_path, data_roots):
+    data = declared_section(name, "data")
+    overrides = data_roots(data["class_path"], data["init_args"]) + probe_checkpoint(name, tmp_path / "ckpt")
+    cli.main(["fit", *command_args(name), *overrides,
+              "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
+              "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",
+              "--trainer.sync_batchnorm=false", f"--trainer.default_root_dir={tmp_path / 'run'}"])

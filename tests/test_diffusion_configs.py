@@ -1,7 +1,7 @@
-"""Every diffusion config in configs/ runs ``fit`` for one step and ``validate`` from the
-checkpoint it wrote, FID included (issue 5).
+"""Every diffusion composition of configs/compositions.yaml (and single-file diffusion config)
+runs ``fit`` for one step and ``validate`` from the checkpoint it wrote, FID included (issue 5).
 
-The configs' own models and callbacks are used as written; only what cannot exist here is
+The compositions' own models and callbacks are used as resolved by LightningCLI; only what cannot exist here is
 pointed elsewhere: data roots (files generated in the real formats by tests/conftest.py),
 the VAE and its latents (tests/latent_fixtures.py), the Inception extractor (a registered
 tiny one, tests/tiny_feature_extractor.py), and the sizes of sampling and FID runs.
@@ -15,12 +15,11 @@ import torch
 import yaml
 
 from commands import lightning_cli as cli
+from composed_configs import CONFIG_DIR, ROWS, SINGLE_FILES, command_args, is_diffusion, resolved_config
 from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-DIFFUSION_CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.yaml")
-                           if "lightning_mods.diffusion.DiffusionModule" in p.read_text())
+DIFFUSION_RUNS = [n for n in list(ROWS) + SINGLE_FILES if is_diffusion(n)]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +35,7 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
     if name in ("CIFAR10", "CIFAR100"):
         data.update(data_dir=str(data_root["root"]), download=False)
     elif name == "Latents":
-        data.update(latent_dir=latents["latent_dir"])
-        data.pop("pin_memory", None)
+        data.update(latent_dir=latents["latent_dir"], pin_memory=False)
         config["model"]["init_args"]["vae_path"] = latents["vae_path"]
     model = config["model"]["init_args"]
     model.update(num_sampling_steps=2, num_sample_images=4)
@@ -57,10 +55,10 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config_path", DIFFUSION_CONFIGS, ids=[p.stem for p in DIFFUSION_CONFIGS])
-def test_fit_one_step_then_validate_from_checkpoint(config_path, tmp_path, data_root, tiny_latents):
-    config = point_at_test_data(yaml.safe_load(config_path.read_text()), tmp_path, data_root, tiny_latents)
-    test_config = tmp_path / config_path.name
+@pytest.mark.parametrize("name", DIFFUSION_RUNS)
+def test_fit_one_step_then_validate_from_checkpoint(name, tmp_path, data_root, tiny_latents):
+    config = point_at_test_data(resolved_config(command_args(name)), tmp_path, data_root, tiny_latents)
+    test_config = tmp_path / "config.yaml"
     test_config.write_text(yaml.safe_dump(config))
     common = [f"--config={test_config}", "--trainer.accelerator=cpu", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.strategy=auto", "--trainer.precision=32-true",
@@ -77,22 +75,22 @@ def test_fit_one_step_then_validate_from_checkpoint(config_path, tmp_path, data_
     validated = cli.main(["validate", *common, f"--ckpt_path={ckpt}"])
     metrics = validated.trainer.callback_metrics
     assert torch.isfinite(metrics["val/loss"])
-    if "callbacks.fid.GenerationMetrics" in config_path.read_text():
+    if any(c["class_path"] == "callbacks.fid.GenerationMetrics" for c in config["trainer"]["callbacks"]):
         assert torch.isfinite(metrics["val/fid"]) and metrics["val/fid"] >= 0
 
 
 def readme_init_and_decay() -> dict[str, tuple[str, str]]:
-    """``file -> (residual branches at init, weight decay)`` from the table in configs/README.md."""
+    """``row or file -> (residual branches at init, weight decay)`` from the table in configs/README.md."""
     rows = {}
     for line in (CONFIG_DIR / "README.md").read_text().splitlines():
         cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0].endswith(".yaml") and cells[1] in ("zero", "U-ViT's"):
+        if len(cells) == 3 and cells[1] in ("zero", "U-ViT's"):
             rows[cells[0]] = (cells[1], cells[2])
     return rows
 
 
-@pytest.mark.parametrize("config_path", DIFFUSION_CONFIGS, ids=[p.stem for p in DIFFUSION_CONFIGS])
-def test_init_and_weight_decay_are_what_the_readme_says(config_path):
+@pytest.mark.parametrize("name", DIFFUSION_RUNS)
+def test_init_and_weight_decay_are_what_the_readme_says(name):
     """Each config's own settings, on a narrow copy of its model: zeroed branch outputs or not, and
     which parameters AdamW decays."""
     from types import SimpleNamespace
@@ -100,8 +98,8 @@ def test_init_and_weight_decay_are_what_the_readme_says(config_path):
     from lightning_mods.diffusion import DiffusionModule
     from lightning_mods.backbone.shortcut import ShortcutSchedule
 
-    init, decay = readme_init_and_decay()[config_path.name]
-    args = dict(yaml.safe_load(config_path.read_text())["model"]["init_args"])
+    init, decay = readme_init_and_decay()[name]
+    args = dict(resolved_config(command_args(name))["model"]["init_args"])
     args["shortcut"] = ShortcutSchedule(**args["shortcut"]["init_args"])
     args.update(embed_dim=16, depth=2, num_heads=2, vae_path=None, num_classes=3, in_chans=4, image_size=8,
                 feature_block=None)
@@ -111,7 +109,7 @@ def test_init_and_weight_decay_are_what_the_readme_says(config_path):
                                      datamodule=SimpleNamespace(batch_size=args.get("reference_batch") or 1))
     for blk in module.model.blocks_in_depth_order():
         zeroed = [torch.count_nonzero(layer.weight).item() == 0 for layer in (blk.attn.proj, blk.mlp.fc2)]
-        assert zeroed == [init == "zero"] * 2, config_path.name
+        assert zeroed == [init == "zero"] * 2, name
     optimizer = module.configure_optimizers()["optimizer"]
     decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     names = {n for n, p in module.model.named_parameters() if id(p) in decayed}

@@ -19,6 +19,7 @@ from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.resnet import ResNet18Cifar
 from lightning_mods.backbone.shortcut import ShortcutSchedule
+from composed_configs import command_args
 from test_cli import DIGITS, TINY_MAE, run_fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def test_mae_predict_writes_the_checkpoint_encoders_embeddings(tmp_path):
 
 
 def test_classifier_predict_writes_embeddings_and_logits(tmp_path):
-    common = [f"--config={ROOT / 'configs' / 'digits_resnet18_quick.yaml'}", *QUIET,
+    common = [*command_args("digits_resnet18_quick"), *QUIET,
               "--trainer.callbacks=[]"]
     cli.main(["fit", *common, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
               "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'fit'}"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from commands import lightning_cli as cli
+from composed_configs import ROWS, SINGLE_FILES, declared_callbacks
 from test_cli import DIGITS, TINY_MAE
 from test_resume import assert_identical
 
@@ -71,10 +72,10 @@ RELIABILITY = {"callbacks.exact_resume.ExactResume", "callbacks.nonfinite_guard.
                "callbacks.preemption.PreemptionCheckpoint"}
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(config):
-    import yaml
-    callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]
+@pytest.mark.parametrize("name", list(ROWS) + SINGLE_FILES)
+def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(name):
+    """Every composition of configs/compositions.yaml and every single-file config."""
+    callbacks = declared_callbacks(name)
     names = {c["class_path"] for c in callbacks}
     assert RELIABILITY <= names, sorted(RELIABILITY - names)
     # ModelCheckpoint saves at the end of every training epoch (not only after validations)

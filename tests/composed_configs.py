@@ -1,0 +1,63 @@
+"""The shipped configs as the tests run them: every row of configs/compositions.yaml (the
+``--config`` files and values of its command) and the single-file quick configs."""
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import yaml
+
+from commands import lightning_cli as cli
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+REPO = CONFIG_DIR.parent
+ROWS = yaml.safe_load((CONFIG_DIR / "compositions.yaml").read_text())
+SINGLE_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name != "compositions.yaml")
+
+
+def command_args(name: str) -> list[str]:
+    """The ``fit`` arguments of a row of compositions.yaml, or of a single-file config."""
+    if name in ROWS:
+        row = ROWS[name]
+        return [f"--config={CONFIG_DIR / c}" for c in row["configs"]] + list(row.get("args", []))
+    return [f"--config={CONFIG_DIR / name}"]
+
+
+def resolved_config(args: list[str]) -> dict:
+    """The full config ``fit`` would run with ``args`` (LightningCLI's ``--print_config``)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.main(["fit", *args, "--print_config"])
+    return yaml.safe_load(out.getvalue())
+
+
+def is_diffusion(name: str) -> bool:
+    """Whether the run trains a DiffusionModule (read from its files' text, without parsing)."""
+    files = ROWS[name]["configs"] if name in ROWS else [name]
+    return any("lightning_mods.diffusion.DiffusionModule" in (CONFIG_DIR / f).read_text() for f in files)
+
+
+def declared_callbacks(name: str) -> list[dict]:
+    """The ``trainer.callbacks`` a run's files declare, as written: the last list given, plus
+    what later files append with ``callbacks+``."""
+    callbacks: list[dict] = []
+    for f in ROWS[name]["configs"] if name in ROWS else [name]:
+        trainer = (yaml.safe_load((CONFIG_DIR / f).read_text()) or {}).get("trainer") or {}
+        callbacks = list(trainer.get("callbacks", callbacks)) + list(trainer.get("callbacks+", []))
+    return callbacks
+
+
+def declared_section(name: str, key: str) -> dict:
+    """A run's ``data`` or ``model`` section as its files write it, merged left to right (a
+    quick look without LightningCLI's parse: class path and the values the files set)."""
+    def merge(into: dict, new: dict) -> dict:
+        for k, v in new.items():
+            into[k] = merge(dict(into.get(k) or {}), v) if isinstance(v, dict) else v
+        return into
+
+    merged: dict = {}
+    for f in ROWS[name]["configs"] if name in ROWS else [name]:
+        merge(merged, (yaml.safe_load((CONFIG_DIR / f).read_text()) or {}).get(key) or {})
+    merged.setdefault("init_args", {})
+    return merged
