@@ -14,7 +14,7 @@ pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after a
 (they neither skip finished runs nor resume: ``shortcutlab sweep`` itself does both).
 
 A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
-``checkpoints/last.ckpt`` (bit for bit, README "Reliability"). ``--then CONFIG`` fits a second
+``checkpoints/last.ckpt`` (bit for bit, README "Reliability"). ``--then CONFIG`` (repeatable) fits a second
 config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
 linear probe), logging to ``<run>/probe``. A failed run is reported and the others still run;
 the sweep exits non-zero when any run failed.
@@ -109,11 +109,11 @@ def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[s
     return args + [f"--config={write_logging_fragment(save_dir, version)}"]
 
 
-def follow_up_command(config: str, run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
+def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
                       save_dir: Path, version: str) -> list[str]:
-    """``fit`` of ``config`` on the run's checkpoint (the offline probe), seeded like the run, with
-    the ``--then-set`` settings ``extra``."""
-    args = ["fit", f"--config={config}", f"--model.checkpoint={checkpoint}"]
+    """``fit`` of the composed ``configs`` on the run's checkpoint (the offline probe), seeded like
+    the run, with the ``--then-set`` settings ``extra``."""
+    args = ["fit", *(f"--config={c}" for c in configs), f"--model.checkpoint={checkpoint}"]
     if "seed_everything" in point:
         args.append(f"--seed_everything={point['seed_everything']}")
     args += [a if a.startswith("--") else f"--{a}" for a in extra]
@@ -188,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one sweep axis (repeatable), e.g. model.shortcut.alpha_min=0.6,1.0 or seed_everything=0,1")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting every run gets (repeatable), e.g. trainer.max_epochs=300")
-    parser.add_argument("--then", default=None, metavar="CONFIG",
+    parser.add_argument("--then", action="append", default=[], metavar="CONFIG",
                         help="fit this config after each run on its last checkpoint (model.checkpoint), e.g. "
-                             "configs/linear_probe_digits.yaml; logged to <run>/probe")
+                             "configs/linear_probe_digits.yaml; repeat to compose; logged to <run>/probe")
     parser.add_argument("--then-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the --then fit (repeatable), e.g. data.data_dir=/data/imagenet")
     parser.add_argument("--runs-dir", default="runs", help="where experiments live (default: runs)")
@@ -215,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
 
 def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     """The sweep of the parsed arguments (see :func:`main`)."""
-    for config in parsed.config + ([parsed.then] if parsed.then else []):
+    for config in parsed.config + parsed.then:
         if not Path(config).is_file():
             raise FileNotFoundError(f"--config: no file '{config}'")
     points = grid_points([parse_axis(axis) for axis in parsed.grid])
