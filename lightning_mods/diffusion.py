@@ -346,6 +346,13 @@ class DiffusionModule(LightningModule):
         samples = self.sample(num_samples, labels, seed, sampler, num_steps, guidance_scale)
         return self.to_pixels(samples)
 
+    def grid_labels(self, num_samples: int, start: int = 0) -> Optional[torch.Tensor]:
+        """Labels ``start, start + 1, ...`` modulo the number of classes (balanced classes, the FID
+        sample set of ``callbacks.fid``) for a class-conditional model, else ``None``."""
+        if not self.class_conditional:
+            return None
+        return torch.arange(start, start + num_samples, device=self.device) % self.hparams.num_classes
+
     def sample_grid_classes(self, num_samples: int) -> tuple[Optional[list[int]], int]:
         """The sample grid's layout: ``(classes, columns)``, one class per row, about
         ``num_samples`` images in a near-square grid; the classes spread evenly over all of them
