@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lightning_mods.eval_mode import isolated_eval, module_device  # noqa: F401 (re-exported for callbacks)
+from lightning_mods.eval_mode import isolated_eval, module_device
 
 from .distributed import gather_strided, rank_and_world_size, strided_shard
 

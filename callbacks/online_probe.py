@@ -41,7 +41,7 @@ from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods import metric_names
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
-from .feature_collection import isolated_eval
+from lightning_mods.eval_mode import isolated_eval
 
 DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 
