@@ -101,11 +101,9 @@ def console_main(argv: Optional[list[str]] = None) -> None:
     if args[0] in COMMANDS:
         run_command(args[0], args[1:])
         return
-    if argv is not None:
-        sys.argv = [sys.argv[0], *args]
     from commands.lightning_cli import console_main as lightning_console_main  # torch: only when training
 
-    lightning_console_main()
+    lightning_console_main(None if argv is None else args)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":

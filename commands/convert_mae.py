@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import re
 import sys
 from typing import Any, Optional
@@ -43,7 +42,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.checkpoint import init_parameters
+from lightning_mods.checkpoint import init_parameters, read_torch_file
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -66,19 +65,14 @@ _TO_OURS = [
 # --- reading -------------------------------------------------------------------------------------
 def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(state_dict, training args)`` of a foreign file; one-line errors for anything else."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"source: no file at {path!r}")
     args: dict[str, Any] = {}
     if path.endswith(".safetensors"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"source: no file at {path!r}")
         from safetensors.torch import load_file
         raw: Any = load_file(path)
-    else:
-        try:  # the MAE repositories pickle their argparse Namespace next to the weights
-            with torch.serialization.safe_globals([argparse.Namespace]):
-                raw = torch.load(path, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ValueError(f"source: {path!r} is not a weights-only torch file ({first[:160]})") from None
+    else:  # the MAE repositories pickle their argparse Namespace next to the weights
+        raw = read_torch_file(path, "source", noun="torch file", safe_globals=[argparse.Namespace])
     if isinstance(raw, dict) and isinstance(raw.get("args"), (argparse.Namespace, dict)):
         args = dict(vars(raw["args"]) if isinstance(raw["args"], argparse.Namespace) else raw["args"])
     for key in ("model", "state_dict"):
@@ -257,13 +251,7 @@ def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any
 # --- export --------------------------------------------------------------------------------------
 def load_shortcutlab(path: str) -> MaskedAutoencoder:
     """Rebuild the MaskedAutoencoder of a shortcutlab checkpoint (weights-only load, strict)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint: no file at {path!r}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"checkpoint: {path!r} is not a weights-only torch file ({first[:160]})") from None
+    ckpt = read_torch_file(path, "checkpoint")
     # a foreign file (no state_dict, no class) is named as such, not as a broken checkpoint
     hparams = dict(ckpt.get("hyper_parameters", {})) if isinstance(ckpt, dict) else {}
     if hparams.get("_class_path") != CLASS_PATH or not isinstance(ckpt.get("state_dict"), dict):

@@ -18,12 +18,10 @@ import importlib
 import inspect
 import logging
 import os
-import pickle
 import re
 import signal
 import sys
 import warnings
-import zipfile
 from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Optional
@@ -47,7 +45,8 @@ from callbacks.preemption import received_signal
 from callbacks.schedule import ScheduledEvaluation
 
 from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, init_parameters,
-                                       load_checkpoint, setting_conflicts, state_dict_mismatch)
+                                       load_checkpoint, read_torch_file, setting_conflicts,
+                                       state_dict_mismatch)
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
@@ -319,33 +318,13 @@ def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:
     Lightning's aliases (``last``, ``best``, ...) and URLs are left to Lightning (``None``)."""
     if not ckpt_path or str(ckpt_path).split(":")[0] in LIGHTNING_CKPT_ALIASES or "://" in str(ckpt_path):
         return None
-    if not os.path.isfile(ckpt_path):
-        raise BadInput(f"ckpt_path: no file '{ckpt_path}'")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's pickle-protocol notes are not the error
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(ckpt_path))
-    except Exception as err:  # noqa: BLE001 (torch raises many types for a bad file; all mean the same)
-        raise BadInput(f"ckpt_path: '{ckpt_path}' is not a loadable torch checkpoint ({_load_failure(err)})") \
-            from None
+        ckpt = read_torch_file(ckpt_path, "ckpt_path", mmap=True)
+    except (FileNotFoundError, ValueError) as err:
+        raise BadInput(str(err)) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise BadInput(f"ckpt_path: '{ckpt_path}' is a torch file but not a Lightning checkpoint (no 'state_dict')")
     return ckpt
-
-
-def _load_failure(err: Exception) -> str:
-    text = str(err).strip()
-    if isinstance(err, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
-        if match := re.search(r"Unsupported global: GLOBAL (\S+)", text):
-            return f"it refers to {match.group(1)}, which a checkpoint never holds; refused without running it"
-        detail = re.search(r"WeightsUnpickler error: ?(.+)", text.replace("\n", " "))
-        return "not a torch checkpoint; the weights-only loader refused it" + \
-            (f" ({detail.group(1).split('.')[0].strip()})" if detail else "")
-    if isinstance(err, EOFError) or not text:
-        return "empty or truncated file"
-    if "zip archive" in text:
-        return "truncated or corrupted zip archive"
-    return f"not a torch zip archive or pickle; {type(err).__name__}: {text.splitlines()[0][:200]}"
 
 
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)":')
@@ -526,8 +505,9 @@ def expect_frozen_eval_modules(model: torch.nn.Module) -> None:
                                 category=PossibleUserWarning, module=r"lightning\.pytorch\.loops\.fit_loop")
 
 
-def console_main() -> None:
-    """The ``shortcutlab`` console command (returns None: a console script exits with its value).
+def console_main(args: Optional[list[str]] = None) -> None:
+    """The ``shortcutlab`` console command on ``args`` (``sys.argv`` when None; returns None: a
+    console script exits with its value).
 
     A bad setting or a missing file ends with one line on stderr and exit status 2;
     ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
@@ -535,7 +515,7 @@ def console_main() -> None:
     info_logs_to_stdout()
     silence_third_party_noise()
     try:
-        run_reporting_stops(parser_kwargs=raising_parsers())
+        run_reporting_stops(args, parser_kwargs=raising_parsers())
     except (ValueError, FileNotFoundError, MisconfigurationException) as err:
         if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise

@@ -16,8 +16,10 @@ import importlib
 import inspect
 import os
 import pickle
+import re
 import warnings
-from typing import Any, Optional
+import zipfile
+from typing import Any, Optional, Sequence
 
 import torch
 import yaml
@@ -28,24 +30,52 @@ from torch import nn
 from .backbone.residual import SHORTCUT_KEY, DecayedResidual
 
 
+def read_torch_file(path: str | os.PathLike, field: str, *, noun: str = "torch checkpoint", mmap: bool = False,
+                    safe_globals: Sequence[type] = ()) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU, with one-line errors that start with
+    ``field``: a missing file (FileNotFoundError) and one the weights-only loader cannot read
+    (ValueError, saying why in words: truncated, empty, a pickle that would run code, ...).
+
+    ``mmap`` maps a zip checkpoint instead of reading it (large U-ViT files); ``safe_globals``
+    are classes the file may hold besides tensors (the MAE repositories' argparse Namespace).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{field}: no file at {path!r}")
+    try:
+        with warnings.catch_warnings(), torch.serialization.safe_globals(list(safe_globals)):
+            warnings.simplefilter("ignore")  # torch's pickle-protocol notes are not the error
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
+    except Exception as err:  # noqa: BLE001 (torch raises many types for a bad file; all mean the same)
+        raise ValueError(f"{field}: {path!r} is not a loadable {noun} ({describe_load_failure(err)})") from None
+
+
+def describe_load_failure(err: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in words."""
+    text = str(err).strip()
+    if isinstance(err, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+        if match := re.search(r"Unsupported global: GLOBAL (\S+)", text):
+            return f"it refers to {match.group(1)}, which a checkpoint never holds; refused without running it"
+        detail = re.search(r"WeightsUnpickler error: ?(.+)", text.replace("\n", " "))
+        return "not a torch checkpoint; the weights-only loader refused it" + \
+            (f" ({detail.group(1).split('.')[0].strip()})" if detail else "")
+    if isinstance(err, EOFError) or not text:
+        return "empty or truncated file"
+    if "zip archive" in text:
+        return "truncated or corrupted zip archive"
+    return f"not a torch zip archive or pickle; {type(err).__name__}: {text.splitlines()[0][:200]}"
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A Lightning checkpoint loaded with ``weights_only=True``.
 
     Raises one-line errors for a missing file, a file that is not a torch checkpoint, and a
     torch file without a ``state_dict``.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint: no file at {path!r}; expected a .ckpt written by `shortcutlab fit`")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"checkpoint: {path!r} is not a loadable torch checkpoint "
-                         f"(weights-only load failed: {first[:200]})") from None
+    ckpt = read_torch_file(path, "checkpoint")
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise ValueError(f"checkpoint: {path!r} has no 'state_dict'; expected a Lightning .ckpt written by "
-                         "`shortcutlab fit`")
+        raise ValueError(f"checkpoint: {os.fspath(path)!r} has no 'state_dict'; expected a Lightning .ckpt written "
+                         "by `shortcutlab fit`")
     return ckpt
 
 

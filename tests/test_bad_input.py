@@ -102,7 +102,7 @@ CASES = {  # name: (arguments, words the one line must hold)
                            ("text", "not a torch checkpoint; the weights-only loader refused it"),
                            ("pickled-code", "it refers to getattr, which a checkpoint never holds; refused without running it"),
                            ("not-lightning", "not a Lightning checkpoint"))},
-    "missing checkpoint": ([*CONFIG, "--ckpt_path={missing}"], ["ckpt_path: no file '{missing}'"]),
+    "missing checkpoint": ([*CONFIG, "--ckpt_path={missing}"], ["ckpt_path: no file at '{missing}'"]),
 }
 
 

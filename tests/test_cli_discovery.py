@@ -208,3 +208,16 @@ def test_an_unknown_class_name_is_one_line_naming_the_known_ones(args, start, ki
     assert known == [name for kind in kinds for name in
                      ("DiffusionModule ImageClassifier LinearProbe MaskedAutoencoder SpiralClassifier" if kind == "model"
                       else "CIFAR10 CIFAR100 Digits ImageNet Latents MNIST Spiral").split()]
+
+
+def test_console_main_with_argv_runs_those_arguments_and_leaves_sys_argv_alone(tmp_path, monkeypatch, capsys):
+    """``cli.console_main(argv)`` from Python: the training command parses ``argv``, not the
+    process's own command line, and ``sys.argv`` is the same afterwards."""
+    monkeypatch.setattr(sys, "argv", ["host-program"])
+    monkeypatch.setattr(lightning_cli, "info_logs_to_stdout", lambda: None)
+    with pytest.raises(SystemExit) as exit_:
+        cli.console_main(["fit", "--model", "MaskedAutoEncoder", "--data", "Digits",
+                          f"--trainer.default_root_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no class 'MaskedAutoEncoder'" in err
+    assert sys.argv == ["host-program"]
