@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy
 
-from . import metric_names
+from .classification_steps import ClassificationSteps
 from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from .backbone.residual import residual_blocks
@@ -78,7 +77,7 @@ def set_input_channels_(model: nn.Module, in_chans: int) -> nn.Module:
     return model
 
 
-class ImageClassifier(LightningModule):
+class ImageClassifier(ClassificationSteps, LightningModule):
     """Cross-entropy classifier of a timm-style backbone with top-1/top-5 accuracy.
 
     Args:
@@ -131,12 +130,7 @@ class ImageClassifier(LightningModule):
             backbone.reset_classifier(num_classes)
         self.backbone = set_input_channels_(backbone, in_chans)
         self.num_features = int(backbone.num_features)
-        top5 = min(5, num_classes)
-        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5)
-        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5)
+        self.init_accuracies(num_classes)
 
     def _save_hyperparameters_without_modules(self, backbone: nn.Module) -> None:
         # Under LightningCLI the saved hyperparameters are the parsed config, so ``backbone`` is
@@ -171,30 +165,9 @@ class ImageClassifier(LightningModule):
                 handle.remove()
         return outputs
 
-    # --- steps -----------------------------------------------------------------------------
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, labels = batch[0], batch[1]
-        logits = self(images)
-        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
-        self.train_top1(logits, labels)
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
-        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
-        return loss
-
-    def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
-        images, labels = batch[0], batch[1]
-        logits = self(images)
-        self.log(metric_names.LOSS[stage], F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
-        top1(logits, labels)
-        top5(logits, labels)
-        self.log(metric_names.TOP1[stage], top1, prog_bar=True, batch_size=labels.shape[0])
-        self.log(metric_names.TOP5[stage], top5, batch_size=labels.shape[0])
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_top1, self.val_top5)
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_top1, self.test_top5)
+    # --- steps (training, validation, test: ClassificationSteps) ----------------------------
+    def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``), ``logits`` and ``labels``, for

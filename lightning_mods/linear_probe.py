@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from . import metric_names
+from .classification_steps import ClassificationSteps
 from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
 from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
@@ -84,7 +83,7 @@ def train_linear_probe_on_features(
     return {"top1": topk_accuracy(logits, val_labels.long(), 1), "top5": topk_accuracy(logits, val_labels.long(), 5)}
 
 
-class LinearProbe(LightningModule):
+class LinearProbe(ClassificationSteps, LightningModule):
     """Linear probe of a frozen backbone loaded from a ``shortcutlab fit`` checkpoint.
 
     Args:
@@ -129,11 +128,7 @@ class LinearProbe(LightningModule):
         if dim is None:
             raise ValueError(f"backbone must expose num_features (its feature width); {type(backbone).__name__} does not")
         self.head = ProbeHead(int(dim), num_classes, batch_norm)
-        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
-        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.test_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+        self.init_accuracies(num_classes)
 
     def setup(self, stage: str) -> None:
         # a backbone that takes its input normalisation from the datamodule (DiffusionModule:
@@ -151,31 +146,6 @@ class LinearProbe(LightningModule):
         with torch.no_grad():
             features = self.backbone.forward_features(images)
         return self.head(features)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, labels = batch[0], batch[1]
-        logits = self(images)
-        loss = F.cross_entropy(logits, labels)
-        self.train_top1(logits, labels)
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
-        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
-        return loss
-
-    def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
-        images, labels = batch[0], batch[1]
-        logits = self(images)
-        top1(logits, labels)
-        top5(logits, labels)
-        self.log(metric_names.LOSS[stage], F.cross_entropy(logits, labels), sync_dist=True,
-                 batch_size=labels.shape[0])
-        self.log(metric_names.TOP1[stage], top1, prog_bar=True, batch_size=labels.shape[0])
-        self.log(metric_names.TOP5[stage], top5, batch_size=labels.shape[0])
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "val", self.val_top1, self.val_top5)
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._evaluate(batch, "test", self.test_top1, self.test_top5)
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """The backbone's ``embeddings``, the probe's ``logits`` and ``labels``, for

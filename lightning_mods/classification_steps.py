@@ -1,0 +1,54 @@
+"""The supervised steps a classifier and a linear probe share: cross-entropy training, top-1 and
+top-5 accuracy on val and test, logged under the names of :mod:`lightning_mods.metric_names`.
+
+The accuracies are torchmetrics ``MulticlassAccuracy`` (micro): Lightning syncs them across
+ranks when it computes the epoch value, so a DDP run reports the accuracy of the whole split.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from . import metric_names
+
+
+class ClassificationSteps:
+    """Mixin for a ``LightningModule`` whose ``forward`` returns logits ``B x num_classes`` and
+    whose batches start ``(images, labels)``; call :meth:`init_accuracies` in ``__init__``."""
+
+    def init_accuracies(self, num_classes: int) -> None:
+        top5 = min(5, num_classes)
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5)
+        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5)
+
+    def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss the training step minimises (plain cross-entropy here)."""
+        return F.cross_entropy(logits, labels)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        loss = self.training_loss(logits, labels)
+        self.train_top1(logits, labels)
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        return loss
+
+    def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
+        images, labels = batch[0], batch[1]
+        logits = self(images)
+        self.log(metric_names.LOSS[stage], F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
+        top1(logits, labels)
+        top5(logits, labels)
+        self.log(metric_names.TOP1[stage], top1, prog_bar=True, batch_size=labels.shape[0])
+        self.log(metric_names.TOP5[stage], top5, batch_size=labels.shape[0])
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_top1, self.val_top5)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_top1, self.test_top5)
