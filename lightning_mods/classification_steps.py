@@ -13,17 +13,24 @@ from torchmetrics.classification import MulticlassAccuracy
 from . import metric_names
 
 
+def top_k_accuracy(num_classes: int, k: int) -> MulticlassAccuracy:
+    """The fraction of samples whose label is among the ``k`` largest logits. ``average="micro"``
+    is the point: torchmetrics' default (``"macro"``) is the mean of per-class recalls, another
+    number on a split whose classes are not the same size."""
+    return MulticlassAccuracy(num_classes, top_k=k, average="micro")
+
+
 class ClassificationSteps:
     """Mixin for a ``LightningModule`` whose ``forward`` returns logits ``B x num_classes`` and
     whose batches start ``(images, labels)``; call :meth:`init_accuracies` in ``__init__``."""
 
     def init_accuracies(self, num_classes: int) -> None:
         top5 = min(5, num_classes)
-        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=top5)
-        self.test_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.test_top5 = MulticlassAccuracy(num_classes, top_k=top5)
+        self.train_top1 = top_k_accuracy(num_classes, 1)
+        self.val_top1 = top_k_accuracy(num_classes, 1)
+        self.val_top5 = top_k_accuracy(num_classes, top5)
+        self.test_top1 = top_k_accuracy(num_classes, 1)
+        self.test_top5 = top_k_accuracy(num_classes, top5)
 
     def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss the training step minimises (plain cross-entropy here)."""

@@ -168,6 +168,17 @@ def test_top5_counts_a_label_in_the_five_best_logits():
     assert model.val_top1.compute().item() == pytest.approx(0.5)
 
 
+def test_top1_is_the_fraction_of_samples_right_not_the_mean_of_class_recalls():
+    """Class sizes 4 / 1 / 1, five of six right: top-1 is 5/6. The mean of the per-class
+    recalls (torchmetrics' default average) would be (1 + 1 + 0) / 3 = 2/3."""
+    model = small_classifier()
+    logits = nn.functional.one_hot(torch.tensor([0, 0, 0, 0, 1, 0]), 10).float()
+    labels = torch.tensor([0, 0, 0, 0, 1, 2])
+    for metric in (model.train_top1, model.val_top1, model.test_top1):
+        metric(logits, labels)
+        assert metric.compute().item() == pytest.approx(5 / 6)
+
+
 def test_hparams_hold_no_module_and_checkpoints_load_weights_only(tmp_path):
     model = small_classifier()
     assert model.hparams["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"

@@ -165,3 +165,16 @@ def test_node_picture_has_title_labels_legend_and_colour_bar():
     assert row_labels == ["node 0\n(input x1)", "node 1\n(input x2)", "node 2"]
     colour_bar = fig.axes[-1]
     assert "max |output|" in colour_bar.get_ylabel() and colour_bar.get_ylim() == (-1.0, 1.0)
+
+
+def test_spiral_accuracy_is_the_fraction_of_points_right():
+    """Class sizes 3 / 1, three of four right: 3/4 (the mean of the class recalls would be
+    (2/3 + 1) / 2 = 5/6)."""
+    from lightning_mods.spiral_classifier import SpiralClassifier
+
+    model = SpiralClassifier()
+    logits = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    labels = torch.tensor([0, 0, 0, 1])
+    for metric in (model.train_acc, model.val_acc, model.test_acc):
+        metric(logits, labels)
+        assert metric.compute().item() == pytest.approx(3 / 4)
