@@ -8,8 +8,10 @@ probe top-1 in percent, a classifier's own val top-1, and the effective rank, ea
 std over the seeds), ``report.json`` (the raw numbers) and the figures: each metric against
 alpha_min, the effective rank over epochs per alpha_min, and probe accuracy against effective
 rank with the Pearson r (the decay paper's Figure 5c). A run's value of a metric is the last
-one logged in its ``metrics.csv``; a run without ``metrics.csv``, or one the sweep recorded as
-failed, is listed as missing/failed and not counted.
+one logged in its ``metrics.csv``. A run the sweep planned but never started, one without
+``metrics.csv``, one the sweep recorded as failed, and one that has not ended (no exit status and
+no ``fit_end.json``: still training, killed, crashed) is listed and not counted; a value logged
+before its run's last epoch is counted and listed.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from commands.run_metrics import Run, read_run
-from commands.sweep import parse_run_name, short_name
+from commands.sweep import PLAN_FILE, parse_run_name, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
 REPORT_DIR = "report"
@@ -125,12 +127,26 @@ def find_runs(experiment: Path, skip: Path) -> list[Run]:
         raise ValueError(f"no runs in '{experiment}' (expected folders named like alpha_min=0.6,seed=0, "
                          "made by shortcutlab sweep)")
     runs = [read_run(f) for f in folders]
+    on_disk = {f.name for f in folders}
+    for name in planned_runs(experiment):
+        if name not in on_disk:
+            runs.append(Run(name, experiment / name, parse_run_name(name), problem="missing (planned, never started)"))
     keys = list(runs[0].grid)
     for run in runs:
         if sorted(run.grid) != sorted(keys):
             raise ValueError(f"run '{run.name}' has grid keys {sorted(run.grid)}, run '{runs[0].name}' "
                              f"{sorted(keys)}: one experiment folder must hold one sweep")
     return runs
+
+
+def planned_runs(experiment: Path) -> list[str]:
+    """The run names of the experiment's ``sweep_plan.json`` (none when it has no readable one)."""
+    path = experiment / PLAN_FILE
+    try:
+        names = json.loads(path.read_text())["runs"] if path.is_file() else []
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{path}: not a sweep plan (expected {{\"runs\": [names]}})") from None
+    return [str(name) for name in names]
 
 
 def group_runs(runs: list[Run]) -> tuple[list[str], list[Group]]:
@@ -234,9 +250,28 @@ def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
     lines += [f"- {line}" for line in problems]
     unrecorded = [run.name for group in groups for run in group.counted if not run.recorded]
     if unrecorded:
-        lines += ["", "Counted without a sweep.json (still running, or not made by shortcutlab sweep): "
-                  + ", ".join(unrecorded) + "."]
+        lines += ["", "Counted by their fit_end.json, without a sweep.json (made by `sweep --print` or outside "
+                  "the sweep): " + ", ".join(unrecorded) + "."]
+    stale = stale_values(groups, metrics)
+    if stale:
+        lines += ["", "Counted, but from before the end of their run (the evaluation cadence missed the last "
+                  "epoch; the run trained on after these values):"]
+        lines += [f"- {line}" for line in stale]
     return "\n".join(lines) + "\n"
+
+
+def stale_values(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list[str]:
+    """One line per counted run and table metric whose final value was logged before the run's
+    last epoch."""
+    lines = []
+    for run in (run for group in groups for run in group.counted):
+        for metric in metrics:
+            epoch = run.stale_epoch(metric.name, metric.probe)
+            if epoch is not None and run.final(metric.name, metric.probe) is not None:
+                where = "its probe's" if metric.probe else "its"
+                lines.append(f"{run.name}: {metric.label.split(' (')[0]} from epoch {epoch}; {where} last logged "
+                             f"epoch is {run.last_epoch(metric.probe)}")
+    return lines
 
 
 def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict) -> dict:
@@ -256,6 +291,7 @@ def report_data(experiment: str, group_keys: list[str], groups: list[Group], cor
                     "metrics": {m.name if not m.probe else "probe/" + m.name: stats(group.summary(m))
                                 for m in metrics},
                     "problems": problems_of(group)} for group in groups],
+        "stale_values": stale_values(groups, TABLE_METRICS),
         "runs": [{"name": run.name, "grid": run.grid, "counted": run.counted, "problem": run.problem,
                   "probe_problem": run.probe_problem,
                   "final": {**{m.name: run.final(m.name) for m in metrics if not m.probe},
@@ -325,7 +361,9 @@ def print_summary(result: dict, group_keys: list[str]) -> None:
     console.print(table)
     for group in result["data"]["groups"]:
         for line in group["problems"]:
-            console.print(f"[yellow]not counted:[/yellow] {line}")
+            console.print(f"[yellow]not counted:[/yellow] {line}", highlight=False)
+    for line in result["data"]["stale_values"]:
+        console.print(f"[yellow]from before the run's end:[/yellow] {line}", highlight=False)
     console.print(f"wrote {len(result['files'])} files to {result['files'][0].parent}:")
     for path in result["files"]:
         console.print(f"  {path}", soft_wrap=True, highlight=False)

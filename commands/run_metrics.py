@@ -2,10 +2,15 @@
 
 A run folder ``runs/<experiment>/<name>/`` (``shortcutlab sweep``) holds ``metrics.csv`` (Lightning's
 CSVLogger: columns ``epoch``, ``step`` and one per logged metric, each row holding only the
-metrics logged at that point), ``sweep.json`` (the command's exit status) and, after ``--then``,
-``probe/metrics.csv`` (the offline linear probe). A run's *final* value of a metric is the last
-value logged for it in file order: after a resume the file goes on where the checkpoint was, so
-the last row is the latest.
+metrics logged at that point), ``sweep.json`` (the command's exit status), ``fit_end.json``
+(written when the fit ended normally, :mod:`callbacks.fit_end_record`) and, after ``--then``,
+``probe/`` (the offline linear probe's ``metrics.csv`` and ``fit_end.json``). A run's *final*
+value of a metric is the last value logged for it in file order: after a resume the file goes on
+where the checkpoint was, so the last row is the latest.
+
+A run (or its probe) counts only once it has ended: the sweep recorded exit status 0, or its
+``fit_end.json`` exists (a run of ``sweep --print`` on a cluster has no ``sweep.json``). Metrics
+of a run that is still training, was killed, or crashed unrecorded are never averaged in.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from commands.sweep import FOLLOW_UP_DIR, parse_run_name
 
 METRICS_FILE = "metrics.csv"
 SWEEP_RECORD = "sweep.json"
+# callbacks.fit_end_record.FIT_END_FILE (not imported: the report needs no Lightning)
+FIT_END_FILE = "fit_end.json"
 # metrics logged with on_step and on_epoch get these suffixes; the epoch value is the one reported
 EPOCH_SUFFIX = "_epoch"
 
@@ -55,6 +62,20 @@ class Run:
         """Every value of ``metric`` in file order (``metric_epoch`` when only that was logged)."""
         logged = self.probe_metrics if probe else self.metrics
         return logged.get(metric) or logged.get(metric + EPOCH_SUFFIX) or []
+
+    def last_epoch(self, probe: bool = False) -> Optional[int]:
+        """The last epoch any metric was logged at (None when no row has an epoch)."""
+        logged = self.probe_metrics if probe else self.metrics
+        return max((p.epoch for points in logged.values() for p in points if p.epoch is not None), default=None)
+
+    def stale_epoch(self, metric: str, probe: bool = False) -> Optional[int]:
+        """The epoch of ``metric``'s final value when the run logged later epochs after it (the
+        value predates the end of training: an evaluation cadence that missed the end); else None."""
+        points = self.history(metric, probe)
+        end = self.last_epoch(probe)
+        if not points or points[-1].epoch is None or end is None:
+            return None
+        return points[-1].epoch if points[-1].epoch < end else None
 
     def final(self, metric: str, probe: bool = False) -> Optional[float]:
         """The last logged value of ``metric`` (None when never logged or not counted)."""
@@ -112,6 +133,9 @@ def read_run(folder: Path) -> Run:
         run.problem = f"failed (exit status {status}, see {folder / 'sweep.log'})"
     elif not (folder / METRICS_FILE).is_file():
         run.problem = f"missing (no {METRICS_FILE})"
+    elif status is None and not (folder / FIT_END_FILE).is_file():
+        run.problem = (f"incomplete (no exit status in {SWEEP_RECORD} and no {FIT_END_FILE}: still training, "
+                       "killed, or crashed)")
     if run.problem is None:
         try:
             run.metrics = read_metrics_csv(folder / METRICS_FILE)
@@ -121,6 +145,9 @@ def read_run(folder: Path) -> Run:
     probe_status = _exit_status(record, "probe_status")
     if probe_status not in (None, 0):
         run.probe_problem = f"probe failed (exit status {probe_status})"
+    elif probe_file.is_file() and probe_status is None and not (folder / FOLLOW_UP_DIR / FIT_END_FILE).is_file():
+        run.probe_problem = (f"probe incomplete (no probe_status in {SWEEP_RECORD} and no "
+                             f"{FOLLOW_UP_DIR}/{FIT_END_FILE}: still training, killed, or crashed)")
     elif probe_file.is_file():
         try:
             run.probe_metrics = read_metrics_csv(probe_file)

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 # grid keys whose last component is not a readable name
 SHORT_NAMES = {"seed_everything": "seed"}
 FOLLOW_UP_DIR = "probe"
+PLAN_FILE = "sweep_plan.json"  # every run asked for in <runs-dir>/<experiment>: the report names those not started
 
 
 def parse_axis(text: str) -> tuple[str, list[str]]:
@@ -81,15 +82,34 @@ def parse_run_name(name: str) -> dict[str, str]:
 def write_logging_fragment(save_dir: Path, version: str) -> Path:
     """``<save_dir>/<version>/run.yaml``: a config fragment with a CSV logger (``metrics.csv``,
     read by ``shortcutlab report``) and a TensorBoard logger, both writing to the run's fixed
-    folder ``save_dir/version`` instead of ``lightning_logs/version_N``."""
+    folder ``save_dir/version`` instead of ``lightning_logs/version_N``, and the callback that
+    records a normal end of the fit there (``fit_end.json``, :mod:`callbacks.fit_end_record`)."""
     loggers = [{"class_path": f"lightning.pytorch.loggers.{cls}",
                 "init_args": {"save_dir": str(save_dir), "name": "", "version": version}}
                for cls in ("CSVLogger", "TensorBoardLogger")]
+    trainer = {"logger": loggers, "callbacks+": [{"class_path": "callbacks.fit_end_record.FitEndRecord"}]}
     path = save_dir / version / "run.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# written by shortcutlab sweep: where this run logs\n"
-                    + json.dumps({"trainer": {"logger": loggers}}, indent=2) + "\n")
+                    + json.dumps({"trainer": trainer}, indent=2) + "\n")
     return path
+
+
+def record_plan(save_dir: Path, names: Sequence[str]) -> None:
+    """Add ``names`` to ``<save_dir>/sweep_plan.json``, the runs this experiment was asked for
+    (by every sweep into it, printed ones included), so that a report can name the runs that
+    never started, even a whole row of them."""
+    path = save_dir / PLAN_FILE
+    planned: list[str] = []
+    if path.is_file():
+        try:
+            planned = list(json.loads(path.read_text())["runs"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}: not a sweep plan (expected {{\"runs\": [names]}}); move it away to start "
+                             "a new plan") from None
+    planned += [name for name in names if name not in planned]
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": planned}, indent=2) + "\n")
 
 
 def last_checkpoint(run: Path) -> Optional[Path]:
@@ -226,6 +246,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     if parsed.then_set and not parsed.then:
         raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
     save_dir = Path(parsed.runs_dir) / parsed.experiment
+    record_plan(save_dir, [run_name(point) for point in points])
     records = []
     for index, point in enumerate(points, start=1):
         name = run_name(point)

@@ -165,6 +165,7 @@ def test_classifier_runs_report_their_own_val_top1(tmp_path):
         run.mkdir(parents=True)
         run.joinpath("metrics.csv").write_text("epoch,rank/effective_rank,step,val/loss,val/top1\n"
                                                f"0,2.0,9,1.5,0.3\n1,{rank[alpha, seed]},19,0.4,{top1}\n")
+        run.joinpath("fit_end.json").write_text('{"epochs": 2, "steps": 20}')  # a cluster job's: no sweep.json
     report.main([str(experiment)])
     markdown = (experiment / "report" / "report.md").read_text()
     assert markdown.splitlines()[2] == "| alpha_min | n (seeds) | val top-1 (%) | effective rank exp(H) |"
@@ -174,7 +175,60 @@ def test_classifier_runs_report_their_own_val_top1(tmp_path):
     assert data["correlation"]["probe"] == "val" and data["correlation"]["n"] == 4
     assert data["correlation"]["r"] == pytest.approx(
         np.corrcoef(list(rank.values()), list(accuracy.values()))[0, 1], rel=1e-12)
-    assert "Counted without a sweep.json" in markdown
+    assert "Counted by their fit_end.json, without a sweep.json" in markdown
+
+
+def test_runs_and_probes_that_have_not_ended_are_not_counted(experiment):
+    """Metrics of a fit that has not ended (no exit status and no fit_end.json: training, killed,
+    or a crashed cluster job) are never averaged in; neither is a probe the sweep started but did
+    not see end. A cluster run with fit_end.json counts."""
+    training = experiment / "alpha_min=1.0,seed=0"
+    (training / "sweep.json").unlink()
+    cluster = experiment / "alpha_min=1.0,seed=1"
+    (cluster / "sweep.json").unlink()
+    (cluster / "fit_end.json").write_text('{"epochs": 4, "steps": 40}')
+    (cluster / "probe" / "fit_end.json").write_text('{"epochs": 2, "steps": 10}')
+    probing = experiment / "alpha_min=0.6,seed=2"
+    (probing / "sweep.json").write_text(json.dumps({"status": 0}))  # as the sweep leaves it while the probe runs
+    report.main([str(experiment)])
+    markdown = (experiment / "report" / "report.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")]
+            for line in markdown.splitlines() if line.startswith(("| 0.6 |", "| 1.0 |"))}
+    knn = np.array([FINALS["1.0"][1][0], FINALS["1.0"][2][0]])
+    assert rows["1.0"][2] == "2" and rows["1.0"][3] == cell(knn.mean(), knn.std(ddof=1), 100, 1)
+    offline = np.array([FINALS["0.6"][0][2], FINALS["0.6"][1][2]])
+    assert rows["0.6"][2] == "3" and rows["0.6"][5] == cell(offline.mean(), offline.std(ddof=1), 100, 1) + " (n=2)"
+    assert "alpha_min=1.0,seed=0: incomplete (no exit status in sweep.json and no fit_end.json" in markdown
+    assert "alpha_min=0.6,seed=2: probe incomplete" in markdown
+
+
+def test_planned_runs_that_never_started_are_named_even_a_whole_row(experiment):
+    """sweep_plan.json holds every run asked for: one whose folder never appeared is listed,
+    also when no run of its row started (no other group has its seed to compare with)."""
+    sweep.record_plan(experiment, [f"alpha_min={a},seed={s}" for a in ("0.6", "0.8", "1.0") for s in (0, 1, 2, 3)])
+    report.main([str(experiment)])
+    markdown = (experiment / "report" / "report.md").read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith("| 0.8 |"))
+    assert row.split("|")[2].strip() == "0" and row.endswith(
+        "| seed=0 (missing), seed=1 (missing), seed=2 (missing), seed=3 (missing) |")
+    for name in ("alpha_min=0.8,seed=0", "alpha_min=0.6,seed=3", "alpha_min=1.0,seed=3"):
+        assert f"{name}: missing (planned, never started)" in markdown
+    knn = np.array([FINALS["0.6"][s][0] for s in (0, 1, 2)])
+    assert cell(knn.mean(), knn.std(ddof=1), 100, 1) in markdown
+
+
+def test_a_final_value_from_before_the_runs_last_epoch_is_listed(experiment):
+    """An evaluation cadence that missed the end: the value is counted and named with its epoch."""
+    run = experiment / "alpha_min=0.6,seed=0"
+    with open(run / "metrics.csv", "a") as f:
+        f.write("4,,,,,49,0.70,\n5,,,,,59,0.69,\n")
+    report.main([str(experiment)])
+    markdown = (experiment / "report" / "report.md").read_text()
+    assert "alpha_min=0.6,seed=0: kNN top-1 from epoch 3; its last logged epoch is 5" in markdown
+    assert "alpha_min=0.6,seed=0: effective rank exp(H) from epoch 3; its last logged epoch is 5" in markdown
+    assert "seed=1" not in markdown.split("from before the end of their run")[1]
+    data = json.loads((experiment / "report" / "report.json").read_text())
+    assert len(data["stale_values"]) == 4  # kNN, online probe, effective rank, rank entropy of that one run
 
 
 def test_rank_curve_is_the_mean_over_seeds(experiment):
@@ -307,6 +361,7 @@ def test_sweep_then_report_end_to_end(tmp_path, monkeypatch, capsys):
     for alpha in ("0.6", "1.0"):
         run = tmp_path / "tiny" / f"alpha_min={alpha}"
         assert json.loads((run / "sweep.json").read_text())["status"] == 0
+        assert json.loads((run / "fit_end.json").read_text())["epochs"] >= 1  # the fragment's FitEndRecord ran
         assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "metrics.csv").is_file()
 
     report.main([str(tmp_path / "tiny")])
@@ -329,4 +384,7 @@ def test_sweep_then_report_end_to_end(tmp_path, monkeypatch, capsys):
     assert "sweep tiny: 2 of 3 runs finished; failed: alpha_min=7.0" in printed
     failed = tmp_path / "tiny" / "alpha_min=7.0"
     assert json.loads((failed / "sweep.json").read_text())["status"] == 2
+    assert not (failed / "fit_end.json").exists()
+    assert json.loads((tmp_path / "tiny" / "sweep_plan.json").read_text())["runs"] == [
+        "alpha_min=0.6", "alpha_min=1.0", "alpha_min=7.0"]
     assert "alpha_min" in (failed / "sweep.log").read_text().splitlines()[-1]
