@@ -113,11 +113,16 @@ def record_plan(save_dir: Path, names: Sequence[str]) -> None:
 
 
 def last_checkpoint(run: Path) -> Optional[Path]:
-    """The run's ``checkpoints/last.ckpt`` (or ``latest.ckpt``) when it has one."""
-    for name in ("last.ckpt", "latest.ckpt"):
-        if (run / "checkpoints" / name).is_file():
-            return run / "checkpoints" / name
-    return None
+    """The newer of the run's ``checkpoints/last.ckpt`` and ``checkpoints/latest.ckpt`` (None
+    when it has neither): the resume point and the network ``--then`` probes.
+
+    Either can be the stale one: ``save_last`` is refreshed only on its callback's cadence (every
+    20 epochs in the MAE configs, so not at a last epoch off that cadence), and a pre-emption
+    writes ``last.ckpt`` in configs that otherwise keep only the every-epoch ``latest.ckpt``.
+    """
+    found = [path for path in (run / "checkpoints" / "last.ckpt", run / "checkpoints" / "latest.ckpt")
+             if path.is_file()]
+    return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None  # a tie keeps last.ckpt
 
 
 def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[str], save_dir: Path,

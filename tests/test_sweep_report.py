@@ -317,6 +317,24 @@ def test_sweep_bad_input_is_one_line(capsys):
     assert err == "shortcutlab sweep: error: --config: no file 'configs/no_such.yaml'"
 
 
+def test_resume_and_probe_take_the_newer_of_last_and_latest(tmp_path):
+    """last.ckpt goes stale off its save cadence (or after a pre-emption in a latest-only config):
+    the newer file is the run's last network."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    assert sweep.last_checkpoint(tmp_path) is None
+    last, latest = checkpoints / "last.ckpt", checkpoints / "latest.ckpt"
+    last.write_bytes(b"epoch 19")
+    latest.write_bytes(b"epoch 24")
+    os.utime(last, ns=(1_000_000_000, 1_000_000_000))
+    os.utime(latest, ns=(2_000_000_000, 2_000_000_000))
+    assert sweep.last_checkpoint(tmp_path) == latest
+    os.utime(last, ns=(3_000_000_000, 3_000_000_000))
+    assert sweep.last_checkpoint(tmp_path) == last
+    latest.unlink()
+    assert sweep.last_checkpoint(tmp_path) == last
+
+
 def test_resume_keeps_the_metrics_logged_before_the_checkpoint(tmp_path):
     """CSVLogger deletes metrics.csv when a resumed fit starts; the sweep puts the earlier rows
     back, dropping those the interrupted attempt logged after its checkpoint (logged again)."""
