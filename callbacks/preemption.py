@@ -9,7 +9,8 @@ steps and the progress counters, then raises Lightning's ``SIGTERMException``. T
 callback's ``on_exception`` then writes ``last.ckpt`` into the ModelCheckpoint folder
 (``<default_root_dir>/checkpoints`` without one): ``fit --ckpt_path <it>`` resumes exactly, with
 ``callbacks.exact_resume.ExactResume``. A signal during validation stops at the next
-validation batch, and the checkpoint resumes that validation. The ``shortcutlab`` command
+validation batch, and the checkpoint resumes that validation (holding the training weights, not
+the averaged ones an EMA callback swapped in for it). The ``shortcutlab`` command
 turns the exception into the exit status of :func:`received_signal`. A second SIGINT
 interrupts at once (Python's ``KeyboardInterrupt``). No checkpoint is written over non-finite
 weights.
@@ -30,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -92,6 +93,8 @@ class PreemptionCheckpoint(Callback):
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
             return
         name = signal.Signals(_received or signal.SIGTERM).name
+        if trainer.validating:
+            end_weight_averaging_validation(trainer, pl_module)
         weights = [p.detach() for p in pl_module.parameters()]
         if weights and not math.isfinite(float(torch.nn.utils.get_total_norm(weights, norm_type=math.inf))):
             message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint (non-finite weights)"
@@ -109,3 +112,15 @@ class PreemptionCheckpoint(Callback):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                 return Path(callback.dirpath)
         return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def end_weight_averaging_validation(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Give the module its training weights back from a weight-averaging callback (EMA) that
+    swapped the averaged ones in for validation. A signal stops validation between the
+    callback's ``on_validation_epoch_start`` (swap in) and ``on_validation_epoch_end`` (swap
+    back); saved then, the checkpoint would hold the training weights as the averaged
+    ``state_dict`` and the averaged ones as ``current_model_state``, and the resumed fit would
+    train on from the averaged weights."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, WeightAveraging):
+            callback.on_validation_epoch_end(trainer, pl_module)

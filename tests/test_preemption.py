@@ -86,3 +86,48 @@ def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(na
                    and c.get("init_args", {}).get("save_top_k", 1) != 0]
     assert every_epoch, "no ModelCheckpoint saving at every training epoch's end"
 
+
+
+def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_swapped_in(tmp_path):
+    """EMAWeightAveraging swaps the averaged weights into the module for validation. A SIGTERM
+    there must still save the training weights as ``current_model_state`` and the averaged ones
+    as ``state_dict``, as every other checkpoint of the run holds them."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from callbacks.preemption import PreemptionCheckpoint
+
+    seen: dict[str, torch.Tensor] = {}
+
+    class Line(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch[0]).pow(2).mean()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            seen["training"] = self.lin.weight.detach().clone()  # after the last step: what validation swaps out
+
+        def validation_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                seen["averaged"] = self.lin.weight.detach().clone()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                        callbacks=[PreemptionCheckpoint(), EMAWeightAveraging(decay=0.5)])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(Line(), loader, loader)
+    assert not torch.equal(seen["training"], seen["averaged"])  # the averaged weights were swapped in
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert torch.equal(saved["current_model_state"]["lin.weight"], seen["training"])
+    assert torch.equal(saved["state_dict"]["lin.weight"], seen["averaged"])
