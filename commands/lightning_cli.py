@@ -201,11 +201,11 @@ class ShortcutLabCLI(LightningCLI):
             return
         ckpt = getattr(self, "_checked_ckpt", None) or load_checkpoint(ckpt_path)
         self._checked_ckpt = None
-        if "_class_path" not in (ckpt.get("hyper_parameters") or {}):
-            return super()._parse_ckpt_path()
-        written = checkpoint_model_config(ckpt, ckpt_path)
         given = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
         given = (given.get(subcommand) or {}).get("model") or {}
+        # a checkpoint written outside the CLI (Trainer.fit in Python) names no class: the
+        # config's class is taken, and its settings and then its weights must still agree
+        written = checkpoint_model_config(ckpt, ckpt_path, class_path=given.get("class_path"))
         if given.get("class_path") != written["class_path"]:
             raise ValueError(f"--ckpt_path: {ckpt_path!r} is a checkpoint of {written['class_path']}, the model is "
                              f"{given.get('class_path')}; give the config the checkpoint was trained with")
@@ -314,10 +314,22 @@ LIGHTNING_CKPT_ALIASES = ("best", "last", "hpc", "registry")
 
 def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:
     """The checkpoint at ``ckpt_path``, or a one-line error unless it is a Lightning checkpoint
-    ``torch.load`` reads with ``weights_only`` (a pickle that would run code is refused unread);
-    Lightning's aliases (``last``, ``best``, ...) and URLs are left to Lightning (``None``)."""
-    if not ckpt_path or str(ckpt_path).split(":")[0] in LIGHTNING_CKPT_ALIASES or "://" in str(ckpt_path):
+    ``torch.load`` reads with ``weights_only`` (a pickle that would run code is refused unread).
+
+    Lightning's aliases (``last``, ``best``, ``hpc``, ``registry``) and URLs are refused: they
+    name a file only once the trainer runs, after the checks that the checkpoint's class and
+    settings are the model's, so a config with other settings would silently train or
+    evaluate the checkpoint's weights under its own settings.
+    """
+    if not ckpt_path:
         return None
+    if str(ckpt_path).split(":")[0] in LIGHTNING_CKPT_ALIASES:
+        raise BadInput(f"ckpt_path: give the checkpoint's file path (e.g. <run>/checkpoints/last.ckpt), not "
+                       f"Lightning's alias '{ckpt_path}', whose file is not known when the checkpoint is checked "
+                       "against the config")
+    if "://" in str(ckpt_path):
+        raise BadInput(f"ckpt_path: a local file is needed, got the URL '{ckpt_path}'; copy the checkpoint here "
+                       "first (it is checked against the config before anything runs)")
     try:
         ckpt = read_torch_file(ckpt_path, "ckpt_path", mmap=True)
     except (FileNotFoundError, ValueError) as err:

@@ -103,6 +103,10 @@ CASES = {  # name: (arguments, words the one line must hold)
                            ("pickled-code", "it refers to getattr, which a checkpoint never holds; refused without running it"),
                            ("not-lightning", "not a Lightning checkpoint"))},
     "missing checkpoint": ([*CONFIG, "--ckpt_path={missing}"], ["ckpt_path: no file at '{missing}'"]),
+    "alias checkpoint": ([*CONFIG, "--ckpt_path=last"], ["ckpt_path: give the checkpoint's file path",
+                                                         "not Lightning's alias 'last'"]),
+    "url checkpoint": ([*CONFIG, "--ckpt_path=s3://bucket/last.ckpt"],
+                       ["ckpt_path: a local file is needed, got the URL 's3://bucket/last.ckpt'"]),
 }
 
 

@@ -227,6 +227,37 @@ def test_ckpt_path_with_other_settings_or_weights_is_a_one_line_error(tmp_path):
     assert torch.equal(features(out.model.cpu().eval(), "mae"), features(writer, "mae"))
 
 
+def without_class_path(path: Path) -> Path:
+    """The checkpoint as ``Trainer.fit`` in Python writes it: hyper-parameters name no class."""
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["hyper_parameters"].pop("_class_path", None)
+    torch.save(ckpt, path)
+    return path
+
+
+def test_ckpt_path_written_outside_the_cli_is_checked_against_the_config_too(tmp_path):
+    """No _class_path: the config's class is taken, and the checkpoint's settings, then its
+    weights, must agree with the config (one-line errors), as for a checkpoint of the CLI."""
+    path = tmp_path / "python_mae.ckpt"
+    writer = write_checkpoint(path, MAE, 1.0)
+    without_class_path(path)
+    base = ["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    with pytest.raises(ValueError) as err:  # the default schedule is alpha_min 0.6
+        cli.main(base)
+    assert cli.root_message(err.value).startswith(
+        f"--ckpt_path: model.shortcut.alpha_min: 0.6 in the config, checkpoint {str(path)!r} has 1.0")
+    other = tmp_path / "python_classifier.ckpt"
+    write_checkpoint(other, FAMILIES["classifier"], 0.6)
+    without_class_path(other)
+    with pytest.raises(ValueError) as err:
+        cli.main(["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={other}", f"--trainer.default_root_dir={tmp_path}"])
+    message = cli.root_message(err.value)  # a classifier's settings (base_lr ...) differ first
+    assert message.startswith("--ckpt_path: model.") and str(other) in message and "\n" not in message
+    out = cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--trainer.limit_val_batches=1",
+                    "--trainer.enable_progress_bar=false", "--trainer.logger=false"])
+    assert torch.equal(features(out.model.cpu().eval(), "mae"), features(writer, "mae"))
+
+
 def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
     import os
 
