@@ -125,12 +125,20 @@ class ResumableTrainData:
     hands it to the next :meth:`resumable_train_loader`."""
 
     _resume_position: Optional[dict[str, int]] = None  # from a checkpoint, for the next train loader
+    _resume_order: Optional[dict[str, int]] = None  # what that position counts in (see data_order)
 
     def resumable_train_loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> ResumableLoader:
         """An epoch-shuffled :class:`ResumableLoader` of ``dataset`` (DataLoader ``kwargs``)."""
         resume, self._resume_position = self._resume_position, None
+        written, self._resume_order = self._resume_order, None
+        if resume is not None and written is not None:
+            check_same_data_order(written, data_order(batch_size, self._world_size()))
         return ResumableLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(dataset), resume=resume,
                                **kwargs)
+
+    def _world_size(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return int(trainer.world_size) if trainer is not None else 1
 
     def state_dict(self) -> dict[str, Any]:
         """``{"train_position": {"epoch", "batches"}}``: the next batch to hand out (a finished
@@ -142,7 +150,27 @@ class ResumableTrainData:
             return {}
         if position["batches"] >= trainer.num_training_batches:  # limit_train_batches included
             position = {"epoch": position["epoch"] + 1, "batches": 0}
-        return {"train_position": position}
+        return {"train_position": position, "data_order": data_order(int(loader.batch_size), self._world_size())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_position = state_dict.get("train_position")
+        self._resume_order = state_dict.get("data_order")  # absent in checkpoints written before it
+
+
+def data_order(batch_size: int, world_size: int) -> dict[str, int]:
+    """What a train position counts in: the shuffle seed (``seed_everything``'s), the batches'
+    size and the number of processes sharing the epoch."""
+    return {"seed": default_shuffle_seed(), "batch_size": int(batch_size), "world_size": int(world_size)}
+
+
+NAMES = {"seed": "seed_everything", "batch_size": "data batch_size", "world_size": "processes (devices x nodes)"}
+
+
+def check_same_data_order(written: dict[str, int], current: dict[str, int]) -> None:
+    """One line naming the first setting in which a resumed fit's data order would differ from
+    the checkpoint's: its position would then skip or repeat samples, or continue another order."""
+    for key, name in NAMES.items():
+        if key in written and written[key] != current[key]:
+            raise ValueError(f"--ckpt_path: {name} is {current[key]} here and {written[key]} in the checkpoint; a "
+                             "resumed fit continues the checkpoint's data order (its position counts batches of "
+                             "that order): resume with the checkpoint's value")

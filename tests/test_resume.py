@@ -173,6 +173,25 @@ def test_really_interrupted_fit_resumes_to_the_uninterrupted_one(full_runs, tmp_
     assert_resumed_equals_full(resumed, full, MID_EPOCH)
 
 
+@pytest.mark.parametrize("seed, batch_size, message", [
+    (1, 32, "--ckpt_path: seed_everything is 1 here and 0 in the checkpoint; a resumed fit continues"),
+    (0, 16, "--ckpt_path: data batch_size is 16 here and 32 in the checkpoint; a resumed fit continues"),
+])
+def test_resume_in_another_data_order_is_a_one_line_error(seed, batch_size, message, full_runs, tmp_path):
+    """The train position counts batches of the checkpoint's order: another seed or batch size
+    would continue another order, skipping or repeating samples."""
+    _, root = full_runs["mae_linear"]
+    L.seed_everything(seed)
+    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", logger=False, callbacks=[ExactResume()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_train_batches=BATCHES, limit_val_batches=1,
+                        default_root_dir=tmp_path)
+    with pytest.raises(ValueError) as err:
+        trainer.fit(CASES["mae_linear"][0](), Digits(batch_size=batch_size, image_size=8),
+                    ckpt_path=root / f"step{MID_EPOCH}.ckpt")
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_resumes_mid_epoch_with_the_batches_it_had_left(num_workers):
     from torch.utils.data import DistributedSampler, TensorDataset
