@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {
     "model": ("lightning_mods", ("LightningModule",)),
     "data": ("datamodules", ("LightningDataModule",)),
-    "callback": ("callbacks", ("Callback", "BasePredictionWriter", "RichModelSummary")),
+    "callback": ("callbacks", ("Callback", "BasePredictionWriter", "RichModelSummary", "ModelCheckpoint")),
 }
 
 
