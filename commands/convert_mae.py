@@ -42,7 +42,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.checkpoint import init_parameters, read_torch_file
+from lightning_mods.checkpoint import init_parameters, read_torch_file, state_dict_mismatch
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -259,6 +259,9 @@ def load_shortcutlab(path: str) -> MaskedAutoencoder:
                          f"is {hparams.get('_class_path')!r})")
     accepted = init_parameters(CLASS_PATH)
     model = MaskedAutoencoder(**{k: v for k, v in hparams.items() if k in accepted})
+    mismatch = state_dict_mismatch(model, ckpt["state_dict"])
+    if mismatch is not None:
+        raise ValueError(f"checkpoint: {path!r} does not fit the MaskedAutoencoder its own settings build: {mismatch}")
     model.load_state_dict(ckpt["state_dict"], strict=True)
     return model
 

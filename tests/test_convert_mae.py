@@ -174,3 +174,19 @@ def test_python_dash_m_entry_point(tmp_path):
     res = subprocess.run([sys.executable, "-m", "commands.convert_mae", "import", "missing.pth", "out.ckpt"],
                          cwd=tmp_path, capture_output=True, text=True, env=env)
     assert res.returncode == 2 and res.stderr.startswith("convert_mae: error: source: no file"), res.stderr
+
+
+def test_export_of_a_checkpoint_whose_weights_do_not_fit_is_one_line(tmp_path, capsys):
+    ref = OfficialMAE(**DIMS, depth=2, decoder_depth=1)
+    torch.save({"model": ref.state_dict()}, tmp_path / "official.pth")
+    convert("import", str(tmp_path / "official.pth"), str(tmp_path / "mae.ckpt"), *HEADS)
+    ckpt = torch.load(tmp_path / "mae.ckpt", weights_only=True)
+    del ckpt["state_dict"]["encoder.blocks.1.mlp.fc2.weight"]
+    torch.save(ckpt, tmp_path / "mae.ckpt")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert("export-timm", str(tmp_path / "mae.ckpt"), str(tmp_path / "vit.pth"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "does not fit the MaskedAutoencoder its own settings build: missing encoder.blocks.1.mlp.fc2.weight" in err
+    assert not (tmp_path / "vit.pth").exists()
