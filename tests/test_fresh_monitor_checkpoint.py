@@ -9,21 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.fresh_monitor_checkpoint import FreshMonitorCheckpoint
-
-
-class Line(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.lin(batch[0]).pow(2).mean()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val/loss", self.lin(batch[0]).pow(2).mean())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from line_module import Line
 
 
 class ScoreEverySecondEpoch(Callback):

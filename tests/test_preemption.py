@@ -98,17 +98,11 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
     from torch.utils.data import DataLoader, TensorDataset
 
     from callbacks.preemption import PreemptionCheckpoint
+    from line_module import Line
 
     seen: dict[str, torch.Tensor] = {}
 
-    class Line(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.lin(batch[0]).pow(2).mean()
-
+    class StoppedInValidation(Line):
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             seen["training"] = self.lin.weight.detach().clone()  # after the last step: what validation swaps out
 
@@ -117,16 +111,13 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
                 seen["averaged"] = self.lin.weight.detach().clone()
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.5)
-
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
                         callbacks=[PreemptionCheckpoint(), EMAWeightAveraging(decay=0.5)])
     with pytest.raises(SIGTERMException):
-        trainer.fit(Line(), loader, loader)
+        trainer.fit(StoppedInValidation(lr=0.5), loader, loader)
     assert not torch.equal(seen["training"], seen["averaged"])  # the averaged weights were swapped in
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert torch.equal(saved["current_model_state"]["lin.weight"], seen["training"])
