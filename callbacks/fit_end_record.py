@@ -25,8 +25,10 @@ class FitEndRecord(Callback):
     """Write ``{"epochs", "steps", "max_epochs", "max_steps"}`` to ``<log dir>/fit_end.json``
     when ``fit`` ends normally (global rank 0)."""
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # a resumed or repeated fit into the same folder is not finished until it ends again
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a resumed or repeated fit into the same folder is not finished until it ends again;
+        # not earlier than here: a fit refused while it sets up (e.g. a resume in another data
+        # order) trains nothing and leaves the finished run as it was
         if trainer.is_global_zero:
             (run_dir(trainer) / FIT_END_FILE).unlink(missing_ok=True)
 

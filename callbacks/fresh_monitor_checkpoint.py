@@ -7,6 +7,10 @@ value there, and a plain ``ModelCheckpoint(monitor=...)`` would rank the new wei
 write its value into their file name (``step100000-fid10k11.65.ckpt`` holding weights whose FID
 nobody measured). This one saves nothing at such a validation: the every-epoch ``latest``
 checkpoint stays the resume point.
+
+It is for a monitor logged in validation (FID, kNN, a probe's accuracy), saved at validation
+end or at the end of a validated epoch; a monitor logged in training is never fresh there, and
+step-based saves (``every_n_train_steps``) are ModelCheckpoint's own.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -93,6 +94,11 @@ class PreemptionCheckpoint(Callback):
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
             return
         name = signal.Signals(_received or signal.SIGTERM).name
+        if trainer.state.fn != TrainerFn.FITTING:  # nothing to resume, and a last.ckpt without
+            if trainer.is_global_zero:             # optimiser state must not replace the fit's
+                print(f"shortcutlab: stopped by {name} during {trainer.state.fn.value}; no checkpoint written",
+                      file=sys.stderr)
+            return
         if trainer.validating:
             end_weight_averaging_validation(trainer, pl_module)
         weights = [p.detach() for p in pl_module.parameters()]

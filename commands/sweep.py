@@ -112,6 +112,16 @@ def record_plan(save_dir: Path, names: Sequence[str]) -> None:
     path.write_text(json.dumps({"runs": planned}, indent=2) + "\n")
 
 
+CHECKPOINT_AT_RUN_TIME = "@newest-checkpoint@"  # placeholder in a printed --then line
+
+
+def newest_checkpoint_shell(run: Path) -> str:
+    """A shell word that is :func:`last_checkpoint` of ``run`` when the printed line runs (the
+    newer of the two files by modification time; ``ls -t`` puts ``last.ckpt`` first on a tie)."""
+    files = " ".join(shlex.quote(str(run / "checkpoints" / name)) for name in ("last.ckpt", "latest.ckpt"))
+    return f'"$(ls -t {files} 2>/dev/null | head -n 1)"'
+
+
 def last_checkpoint(run: Path) -> Optional[Path]:
     """The newer of the run's ``checkpoints/last.ckpt`` and ``checkpoints/latest.ckpt`` (None
     when it has neither): the resume point and the network ``--then`` probes.
@@ -261,8 +271,9 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         if parsed.print_only:
             line = shell_line(args)
             if parsed.then:
-                line += " && " + shell_line(follow_up_command(parsed.then, run, run / "checkpoints" / "last.ckpt",
-                                                              point, parsed.then_set, save_dir, name))
+                follow = shell_line(follow_up_command(parsed.then, run, Path(CHECKPOINT_AT_RUN_TIME), point,
+                                                      parsed.then_set, save_dir, name))
+                line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
             print(line)
             continue
         record_file = run / "sweep.json"

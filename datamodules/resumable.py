@@ -26,6 +26,7 @@ import os
 from typing import Any, Iterator, Optional, Sized
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, RandomSampler
 
 
@@ -132,7 +133,8 @@ class ResumableTrainData:
         resume, self._resume_position = self._resume_position, None
         written, self._resume_order = self._resume_order, None
         if resume is not None and written is not None:
-            check_same_data_order(written, data_order(batch_size, self._world_size()))
+            check_same_data_order(written, data_order(batch_size, self._world_size(), len(dataset)),
+                                  mid_epoch=int(resume.get("batches", 0)) > 0)
         return ResumableLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(dataset), resume=resume,
                                **kwargs)
 
@@ -150,27 +152,35 @@ class ResumableTrainData:
             return {}
         if position["batches"] >= trainer.num_training_batches:  # limit_train_batches included
             position = {"epoch": position["epoch"] + 1, "batches": 0}
-        return {"train_position": position, "data_order": data_order(int(loader.batch_size), self._world_size())}
+        return {"train_position": position,
+                "data_order": data_order(int(loader.batch_size), self._world_size(), len(loader.dataset))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_position = state_dict.get("train_position")
         self._resume_order = state_dict.get("data_order")  # absent in checkpoints written before it
 
 
-def data_order(batch_size: int, world_size: int) -> dict[str, int]:
+def data_order(batch_size: int, world_size: int, num_samples: int) -> dict[str, int]:
     """What a train position counts in: the shuffle seed (``seed_everything``'s), the batches'
-    size and the number of processes sharing the epoch."""
-    return {"seed": default_shuffle_seed(), "batch_size": int(batch_size), "world_size": int(world_size)}
+    size, the number of processes sharing the epoch and the number of samples shuffled."""
+    return {"seed": default_shuffle_seed(), "batch_size": int(batch_size), "world_size": int(world_size),
+            "num_samples": int(num_samples)}
 
 
-NAMES = {"seed": "seed_everything", "batch_size": "data batch_size", "world_size": "processes (devices x nodes)"}
+NAMES = {"seed": "seed_everything", "batch_size": "data batch_size", "world_size": "processes (devices x nodes)",
+         "num_samples": "the number of training samples"}
 
 
-def check_same_data_order(written: dict[str, int], current: dict[str, int]) -> None:
-    """One line naming the first setting in which a resumed fit's data order would differ from
-    the checkpoint's: its position would then skip or repeat samples, or continue another order."""
+def check_same_data_order(written: dict[str, int], current: dict[str, int], mid_epoch: bool) -> None:
+    """Resuming in another order than the checkpoint's: mid-epoch a one-line ValueError (the
+    position would skip or repeat samples); at an epoch boundary a warning (nothing is skipped,
+    but the run no longer draws the uninterrupted run's order, e.g. on another GPU count)."""
     for key, name in NAMES.items():
         if key in written and written[key] != current[key]:
-            raise ValueError(f"--ckpt_path: {name} is {current[key]} here and {written[key]} in the checkpoint; a "
-                             "resumed fit continues the checkpoint's data order (its position counts batches of "
-                             "that order): resume with the checkpoint's value")
+            if mid_epoch:
+                raise ValueError(f"--ckpt_path: {name} is {current[key]} here and {written[key]} in the checkpoint, "
+                                 "which stopped mid-epoch; its position counts batches of its own data order, so "
+                                 "resume with the checkpoint's value (or from an epoch-end checkpoint)")
+            rank_zero_warn(f"resuming with {name} {current[key]} instead of the checkpoint's {written[key]}: the "
+                           "epochs from here draw another data order than the uninterrupted run would have")
+            return

@@ -122,3 +122,27 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert torch.equal(saved["current_model_state"]["lin.weight"], seen["training"])
     assert torch.equal(saved["state_dict"]["lin.weight"], seen["averaged"])
+
+
+def test_a_signal_during_validate_writes_no_checkpoint(tmp_path, capsys):
+    """Outside fit there is nothing to resume: no last.ckpt (one without optimiser state would
+    replace the fit's in a shared folder), one line saying so."""
+    import lightning as L
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from callbacks.preemption import PreemptionCheckpoint
+    from line_module import Line
+
+    class StoppedInValidation(Line):
+        def validation_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[PreemptionCheckpoint()])
+    with pytest.raises(SIGTERMException):
+        trainer.validate(StoppedInValidation(), loader)
+    assert not (tmp_path / "checkpoints").exists()
+    assert "stopped by SIGTERM during validate; no checkpoint written" in capsys.readouterr().err

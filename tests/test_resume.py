@@ -173,23 +173,39 @@ def test_really_interrupted_fit_resumes_to_the_uninterrupted_one(full_runs, tmp_
     assert_resumed_equals_full(resumed, full, MID_EPOCH)
 
 
-@pytest.mark.parametrize("seed, batch_size, message", [
-    (1, 32, "--ckpt_path: seed_everything is 1 here and 0 in the checkpoint; a resumed fit continues"),
-    (0, 16, "--ckpt_path: data batch_size is 16 here and 32 in the checkpoint; a resumed fit continues"),
-])
-def test_resume_in_another_data_order_is_a_one_line_error(seed, batch_size, message, full_runs, tmp_path):
-    """The train position counts batches of the checkpoint's order: another seed or batch size
-    would continue another order, skipping or repeating samples."""
-    _, root = full_runs["mae_linear"]
+def resume_in_order(root: Path, step: int, seed: int, batch_size: int, monkeypatch) -> None:
+    monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))  # seed_everything sets it; restored after the test
     L.seed_everything(seed)
     trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", logger=False, callbacks=[ExactResume()],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_train_batches=BATCHES, limit_val_batches=1,
-                        default_root_dir=tmp_path)
+                        default_root_dir=root)
+    trainer.fit(CASES["mae_linear"][0](), Digits(batch_size=batch_size, image_size=8),
+                ckpt_path=root.parent / "ckpts" / f"step{step}.ckpt")
+
+
+@pytest.mark.parametrize("seed, batch_size, message", [
+    (1, 32, "--ckpt_path: seed_everything is 1 here and 0 in the checkpoint, which stopped mid-epoch;"),
+    (0, 16, "--ckpt_path: data batch_size is 16 here and 32 in the checkpoint, which stopped mid-epoch;"),
+])
+def test_resume_mid_epoch_in_another_data_order_is_a_one_line_error(seed, batch_size, message, full_runs, tmp_path,
+                                                                    monkeypatch):
+    """The train position counts batches of the checkpoint's order: another seed or batch size
+    would continue another order, skipping or repeating samples."""
+    _, root = full_runs["mae_linear"]
+    (tmp_path / "ckpts").symlink_to(root)
     with pytest.raises(ValueError) as err:
-        trainer.fit(CASES["mae_linear"][0](), Digits(batch_size=batch_size, image_size=8),
-                    ckpt_path=root / f"step{MID_EPOCH}.ckpt")
+        resume_in_order(tmp_path / "run", MID_EPOCH, seed, batch_size, monkeypatch)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_resume_at_an_epoch_boundary_in_another_order_warns(full_runs, tmp_path, monkeypatch):
+    """Nothing is skipped or repeated from an epoch's start (e.g. a requeue on another GPU count):
+    the fit goes on, and says its order is no longer the uninterrupted run's."""
+    _, root = full_runs["mae_linear"]
+    (tmp_path / "ckpts").symlink_to(root)
+    with pytest.warns(UserWarning, match="resuming with data batch_size 16 instead of the checkpoint's 32"):
+        resume_in_order(tmp_path / "run", EPOCH_BOUNDARY, 0, 16, monkeypatch)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

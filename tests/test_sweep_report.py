@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -302,11 +303,22 @@ def test_print_gives_one_command_per_run(tmp_path, capsys):
         assert {lg["init_args"]["version"] for lg in logger["trainer"]["logger"]} == {name}
     for args, (alpha, seed) in zip(probes, expected):
         run = tmp_path / "e" / f"alpha_min={alpha},seed={seed}"
-        assert f"--model.checkpoint={run / 'checkpoints' / 'last.ckpt'}" in args
+        checkpoint = next(a for a in args if a.startswith("--model.checkpoint="))
+        assert checkpoint.startswith("--model.checkpoint=$(ls -t ")  # chosen when the line runs
         assert f"--seed_everything={seed}" in args and "--trainer.max_epochs=2" in args
         assert "--trainer.max_epochs=3" not in args
         assert args[-1] == f"--config={run / 'probe' / 'run.yaml'}"
     assert not any((tmp_path / "e").glob("*/sweep.json"))  # nothing ran
+    # run by a shell (the array job's eval), the probe takes the newer of last.ckpt and latest.ckpt
+    run = tmp_path / "e" / "alpha_min=0.6,seed=0"
+    (run / "checkpoints").mkdir()
+    for name, when in (("last.ckpt", 1_000_000_000), ("latest.ckpt", 2_000_000_000)):
+        (run / "checkpoints" / name).write_bytes(b"")
+        os.utime(run / "checkpoints" / name, ns=(when, when))
+    probe_line = lines[0].split(" && ")[1]
+    echoed = subprocess.run(["bash", "-c", "printf '%s\\n' " + probe_line.removeprefix("shortcutlab ")],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert f"--model.checkpoint={run / 'checkpoints' / 'latest.ckpt'}" in echoed
 
 
 def test_sweep_bad_input_is_one_line(capsys):
