@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from commands.run_metrics import Run, read_run
-from commands.sweep import PLAN_FILE, parse_run_name, short_name
+from commands.sweep import parse_run_name, read_plan, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
 REPORT_DIR = "report"
@@ -128,7 +128,7 @@ def find_runs(experiment: Path, skip: Path) -> list[Run]:
                          "made by shortcutlab sweep)")
     runs = [read_run(f) for f in folders]
     on_disk = {f.name for f in folders}
-    for name in planned_runs(experiment):
+    for name in read_plan(experiment):
         if name not in on_disk:
             runs.append(Run(name, experiment / name, parse_run_name(name), problem="missing (planned, never started)"))
     keys = list(runs[0].grid)
@@ -137,16 +137,6 @@ def find_runs(experiment: Path, skip: Path) -> list[Run]:
             raise ValueError(f"run '{run.name}' has grid keys {sorted(run.grid)}, run '{runs[0].name}' "
                              f"{sorted(keys)}: one experiment folder must hold one sweep")
     return runs
-
-
-def planned_runs(experiment: Path) -> list[str]:
-    """The run names of the experiment's ``sweep_plan.json`` (none when it has no readable one)."""
-    path = experiment / PLAN_FILE
-    try:
-        names = json.loads(path.read_text())["runs"] if path.is_file() else []
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{path}: not a sweep plan (expected {{\"runs\": [names]}})") from None
-    return [str(name) for name in names]
 
 
 def group_runs(runs: list[Run]) -> tuple[list[str], list[Group]]:

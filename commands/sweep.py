@@ -95,21 +95,24 @@ def write_logging_fragment(save_dir: Path, version: str) -> Path:
     return path
 
 
+def read_plan(save_dir: Path) -> list[str]:
+    """The run names of ``<save_dir>/sweep_plan.json`` (none without one)."""
+    path = save_dir / PLAN_FILE
+    try:
+        return [str(name) for name in json.loads(path.read_text())["runs"]] if path.is_file() else []
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{path}: not a sweep plan (expected {{\"runs\": [names]}}); move it away to start "
+                         "a new plan") from None
+
+
 def record_plan(save_dir: Path, names: Sequence[str]) -> None:
     """Add ``names`` to ``<save_dir>/sweep_plan.json``, the runs this experiment was asked for
     (by every sweep into it, printed ones included), so that a report can name the runs that
     never started, even a whole row of them."""
-    path = save_dir / PLAN_FILE
-    planned: list[str] = []
-    if path.is_file():
-        try:
-            planned = list(json.loads(path.read_text())["runs"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}: not a sweep plan (expected {{\"runs\": [names]}}); move it away to start "
-                             "a new plan") from None
+    planned = read_plan(save_dir)
     planned += [name for name in names if name not in planned]
     save_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"runs": planned}, indent=2) + "\n")
+    (save_dir / PLAN_FILE).write_text(json.dumps({"runs": planned}, indent=2) + "\n")
 
 
 CHECKPOINT_AT_RUN_TIME = "@newest-checkpoint@"  # placeholder in a printed --then line
