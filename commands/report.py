@@ -214,7 +214,7 @@ def scatter_points(runs: list[Run]) -> tuple[Optional[ReportedMetric], list[tupl
 
 
 def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
-                   metrics: list[ReportedMetric], correlation: dict) -> str:
+                   metrics: list[ReportedMetric], correlation: dict, stale: list[str]) -> str:
     """The report as Markdown: the table, how its numbers were made, and the missing/failed runs."""
     with_problems = any(problems_of(group) for group in groups)
     header = [*(group_keys or ["runs"]), "n (seeds)", *(m.label for m in metrics)]
@@ -242,7 +242,6 @@ def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
     if unrecorded:
         lines += ["", "Counted by their fit_end.json, without a sweep.json (made by `sweep --print` or outside "
                   "the sweep): " + ", ".join(unrecorded) + "."]
-    stale = stale_values(groups, metrics)
     if stale:
         lines += ["", "Counted, but from before the end of their run (the evaluation cadence missed the last "
                   "epoch; the run trained on after these values):"]
@@ -264,7 +263,8 @@ def stale_values(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list
     return lines
 
 
-def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict) -> dict:
+def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict,
+                stale: list[str]) -> dict:
     """The raw numbers of the report (fractions for accuracies, as logged)."""
     metrics = (*TABLE_METRICS, *EXTRA_METRICS)
 
@@ -281,7 +281,7 @@ def report_data(experiment: str, group_keys: list[str], groups: list[Group], cor
                     "metrics": {m.name if not m.probe else "probe/" + m.name: stats(group.summary(m))
                                 for m in metrics},
                     "problems": problems_of(group)} for group in groups],
-        "stale_values": stale_values(groups, TABLE_METRICS),
+        "stale_values": stale,
         "runs": [{"name": run.name, "grid": run.grid, "counted": run.counted, "problem": run.problem,
                   "probe_problem": run.probe_problem,
                   "final": {**{m.name: run.final(m.name) for m in metrics if not m.probe},
@@ -317,8 +317,9 @@ def make_report(experiment: Path, out: Path) -> dict:
                                                         SUPERVISED: "val"}[probe],
                    "r": r, "n": len(points)}
     metrics = present_metrics(groups, TABLE_METRICS)
-    markdown = markdown_table(experiment.name, group_keys, groups, metrics, correlation)
-    data = report_data(experiment.name, group_keys, groups, correlation)
+    stale = stale_values(groups, TABLE_METRICS)
+    markdown = markdown_table(experiment.name, group_keys, groups, metrics, correlation, stale)
+    data = report_data(experiment.name, group_keys, groups, correlation, stale)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.md", out / "report.json"]
     files[0].write_text(markdown)
