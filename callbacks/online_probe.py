@@ -40,6 +40,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods import metric_names
+from lightning_mods.classification_steps import top_k_accuracy
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from lightning_mods.eval_mode import isolated_eval
 
@@ -197,7 +198,7 @@ class OnlineLinearProbe(Callback):
 
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._val_top1 = MulticlassAccuracy(int(self.num_classes), average="micro").to(self._device)
+        self._val_top1 = top_k_accuracy(int(self.num_classes), 1).to(self._device)
         self._val_total = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._val_seen = 0
         self._val_nonfinite = False
