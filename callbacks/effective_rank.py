@@ -38,6 +38,7 @@ from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
 from lightning_mods import metric_names
 from lightning_mods.pictures import log_picture, run_dir
+from .settings_key import SettingsKeyed
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 Source = Literal["covariance", "features"]
@@ -168,7 +169,7 @@ def read_profiles(path: Path) -> dict[int, dict[str, list[float]]]:
     return profiles
 
 
-class EffectiveRank(ScheduledEvaluation):
+class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
     """Entropy and effective rank of the gathered validation features after validation epochs.
 
     Logs ``rank/entropy`` and ``rank/effective_rank`` of the features at the end of every
@@ -189,13 +190,20 @@ class EffectiveRank(ScheduledEvaluation):
         max_samples: use the first ``max_samples`` validation samples (None: all of them).
         batch_size, num_workers: of the feature loader (default: the datamodule's).
         draw_profile: save the rank-over-depth picture (with ``per_block``).
+        name: the tag of this instance's metric names, profile file and picture when the Trainer
+            has several ``EffectiveRank`` (default: its settings that differ from the defaults,
+            e.g. ``rank/effective_rank@source=features``; :mod:`callbacks.settings_key`).
     """
 
     def __init__(self, every_n_epochs: Optional[int] = None, source: Source = "covariance",
                  dtype: Literal["float64", "float32"] = "float64", per_block: bool = False,
                  max_samples: Optional[int] = None, batch_size: Optional[int] = None,
-                 num_workers: Optional[int] = None, draw_profile: bool = True) -> None:
+                 num_workers: Optional[int] = None, draw_profile: bool = True,
+                 name: Optional[str] = None) -> None:
         super().__init__()
+        if name is not None and (not name or any(c in name for c in "@/")):
+            raise ValueError(f"EffectiveRank: name must be a non-empty string without '@' or '/', got {name!r}")
+        self.name = name
         if source not in SOURCES:
             raise ValueError(f"EffectiveRank: source must be one of {SOURCES}, got {source!r}")
         if dtype not in DTYPES:
@@ -225,7 +233,18 @@ class EffectiveRank(ScheduledEvaluation):
         """The values logged by the last evaluation (empty before the first)."""
         return dict(self.history[-1]["metrics"]) if self.history else {}
 
+    def identity(self) -> dict[str, Any]:
+        return {"source": self.source, "dtype": self.dtype, "per_block": self.per_block,
+                "max_samples": self.max_samples}
+
+    @property
+    def profile_file(self) -> str:
+        """``rank_per_block.csv``, or ``rank_per_block@<tag>.csv`` beside another instance."""
+        stem, _, suffix = PROFILE_FILE.rpartition(".")
+        return f"{metric_names.variant(stem, self.instance_tag)}.{suffix}"
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if self.per_block and not hasattr(pl_module, "forward_block_features"):
             raise ValueError(f"EffectiveRank: per_block needs {type(pl_module).__name__}.forward_block_features "
                              "(docs/contracts.md)")
@@ -245,11 +264,11 @@ class EffectiveRank(ScheduledEvaluation):
             return
         # validate: Lightning does not restore the fit's history, the file holds this evaluation
         evaluated = [h for h in self.history if h.get("profile")] if fitting else [entry]
-        write_profiles(run_dir(trainer) / PROFILE_FILE, evaluated)
+        write_profiles(run_dir(trainer) / self.profile_file, evaluated)
         if self.draw_profile:
             fig = draw_rank_profile([(h["epoch"], h["profile"]) for h in evaluated],
                                     f"effective rank over depth ({self.source} spectrum)")
-            log_picture(trainer, "rank/profile", fig)
+            log_picture(trainer, self.metric("rank/profile"), fig)
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> tuple[dict[str, float], dict[str, list[float]]]:
         """``(metrics, per-block {"entropy": [...], "effective_rank": [...]})``, the same on every rank
@@ -272,7 +291,8 @@ class EffectiveRank(ScheduledEvaluation):
                     continue
                 values[i] = torch.tensor(rank_measures(x, self.source, DTYPES[self.dtype]), dtype=torch.float64)
         values = broadcast_from_rank_zero(values).cpu()
-        metrics = {metric_names.RANK_ENTROPY: float(values[0, 0]), metric_names.EFFECTIVE_RANK: float(values[0, 1])}
+        metrics = {self.metric(metric_names.RANK_ENTROPY): float(values[0, 0]),
+                   self.metric(metric_names.EFFECTIVE_RANK): float(values[0, 1])}
         return metrics, {"entropy": values[1:, 0].tolist(), "effective_rank": values[1:, 1].tolist()}
 
     def state_dict(self) -> dict[str, Any]:

@@ -102,22 +102,26 @@ class ExactResume(Callback):
     # --- running sums of on_epoch training metrics (mid-epoch checkpoints) --------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_starts += 1
-        if self._batch_starts > 1:
+        if self._pending_sums:
             self._add_pending_sums(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._add_pending_sums(trainer, pl_module)
+        if self._pending_sums:
+            self._add_pending_sums(trainer, pl_module, epoch_end=True)
 
-    def _add_pending_sums(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # called before the second training batch after the resume (or at the end of its epoch):
-        # each metric has been updated exactly once since the resume
-        sums, self._pending_sums = self._pending_sums, None
-        if not sums:
-            return
+    def _add_pending_sums(self, trainer: Trainer, pl_module: LightningModule, epoch_end: bool = False) -> None:
+        # called at every batch start after the resume (and at the end of its epoch): a metric
+        # that has appeared since the last call has been updated exactly once since the resume,
+        # so its saved sum is added now; one logged only every few batches (the online probe's)
+        # waits until it appears, and one that does not appear again in the epoch is logged at
+        # its end from the saved sum alone, as the uninterrupted run logs it
         results = trainer.fit_loop.epoch_loop._results
-        for key, saved in sums.items():
+        waiting: dict[str, dict[str, Any]] = {}
+        for key, saved in self._pending_sums.items():
             result = results.get(key)
-            if "metric_attribute" in saved:
+            if "metric_attribute" in saved and self._batch_starts < 2 and not epoch_end:
+                waiting[key] = saved  # a torchmetrics Metric: added once its first update is done
+            elif "metric_attribute" in saved:
                 metric = pl_module.get_submodule(saved["metric_attribute"])
                 states = {name: _to(state, metric.device) for name, state in saved["states"].items()}
                 metric._reduce_states(states)  # current + saved: the sum over the whole epoch
@@ -127,6 +131,15 @@ class ExactResume(Callback):
                 if "cumulated_batch_size" in saved:
                     result.cumulated_batch_size = (result.cumulated_batch_size
                                                    + saved["cumulated_batch_size"].to(result.value.device))
+            elif not epoch_end:
+                waiting[key] = saved
+            elif "name" in saved:
+                value = saved["value"]
+                if "cumulated_batch_size" in saved:  # a mean: the weighted sum over its batch count
+                    value = value / saved["cumulated_batch_size"]
+                pl_module.log(saved["name"], value.to(pl_module.device), on_step=False, on_epoch=True,
+                              reduce_fx="mean" if "cumulated_batch_size" in saved else "sum", batch_size=1)
+        self._pending_sums = waiting or None
 
 
 def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
@@ -140,7 +153,7 @@ def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
         if not meta.on_epoch or result.has_reset:
             continue
         if result.is_tensor and (meta.is_mean_reduction or meta.is_sum_reduction):
-            sums[key] = {"value": result.value.detach().cpu().clone()}
+            sums[key] = {"value": result.value.detach().cpu().clone(), "name": meta.name}
             if meta.is_mean_reduction:
                 sums[key]["cumulated_batch_size"] = result.cumulated_batch_size.detach().cpu().clone()
         elif isinstance(result.value, Metric) and meta.metric_attribute:

@@ -18,7 +18,7 @@ every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_mods import metric_names
 from .distributed import all_reduce_sum, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
+from .settings_key import SettingsKeyed
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 SIMILARITY_BUDGET = 2 ** 24  # similarity entries per chunk (64 MiB in float32)
@@ -54,8 +55,25 @@ def knn_predict(
         chunk_size: queries scored at once (default: as many as keep ``chunk x N`` under
             2**24 similarities), so a large bank does not need a ``Q x N`` matrix.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"knn_predict: k must be an integer >= 1, got {k!r}")
+    return knn_predict_ks(bank_feats, bank_labels, query_feats, num_classes, [k], temperature, chunk_size)[0]
+
+
+def knn_predict_ks(
+    bank_feats: torch.Tensor,
+    bank_labels: torch.Tensor,
+    query_feats: torch.Tensor,
+    num_classes: int,
+    ks: Sequence[int],
+    temperature: float = 0.07,
+    chunk_size: Optional[int] = None,
+) -> list[torch.Tensor]:
+    """:func:`knn_predict` at every ``k`` of ``ks`` from one similarity matrix and one top-k (of
+    the largest ``k``): the ``k`` nearest are the first ``k`` of the largest ``k``'s sorted
+    neighbours, and their votes are added in the same order, so each score equals the single-``k``
+    one. Returns one ``Q x C`` tensor per entry of ``ks``."""
+    ks = list(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"knn_predict: k must be an integer >= 1, got {ks[0] if len(ks) == 1 else ks!r}")
     if not temperature > 0:
         raise ValueError(f"knn_predict: temperature must be > 0, got {temperature!r}")
     if num_classes < 1:
@@ -76,14 +94,16 @@ def knn_predict(
     bank = F.normalize(bank_feats.float(), dim=1)
     queries = F.normalize(query_feats.float().to(bank.device), dim=1)
     labels = bank_labels.to(device=bank.device, dtype=torch.int64)
-    k = min(k, len(bank))
+    used = [min(k, len(bank)) for k in ks]
     chunk = chunk_size or max(1, SIMILARITY_BUDGET // len(bank))
-    scores = torch.zeros(len(queries), num_classes, device=bank.device)
+    scores = [torch.zeros(len(queries), num_classes, device=bank.device) for _ in ks]
     for start in range(0, len(queries), chunk):
         similarity = queries[start:start + chunk] @ bank.T
-        top_sim, top_idx = similarity.topk(k, dim=1)
+        top_sim, top_idx = similarity.topk(max(used), dim=1)  # sorted, most similar first
         weights = (top_sim / temperature).exp()
-        scores[start:start + chunk].scatter_add_(1, labels[top_idx], weights)
+        voters = labels[top_idx]
+        for score, k in zip(scores, used):
+            score[start:start + chunk].scatter_add_(1, voters[:, :k], weights[:, :k])
     return scores
 
 
@@ -105,7 +125,7 @@ def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
     return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
 
 
-class KNNEvaluator(ScheduledEvaluation):
+class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
     """kNN accuracy of ``pl_module.forward_features`` after validation epochs.
 
     Logs ``knn/top1`` (and ``knn/top5`` when there are more than 5 classes), identical on every
@@ -113,22 +133,33 @@ class KNNEvaluator(ScheduledEvaluation):
     one), and in every ``validate``. Skips the sanity check; under ``fast_dev_run=n`` uses only
     the first ``n`` batches of the bank and of the queries.
 
+    ``k`` may be a list (DINO reports 10, 20, 100 and 200): every ``k`` is scored from one
+    feature pass and one similarity top-k, and logged as ``knn/top1@k=10``, ``knn/top1@k=20``, ...
+    With another ``KNNEvaluator`` in the same Trainer the names carry this one's settings too
+    (``knn/top1@temperature=0.1``; ``name`` sets that tag), see :mod:`callbacks.settings_key`.
+
     Args:
-        k: neighbours (paper: 20).
+        k: neighbours (paper: 20), or a list of them.
         temperature: of the vote weights ``exp(similarity / T)``.
         every_n_epochs: evaluate after every n-th epoch (0-indexed epochs ``n-1, 2n-1, ...``);
             None: at every validation (``trainer.check_val_every_n_epoch``).
         num_classes: classes of the labels (default: the datamodule's ``num_classes``).
         batch_size, num_workers: of the feature loaders (default: the datamodule's).
         chunk_size: queries scored at once (default: bounded by a similarity budget).
+        name: the tag of this instance's metric names when the Trainer has several (default:
+            its settings that differ from the defaults).
     """
 
-    def __init__(self, k: int = 20, temperature: float = 0.07, every_n_epochs: Optional[int] = None,
-                 num_classes: Optional[int] = None, batch_size: Optional[int] = None,
-                 num_workers: Optional[int] = None, chunk_size: Optional[int] = None) -> None:
+    def __init__(self, k: Union[int, list[int]] = 20, temperature: float = 0.07,
+                 every_n_epochs: Optional[int] = None, num_classes: Optional[int] = None,
+                 batch_size: Optional[int] = None, num_workers: Optional[int] = None,
+                 chunk_size: Optional[int] = None, name: Optional[str] = None) -> None:
         super().__init__()
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"KNNEvaluator: k must be an integer >= 1, got {k!r}")
+        ks = list(k) if isinstance(k, (list, tuple)) else [k]
+        if not ks or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ks):
+            raise ValueError(f"KNNEvaluator: k must be an integer >= 1 or a non-empty list of them, got {k!r}")
+        if len(set(ks)) != len(ks):
+            raise ValueError(f"KNNEvaluator: k lists a value twice: {k!r}")
         if not temperature > 0:
             raise ValueError(f"KNNEvaluator: temperature must be > 0, got {temperature!r}")
         if num_classes is not None and num_classes < 1:
@@ -139,15 +170,34 @@ class KNNEvaluator(ScheduledEvaluation):
             raise ValueError(f"KNNEvaluator: num_workers must be >= 0 or None, got {num_workers!r}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"KNNEvaluator: chunk_size must be >= 1 or None, got {chunk_size!r}")
-        self.k = k
+        if name is not None and (not name or any(c in name for c in "@/")):
+            raise ValueError(f"KNNEvaluator: name must be a non-empty string without '@' or '/', got {name!r}")
+        self.k = list(ks) if isinstance(k, (list, tuple)) else k
         self.temperature = float(temperature)
         self.every_n_epochs = check_every_n_epochs("KNNEvaluator", every_n_epochs)
         self.num_classes = num_classes
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.chunk_size = chunk_size
+        self.name = name
         self.last_metrics: dict[str, float] = {}  # of the last evaluation
         self.last_epoch: Optional[int] = None
+
+    @property
+    def ks(self) -> list[int]:
+        """The neighbour counts scored (one for an int ``k``)."""
+        return list(self.k) if isinstance(self.k, list) else [self.k]
+
+    def identity(self) -> dict[str, Any]:
+        return {"k": self.k, "temperature": self.temperature}
+
+    def tag_exclusions(self) -> tuple[str, ...]:
+        return ("k",) if isinstance(self.k, list) else ()
+
+    def metric_name(self, k: int, top: int) -> str:
+        """The logged name of top-``top`` accuracy at ``k`` neighbours."""
+        per_k = f"k={k}" if isinstance(self.k, list) else ""
+        return self.metric(metric_names.knn_topk(top), per_k)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not evaluation_due(trainer, self.every_n_epochs):
@@ -157,7 +207,7 @@ class KNNEvaluator(ScheduledEvaluation):
         self.last_metrics, self.last_epoch = metrics, int(trainer.current_epoch)
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
-        """``{"knn/top1": ..., ["knn/top5": ...]}`` in [0, 1], the same on every rank."""
+        """``{"knn/top1": ..., ["knn/top5": ...]}`` (per ``k`` for a list) in [0, 1], the same on every rank."""
         dm = getattr(trainer, "datamodule", None)
         num_classes = self.num_classes or getattr(dm, "num_classes", None)
         if not num_classes:
@@ -171,20 +221,21 @@ class KNNEvaluator(ScheduledEvaluation):
         bank = collect_features(pl_module, bank_set, batch_size, num_workers, forward_context=context)
         queries = collect_features(pl_module, query_set, batch_size, num_workers, gather=False,
                                    forward_context=context)
-        ks = (1, 5) if num_classes > 5 else (1,)
+        tops = (1, 5) if num_classes > 5 else (1,)
+        names = [self.metric_name(k, top) for k in self.ks for top in tops]
         finite = torch.isfinite(bank.features).all() & torch.isfinite(queries.features).all()
         if int(all_reduce_sum(finite.logical_not().to(torch.int64).view(1))):  # same answer on every rank
             rank_zero_warn("KNNEvaluator: non-finite features at this evaluation; logging NaN")
-            return {metric_names.knn_topk(k): float("nan") for k in ks}
+            return {name: float("nan") for name in names}
         if len(queries.labels):
-            scores = knn_predict(bank.features, bank.labels, queries.features, num_classes, self.k,
-                                 self.temperature, self.chunk_size)
-            correct = topk_correct(scores, queries.labels, ks)
+            all_scores = knn_predict_ks(bank.features, bank.labels, queries.features, num_classes, self.ks,
+                                        self.temperature, self.chunk_size)
+            correct = torch.cat([topk_correct(scores, queries.labels, tops) for scores in all_scores])
         else:  # a rank without queries (fewer queries than ranks) still joins the sum
-            correct = torch.zeros(len(ks), dtype=torch.int64, device=bank.features.device)
+            correct = torch.zeros(len(names), dtype=torch.int64, device=bank.features.device)
         counts = all_reduce_sum(torch.cat([correct, correct.new_tensor([len(queries.labels)])]))
         total = int(counts[-1])
-        return {metric_names.knn_topk(k): int(c) / total for k, c in zip(ks, counts[:-1].tolist())}
+        return {name: int(c) / total for name, c in zip(names, counts[:-1].tolist())}
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch}

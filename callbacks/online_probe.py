@@ -29,11 +29,11 @@ duplicates a DistributedSampler pads with are masked out) in a torchmetrics
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
@@ -43,6 +43,7 @@ from lightning_mods import metric_names
 from lightning_mods.classification_steps import top_k_accuracy
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from lightning_mods.eval_mode import isolated_eval
+from .settings_key import SettingsKeyed, format_setting
 
 DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 
@@ -65,33 +66,42 @@ class ProbeHead(nn.Module):
         return self.linear(self.norm(features.detach()))
 
 
-class OnlineLinearProbe(Callback):
+class OnlineLinearProbe(SettingsKeyed):
     """Train a linear probe on detached features during pre-training (see module docstring).
 
     The head takes one optimiser step every ``every_n_steps`` training batches (micro-batches
-    under gradient accumulation), on the first ``max_samples`` samples of the batch. Logs ``online_probe/train_loss`` and ``online_probe/train_top1`` every training step (this
-    rank's batch) and ``online_probe/val_top1`` after validation epochs (all validation
+    under gradient accumulation), on the first ``max_samples`` samples of the batch. Logs
+    ``online_probe/train_loss`` and ``online_probe/train_top1`` as epoch means over the probed
+    batches (this rank's samples) and ``online_probe/val_top1`` after validation epochs (all validation
     samples, the same on every rank; skipped in the sanity check and while the head is
     untrained, e.g. in ``validate``, where Lightning does not restore callback states).
+
+    ``lr`` may be a list (MAE's linear probing sweeps the rate): one head per rate, each
+    initialised from ``seed`` as a single-rate probe would be, all trained on the same detached
+    features of one extra forward pass, each logged as ``online_probe/val_top1@lr=0.01``, ...
+    With another ``OnlineLinearProbe`` in the same Trainer the names carry this one's settings
+    too (``name`` sets that tag), see :mod:`callbacks.settings_key`.
 
     Args:
         num_classes: classes of the labels (default: the datamodule's ``num_classes``).
         feature_dim: width of ``forward_features`` (default: the module's ``num_features``,
             else found from the first batch).
         optimizer: ``"adamw"`` or ``"sgd"`` (momentum); weight decay 0 either way.
-        lr: learning rate (default 1e-2 for AdamW, 0.1 for SGD).
+        lr: learning rate (default 1e-2 for AdamW, 0.1 for SGD), or a list of them.
         momentum: SGD momentum.
         batch_norm: BatchNorm1d without affine before the linear layer (MAE's linear probe).
         seed: seed of the head's initialisation (same head on every rank, no global RNG draw).
         every_n_steps: probe every n-th training batch (1: every batch).
         max_samples: probe at most this many samples of a batch (``None``: all of it); the
             loader shuffles, so the first ones are a random sample.
+        name: the tag of this instance's metric names when the Trainer has several (default:
+            its settings that differ from the defaults).
     """
 
     def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
-                 optimizer: Literal["adamw", "sgd"] = "adamw", lr: Optional[float] = None,
+                 optimizer: Literal["adamw", "sgd"] = "adamw", lr: Union[float, list[float], None] = None,
                  momentum: float = 0.9, batch_norm: bool = True, seed: int = 0, every_n_steps: int = 4,
-                 max_samples: Optional[int] = 32) -> None:
+                 max_samples: Optional[int] = 32, name: Optional[str] = None) -> None:
         super().__init__()
         if num_classes is not None and num_classes < 2:
             raise ValueError(f"OnlineLinearProbe: num_classes must be >= 2 or None, got {num_classes!r}")
@@ -99,8 +109,12 @@ class OnlineLinearProbe(Callback):
             raise ValueError(f"OnlineLinearProbe: feature_dim must be >= 1 or None, got {feature_dim!r}")
         if optimizer not in DEFAULT_LR:
             raise ValueError(f"OnlineLinearProbe: optimizer must be one of {tuple(DEFAULT_LR)}, got {optimizer!r}")
-        if lr is not None and not lr > 0:
-            raise ValueError(f"OnlineLinearProbe: lr must be > 0 or None, got {lr!r}")
+        rates = list(lr) if isinstance(lr, (list, tuple)) else [lr]
+        if not rates or (isinstance(lr, (list, tuple)) and None in rates) or any(
+                r is not None and (isinstance(r, bool) or not r > 0) for r in rates):
+            raise ValueError(f"OnlineLinearProbe: lr must be > 0, a non-empty list of rates > 0, or None, got {lr!r}")
+        if len(set(rates)) != len(rates):
+            raise ValueError(f"OnlineLinearProbe: lr lists a rate twice: {lr!r}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"OnlineLinearProbe: momentum must be in [0, 1), got {momentum!r}")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -108,28 +122,60 @@ class OnlineLinearProbe(Callback):
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
                                         or max_samples < 2):
             raise ValueError(f"OnlineLinearProbe: max_samples must be an integer >= 2 or None, got {max_samples!r}")
+        if name is not None and (not name or any(c in name for c in "@/")):
+            raise ValueError(f"OnlineLinearProbe: name must be a non-empty string without '@' or '/', got {name!r}")
         self.num_classes = num_classes
         self.feature_dim = feature_dim
         self.optimizer_name = optimizer
-        self.lr = float(lr) if lr is not None else DEFAULT_LR[optimizer]
+        self.given_lr = [float(r) for r in rates] if isinstance(lr, (list, tuple)) else lr
+        self.lrs = [float(r) if r is not None else DEFAULT_LR[optimizer] for r in rates]
+        self.lr = self.lrs[0]
         self.momentum = float(momentum)
         self.batch_norm = batch_norm
         self.seed = int(seed)
         self.every_n_steps = every_n_steps
         self.max_samples = max_samples
-        self.head: Optional[ProbeHead] = None
-        self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.steps = 0  # optimiser steps of the head
+        self.name = name
+        self.heads: list[ProbeHead] = []  # one per rate of self.lrs
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.steps = 0  # optimiser steps of the heads (they step together)
         self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
         self._device = torch.device("cpu")
         self._pending_state: Optional[dict[str, Any]] = None
-        self._val_top1: Optional[MulticlassAccuracy] = None  # this validation epoch's accuracy
+        self._val_top1: list[MulticlassAccuracy] = []  # this validation epoch's accuracy, per head
         self._val_total = torch.zeros(1, dtype=torch.int64)  # samples it counted on this rank
         self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
         self._val_nonfinite = False  # a non-finite feature seen this validation epoch
 
+    @property
+    def head(self) -> Optional[ProbeHead]:
+        """The head of the first rate (the only one for a single ``lr``)."""
+        return self.heads[0] if self.heads else None
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The optimiser of :attr:`head`."""
+        return self.optimizers[0] if self.optimizers else None
+
+    def identity(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer_name, "lr": self.given_lr, "momentum": self.momentum,
+                "batch_norm": self.batch_norm, "seed": self.seed, "every_n_steps": self.every_n_steps,
+                "max_samples": self.max_samples}
+
+    def tag_exclusions(self) -> tuple[str, ...]:
+        return ("lr",) if self.multi_rate else ()
+
+    @property
+    def multi_rate(self) -> bool:
+        return isinstance(self.given_lr, list)
+
+    def metric_names_of(self, name: str) -> list[str]:
+        """The logged names of vocabulary ``name``, one per head."""
+        return [self.metric(name, f"lr={format_setting(lr)}" if self.multi_rate else "") for lr in self.lrs]
+
     # --- head -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         self._device = trainer.strategy.root_device
         if self.num_classes is None:
             self.num_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
@@ -137,22 +183,27 @@ class OnlineLinearProbe(Callback):
                 raise ValueError("OnlineLinearProbe: num_classes is not set and the datamodule has no num_classes")
         if self.feature_dim is None:
             self.feature_dim = getattr(pl_module, "num_features", None)
-        if self.head is None and self.feature_dim is not None:
-            self._build_head(int(self.feature_dim))
-        elif self.head is not None:
-            self.head.to(self._device)
-
-    def _build_head(self, feature_dim: int) -> None:
-        self.feature_dim = feature_dim
-        with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global CPU RNG
-            head = ProbeHead(feature_dim, int(self.num_classes), self.batch_norm)
-        head.reset_parameters(torch.Generator().manual_seed(self.seed))
-        self.head = head.to(self._device)
-        params = list(self.head.parameters())
-        if self.optimizer_name == "adamw":
-            self.optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        if not self.heads and self.feature_dim is not None:
+            self._build_heads(int(self.feature_dim))
         else:
-            self.optimizer = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=0.0)
+            for head in self.heads:
+                head.to(self._device)
+
+    def _build_heads(self, feature_dim: int) -> None:
+        self.feature_dim = feature_dim
+        self.heads, self.optimizers = [], []
+        for lr in self.lrs:
+            with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global CPU RNG
+                head = ProbeHead(feature_dim, int(self.num_classes), self.batch_norm)
+            head.reset_parameters(torch.Generator().manual_seed(self.seed))  # every rate starts alike
+            head = head.to(self._device)
+            params = list(head.parameters())
+            if self.optimizer_name == "adamw":
+                optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+            else:
+                optimizer = torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=0.0)
+            self.heads.append(head)
+            self.optimizers.append(optimizer)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._load_head_state(state)
@@ -160,8 +211,8 @@ class OnlineLinearProbe(Callback):
     def _features(self, trainer: Trainer, pl_module: LightningModule, images: torch.Tensor) -> torch.Tensor:
         with isolated_eval(pl_module), trainer.precision_plugin.forward_context():
             features = pl_module.forward_features(images).float()
-        if self.head is None:
-            self._build_head(features.shape[1])
+        if not self.heads:
+            self._build_heads(features.shape[1])
         elif features.ndim != 2 or features.shape[1] != self.feature_dim:
             raise ValueError(f"OnlineLinearProbe: forward_features gave shape {tuple(features.shape)}, the head "
                              f"expects B x {self.feature_dim} (set feature_dim)")
@@ -179,26 +230,31 @@ class OnlineLinearProbe(Callback):
             return  # batch norm cannot train on one sample (DistributedSampler: same size on every rank)
         features = self._features(trainer, pl_module, images)
         if _any_rank_nonfinite(features):  # a diverged backbone: no step, and the same on every rank
-            rank_zero_warn("OnlineLinearProbe: non-finite features, the head skips this step")
+            rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
-        with torch.enable_grad():
-            self.head.train()
-            logits = self.head(features)
-            loss = F.cross_entropy(logits, labels)
-            self.optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-        average_across_ranks_(p.grad for p in self.head.parameters())
-        self.optimizer.step()
-        average_across_ranks_(b for b in self.head.buffers() if b.is_floating_point())
+        logged = {}
+        losses, tops = self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_LOSS), \
+            self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_TOP1)
+        for head, optimizer, loss_name, top_name in zip(self.heads, self.optimizers, losses, tops):
+            with torch.enable_grad():
+                head.train()
+                logits = head(features)
+                loss = F.cross_entropy(logits, labels)
+                optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+            average_across_ranks_(p.grad for p in head.parameters())
+            optimizer.step()
+            average_across_ranks_(b for b in head.buffers() if b.is_floating_point())
+            logged[loss_name] = loss.detach()
+            logged[top_name] = multiclass_accuracy(logits.detach(), labels, int(self.num_classes), average="micro")
         self.steps += 1
-        top1 = multiclass_accuracy(logits.detach(), labels, int(self.num_classes), average="micro")
-        pl_module.log_dict({metric_names.ONLINE_PROBE_TRAIN_LOSS: loss.detach(),
-                            metric_names.ONLINE_PROBE_TRAIN_TOP1: top1},
-                           on_step=True, on_epoch=False, batch_size=len(labels))
+        # epoch means over the probed batches: a per-step value would be repeated by Lightning at
+        # every batch of the epoch after it (stale numbers between probes, and lost on a mid-epoch resume)
+        pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=len(labels))
 
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._val_top1 = top_k_accuracy(int(self.num_classes), 1).to(self._device)
+        self._val_top1 = [top_k_accuracy(int(self.num_classes), 1).to(self._device) for _ in self.lrs]
         self._val_total = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._val_seen = 0
         self._val_nonfinite = False
@@ -214,39 +270,47 @@ class OnlineLinearProbe(Callback):
         self._val_seen += len(labels)
         features = self._features(trainer, pl_module, images)
         self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
-        with torch.no_grad():
-            self.head.eval()
-            logits = self.head(features)
         if real is not None:
-            logits, labels = logits[real.to(logits.device)], labels[real.to(labels.device)]
-        if len(labels):  # a batch of padding only: torchmetrics refuses empty updates
-            self._val_top1.update(logits, labels)
-            self._val_total += len(labels)
+            features, labels = features[real.to(features.device)], labels[real.to(labels.device)]
+        if not len(labels):  # a batch of padding only: torchmetrics refuses empty updates
+            return
+        with torch.no_grad():
+            for head, accuracy in zip(self.heads, self._val_top1):
+                head.eval()
+                accuracy.update(head(features), labels)
+        self._val_total += len(labels)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self.steps == 0:
             return
         nonfinite = int(all_reduce_sum(torch.tensor([int(self._val_nonfinite)], device=self._device)))
         total = int(all_reduce_sum(self._val_total))
+        names = self.metric_names_of(metric_names.ONLINE_PROBE_VAL_TOP1)
         if nonfinite:
             rank_zero_warn("OnlineLinearProbe: non-finite validation features; logging NaN")
-            log_identical(pl_module, {metric_names.ONLINE_PROBE_VAL_TOP1: float("nan")})
+            log_identical(pl_module, {name: float("nan") for name in names})
         elif total:  # compute() sums the counts over ranks: every rank calls it
-            log_identical(pl_module, {metric_names.ONLINE_PROBE_VAL_TOP1: self._val_top1.compute().item()})
+            log_identical(pl_module, {name: accuracy.compute().item() for name, accuracy in zip(names, self._val_top1)})
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self.head is None:
+        """One rate: ``head`` and ``optimizer`` (the layout of every earlier checkpoint); several:
+        ``heads``, one ``{"lr", "head", "optimizer"}`` per rate."""
+        if not self.heads:
             return dict(self._pending_state or {})
-        return {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
-                "batches": self.batches,
-                "head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        heads = [{"lr": lr, "head": {k: v.detach().cpu().clone() for k, v in head.state_dict().items()},
+                  "optimizer": copy.deepcopy(optimizer.state_dict())}
+                 for lr, head, optimizer in zip(self.lrs, self.heads, self.optimizers)]
+        state = {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
+                 "batches": self.batches}
+        if self.multi_rate:
+            return {**state, "heads": heads}
+        return {**state, "head": heads[0]["head"], "optimizer": heads[0]["optimizer"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if self.head is None:  # before setup, or a lazily sized head: applied when it is built
+        if not self.heads:  # before setup, or a lazily sized head: applied when it is built
             self._pending_state = dict(state_dict)
             self.feature_dim = self.feature_dim or state_dict.get("feature_dim")
             self.batches = int(state_dict.get("batches", state_dict.get("steps", 0)))
@@ -258,8 +322,14 @@ class OnlineLinearProbe(Callback):
             raise ValueError(f"OnlineLinearProbe: checkpoint head is {state_dict.get('feature_dim')} -> "
                              f"{state_dict.get('num_classes')} classes, this one {self.feature_dim} -> "
                              f"{self.num_classes}")
-        self.head.load_state_dict(state_dict["head"])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        saved = state_dict.get("heads") or [{"lr": self.lrs[0], "head": state_dict["head"],
+                                            "optimizer": state_dict["optimizer"]}]
+        if [float(h["lr"]) for h in saved] != self.lrs:
+            raise ValueError(f"OnlineLinearProbe: checkpoint heads were trained at lr {[h['lr'] for h in saved]}, "
+                             f"this probe's are {self.lrs}")
+        for entry, head, optimizer in zip(saved, self.heads, self.optimizers):
+            head.load_state_dict(entry["head"])
+            optimizer.load_state_dict(entry["optimizer"])
         self.steps = int(state_dict.get("steps", 0))
         self.batches = int(state_dict.get("batches", self.steps))  # older checkpoints: probed every batch
 

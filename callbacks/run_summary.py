@@ -46,7 +46,7 @@ def format_value(name: str, value: Optional[float]) -> str:
     the validate table): accuracies with 4 decimals, other numbers with 4 significant digits."""
     if value is None:
         return "-"
-    if name in metric_names.FRACTIONS:
+    if metric_names.is_fraction(name):
         return f"{value:.4f}"
     return f"{value:.4g}"
 

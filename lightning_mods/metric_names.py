@@ -11,8 +11,8 @@ name                                  meaning                                   
 ``val/top1``, ``test/top1``           top-1 accuracy of the classifier / probe head      fraction in [0, 1]
 ``val/top5``, ``test/top5``           top-5 accuracy (top-k, k = min(5, classes))        fraction in [0, 1]
 ``knn/top1``, ``knn/top5``            weighted kNN accuracy of the features (k=20)       fraction in [0, 1]
-``online_probe/train_loss``           cross-entropy of the online linear head (step)     nats
-``online_probe/train_top1``           its top-1 accuracy on the probed samples (step)    fraction in [0, 1]
+``online_probe/train_loss``           cross-entropy of the online head (epoch mean)      nats
+``online_probe/train_top1``           its top-1 on the probed samples (epoch mean)       fraction in [0, 1]
 ``online_probe/val_top1``             its top-1 accuracy on the validation split         fraction in [0, 1]
 ``rank/effective_rank``               exp(H) of the normalised singular values           dimensions
 ``rank/entropy``                      H, the paper's "effective rank"                    nats
@@ -62,3 +62,36 @@ def knn_topk(k: int) -> str:
 def generation_metric(name: str) -> str:
     """``val/<name>`` of a generation metric (``fid``, ``kid_mean``, ``isc_mean``, ...)."""
     return f"val/{name}"
+
+
+# --- several settings, several instances ------------------------------------------------------
+# A callback that measures at several settings (``KNNEvaluator(k=[10, 20])``) or that shares the
+# trainer with another instance of its class logs ``<name>@<setting>=<value>[,...]``, e.g.
+# ``knn/top1@k=10`` or ``rank/effective_rank@source=features``; one instance at one setting keeps
+# the plain name, so configs, reports and dashboards of single-instance runs read as before.
+_variant_separator = "@"
+
+
+def variant(name: str, tag: str) -> str:
+    """``name`` at the setting ``tag`` (``"k=10"``): ``knn/top1@k=10``; ``tag=""``: ``name``."""
+    return f"{name}{_variant_separator}{tag}" if tag else name
+
+
+def base_name(name: str) -> str:
+    """The vocabulary name of a (possibly variant) metric: ``knn/top1@k=10`` -> ``knn/top1``."""
+    return name.split(_variant_separator, 1)[0]
+
+
+def variant_tag(name: str) -> str:
+    """The setting part of a variant name (``"k=10"``), ``""`` for a plain name."""
+    return name.partition(_variant_separator)[2]
+
+
+def join_tags(*tags: str) -> str:
+    """``join_tags("temperature=0.1", "k=10")`` -> ``temperature=0.1,k=10`` (empty parts dropped)."""
+    return ",".join(tag for tag in tags if tag)
+
+
+def is_fraction(name: str) -> bool:
+    """Whether the (possibly variant) metric ``name`` is an accuracy, a fraction in [0, 1]."""
+    return base_name(name) in FRACTIONS

@@ -344,7 +344,7 @@ def test_online_probe_learns_separable_data(tmp_path):
 
 def test_online_probe_state_dict_round_trip():
     probe = OnlineLinearProbe(num_classes=3, feature_dim=4, optimizer="sgd")
-    probe._build_head(4)
+    probe._build_heads(4)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     torch.nn.functional.cross_entropy(probe.head(x), y).backward()
     probe.optimizer.step()
@@ -352,7 +352,7 @@ def test_online_probe_state_dict_round_trip():
     state = probe.state_dict()
     other = OnlineLinearProbe(num_classes=3, feature_dim=4, optimizer="sgd", seed=7)
     other.load_state_dict(state)  # before setup: applied when the head is built
-    other._build_head(4)
+    other._build_heads(4)
     for a, b in zip(probe.head.state_dict().values(), other.head.state_dict().values()):
         assert torch.equal(a, b)
     assert str(other.optimizer.state_dict()) == str(probe.optimizer.state_dict())
@@ -564,7 +564,7 @@ def test_online_probe_accuracies_on_a_hand_built_case():
     from types import SimpleNamespace
 
     probe = OnlineLinearProbe(num_classes=3, feature_dim=3, batch_norm=False, every_n_steps=1)
-    probe._build_head(3)
+    probe._build_heads(3)
     with torch.no_grad():
         probe.head.linear.weight.copy_(torch.eye(3))
         probe.head.linear.bias.zero_()

@@ -17,7 +17,11 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, EMAWeightAveraging
 from lightning.pytorch.loggers import Logger
 
+from callbacks.effective_rank import EffectiveRank
 from callbacks.exact_resume import ExactResume
+from callbacks.knn import KNNEvaluator
+from callbacks.online_probe import OnlineLinearProbe
+from callbacks.settings_key import SettingsKeyed
 from callbacks.residual_droppath import ResidualDroppath
 from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
@@ -101,6 +105,11 @@ CASES: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], list]]] = {
     "mae_learnable": (lambda: tiny_mae("learnable"), lambda: []),
     "classifier_residual_droppath": (tiny_classifier, lambda: [ResidualDroppath(drop_rate=0.3)]),
     "diffusion_ema": (tiny_diffusion, lambda: [EMAWeightAveraging(decay=0.7)]),
+    # two of every stateful evaluation callback, each with its own state and metric names
+    "mae_two_of_each_evaluation": (lambda: tiny_mae("linear"), lambda: [
+        KNNEvaluator(k=[1, 3]), KNNEvaluator(k=5, temperature=0.1),
+        OnlineLinearProbe(lr=[1e-2, 1e-3], every_n_steps=1), OnlineLinearProbe(optimizer="sgd", every_n_steps=2),
+        EffectiveRank(), EffectiveRank(source="features", per_block=True, draw_profile=False)]),
 }
 
 
@@ -120,7 +129,8 @@ def fit(case: str, root: Path, save: Optional[SaveAt] = None, ckpt_path: Optiona
     return {"weights": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
             "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
             "ema": ema._average_model.state_dict() if ema is not None else None,
-            "records": logger.records, "global_step": trainer.global_step}
+            "records": logger.records, "global_step": trainer.global_step,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in extra if isinstance(cb, SettingsKeyed)}}
 
 
 def assert_identical(actual: Any, expected: Any, where: str = "") -> None:
@@ -141,7 +151,7 @@ def assert_identical(actual: Any, expected: Any, where: str = "") -> None:
 
 def assert_resumed_equals_full(resumed: dict, full: dict, step: int) -> None:
     assert resumed["global_step"] == full["global_step"] == EPOCHS * BATCHES
-    for part in ("weights", "optimizer", "scheduler", "ema"):
+    for part in ("weights", "optimizer", "scheduler", "ema", "callbacks"):
         assert_identical(resumed[part], full[part], part)
     after = [r for r in full["records"] if r[0] >= step]
     assert len(after) >= 5  # step metrics, epoch metrics, validation metrics
