@@ -194,6 +194,9 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
     def tag_exclusions(self) -> tuple[str, ...]:
         return ("k",) if isinstance(self.k, list) else ()
 
+    def value_tags(self) -> list[str]:
+        return [f"k={k}" for k in self.k] if isinstance(self.k, list) else [""]
+
     def metric_name(self, k: int, top: int) -> str:
         """The logged name of top-``top`` accuracy at ``k`` neighbours."""
         per_k = f"k={k}" if isinstance(self.k, list) else ""

@@ -165,13 +165,16 @@ class OnlineLinearProbe(SettingsKeyed):
     def tag_exclusions(self) -> tuple[str, ...]:
         return ("lr",) if self.multi_rate else ()
 
+    def value_tags(self) -> list[str]:
+        return [f"lr={format_setting(lr)}" for lr in self.lrs] if self.multi_rate else [""]
+
     @property
     def multi_rate(self) -> bool:
         return isinstance(self.given_lr, list)
 
     def metric_names_of(self, name: str) -> list[str]:
         """The logged names of vocabulary ``name``, one per head."""
-        return [self.metric(name, f"lr={format_setting(lr)}" if self.multi_rate else "") for lr in self.lrs]
+        return [self.metric(name, value) for value in self.value_tags()]
 
     # --- head -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -28,9 +28,14 @@ def _as_float(value: Any) -> Optional[float]:
 
 def collect_summary(trainer: Trainer, metrics: Sequence[str]) -> dict[str, Any]:
     """``{"metrics": {name: value or None}, "best_checkpoint", "last_checkpoint", "pictures",
-    "log_dir", "epochs" (completed), "steps"}`` of a finished ``fit``."""
-    values = {name: _as_float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None
-              for name in metrics}
+    "log_dir", "epochs" (completed), "steps"}`` of a finished ``fit``. A name the run logged only at
+    several settings (``knn/top1@k=10``, ``knn/top1@k=20``) is shown by those."""
+    logged = trainer.callback_metrics
+    values: dict[str, Optional[float]] = {}
+    for name in metrics:
+        variants = sorted(n for n in logged if metric_names.base_name(n) == name and n != name)
+        for shown in ([name] if name in logged or not variants else []) + variants:
+            values[shown] = _as_float(logged[shown]) if shown in logged else None
     checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
     best = getattr(checkpoint, "best_model_path", "") or None
     last = getattr(checkpoint, "last_model_path", "") or None

@@ -62,17 +62,23 @@ class SettingsKeyed(Callback):
         """Settings the metric names carry per value anyway (``k`` of a k list): not in the tag."""
         return ()
 
+    def value_tags(self) -> list[str]:
+        """The per-value parts of the names (``["k=10", "k=20"]`` for a k list; ``[""]``: one value)."""
+        return [""]
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         siblings = [cb for cb in trainer.callbacks if type(cb) is type(self)]
         if len(siblings) < 2:
             self.instance_tag = self.name or ""
             return
-        tags = {id(cb): cb.name or cb.automatic_tag(cb.tag_exclusions()) or "default" for cb in siblings}
+        tags = {id(cb): cb.name or cb.automatic_tag(cb.tag_exclusions()) or ("default" if cb.value_tags() == [""] else "")
+                for cb in siblings}
         mine = tags[id(self)]
-        clashing = [cb for cb in siblings if cb is not self and tags[id(cb)] == mine]
-        if clashing:
-            raise ValueError(f"{type(self).__name__}: two instances would log the same names ('{mine}'); give each "
-                             "different settings or a distinct 'name'")
+        names = {metric_names.join_tags(mine, value) for value in self.value_tags()}
+        for other in siblings:
+            if other is not self and names & {metric_names.join_tags(tags[id(other)], v) for v in other.value_tags()}:
+                raise ValueError(f"{type(self).__name__}: two instances would log the same names ('{mine}'); give "
+                                 "each different settings or a distinct 'name'")
         self.instance_tag = mine
 
     def metric(self, name: str, *setting_tags: str) -> str:

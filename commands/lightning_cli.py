@@ -226,7 +226,10 @@ class ShortcutLabCLI(LightningCLI):
         with warnings.catch_warnings():
             # said once, with what no longer applies, by check_optimizer_override
             warnings.filterwarnings("ignore", message=r"`\w+\.configure_optimizers` will be overridden by")
-            super().instantiate_classes()
+            try:
+                super().instantiate_classes()
+            except RuntimeError as err:
+                raise duplicate_callback_message(err) or err
         if getattr(self, "_ckpt_weights", None) is not None:
             # links from the data (image size, channels, classes) can still give other shapes
             ckpt_path, state = self._ckpt_weights
@@ -252,6 +255,16 @@ class ShortcutLabCLI(LightningCLI):
         self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
+
+
+def duplicate_callback_message(err: RuntimeError) -> Optional[BadInput]:
+    """Lightning's refusal of two callbacks with one ``state_key`` (a multi-line RuntimeError) as
+    one line naming the class and the key; None for any other error."""
+    match = re.match(r"Found more than one stateful callback of type `(\w+)`", str(err))
+    if not match:
+        return None
+    return BadInput(f"trainer.callbacks: two {match.group(1)} callbacks have the same settings, so they would "
+                    "measure and save the same thing (one state_key); give one other settings or a distinct name")
 
 
 def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from commands.run_metrics import Run, read_run
+from lightning_mods import metric_names
 from commands.sweep import parse_run_name, read_plan, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
@@ -197,6 +198,26 @@ def not_counted_cell(group: Group) -> str:
     return ", ".join(cells)
 
 
+def with_variants(metrics: Sequence[ReportedMetric], runs: Sequence[Run]) -> list[ReportedMetric]:
+    """``metrics`` with, after each, the variants the runs logged of it: ``knn/top1@k=10`` of a
+    ``KNNEvaluator(k=[10, 20])`` or of a second kNN in the Trainer (:mod:`lightning_mods.metric_names`),
+    each its own column labelled with its setting."""
+    logged = {name for run in runs for name in run.metrics}
+    probe_logged = {name for run in runs for name in run.probe_metrics}
+    columns: list[ReportedMetric] = []
+    for metric in metrics:
+        columns.append(metric)
+        names = probe_logged if metric.probe else logged
+        variants = sorted((n for n in names if metric_names.base_name(n) == metric.name and metric_names.variant_tag(n)),
+                          key=lambda n: [_sort_key(part.partition("=")[2] or part)
+                                         for part in metric_names.variant_tag(n).split(",")])
+        head, _, unit = metric.label.partition(" (")
+        for name in variants:
+            label = f"{head} @{metric_names.variant_tag(name)}" + (f" ({unit}" if unit else "")
+            columns.append(ReportedMetric(name, label, metric.percent, metric.probe))
+    return columns
+
+
 def present_metrics(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list[ReportedMetric]:
     """The metrics at least one counted run logged."""
     return [m for m in metrics if any(g.summary(m) is not None for g in groups)]
@@ -266,7 +287,7 @@ def stale_values(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list
 def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict,
                 stale: list[str]) -> dict:
     """The raw numbers of the report (fractions for accuracies, as logged)."""
-    metrics = (*TABLE_METRICS, *EXTRA_METRICS)
+    metrics = with_variants((*TABLE_METRICS, *EXTRA_METRICS), [run for group in groups for run in group.runs])
 
     def stats(summary: Optional[Summary]) -> Optional[dict]:
         return None if summary is None else {"mean": summary.mean, "std": summary.std, "n": summary.n,
@@ -316,8 +337,9 @@ def make_report(experiment: Path, out: Path) -> dict:
     correlation = {"probe": None if probe is None else {OFFLINE_PROBE: "offline probe", ONLINE_PROBE: "online probe",
                                                         SUPERVISED: "val"}[probe],
                    "r": r, "n": len(points)}
-    metrics = present_metrics(groups, TABLE_METRICS)
-    stale = stale_values(groups, TABLE_METRICS)
+    table_metrics = with_variants(TABLE_METRICS, runs)
+    metrics = present_metrics(groups, table_metrics)
+    stale = stale_values(groups, table_metrics)
     markdown = markdown_table(experiment.name, group_keys, groups, metrics, correlation, stale)
     data = report_data(experiment.name, group_keys, groups, correlation, stale)
     out.mkdir(parents=True, exist_ok=True)

@@ -418,3 +418,23 @@ def test_sweep_then_report_end_to_end(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "tiny" / "sweep_plan.json").read_text())["runs"] == [
         "alpha_min=0.6", "alpha_min=1.0", "alpha_min=7.0"]
     assert "alpha_min" in (failed / "sweep.log").read_text().splitlines()[-1]
+
+
+def test_several_knn_k_and_probe_rates_are_columns_of_their_own(tmp_path):
+    """``KNNEvaluator(k=[10, 20])`` and ``OnlineLinearProbe(lr=[...])`` log ``knn/top1@k=10`` ...;
+    each becomes a column, ordered by its value, with mean and std over seeds (numpy float64)."""
+    finals = {0: (0.61, 0.72, 0.50, 0.55), 1: (0.63, 0.70, 0.52, 0.51)}  # k=10, k=100, lr=0.001, lr=0.01
+    for seed, (k10, k100, slow, fast) in finals.items():
+        run = tmp_path / "multi" / f"alpha_min=0.6,seed={seed}"
+        run.mkdir(parents=True)
+        run.joinpath("metrics.csv").write_text(
+            "epoch,knn/top1@k=100,knn/top1@k=10,online_probe/val_top1@lr=0.01,online_probe/val_top1@lr=0.001,step\n"
+            f"0,{k100},{k10},{fast},{slow},9\n")
+        run.joinpath("sweep.json").write_text(json.dumps({"name": run.name, "status": 0}))
+    markdown = report.make_report(tmp_path / "multi", tmp_path / "multi" / "report")["markdown"]
+    header = [c.strip() for c in markdown.splitlines()[2].strip("|").split("|")]
+    assert header == ["alpha_min", "n (seeds)", "kNN top-1 @k=10 (%)", "kNN top-1 @k=100 (%)",
+                      "online probe top-1 @lr=0.001 (%)", "online probe top-1 @lr=0.01 (%)"]
+    row = [c.strip() for c in markdown.splitlines()[4].strip("|").split("|")]
+    values = np.array(list(finals.values()), dtype=np.float64)
+    assert row[2:] == [cell(values[:, i].mean(), values[:, i].std(ddof=1), 100.0, 1) for i in range(4)]
