@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import re
 import sys
 from typing import Any, Optional
@@ -301,6 +302,7 @@ def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor
 def save(obj: Any, path: str) -> None:
     """``torch.save`` (or safetensors for ``.safetensors``) through a temporary file: an
     existing file is replaced only by a complete one."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # --help: "folders are created"
     tmp = f"{path}.tmp{os.getpid()}"
     if path.endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -316,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a foreign MAE checkpoint -> a shortcutlab .ckpt")
     imp.add_argument("source", help="authors' / official .pth, timm .pth or .safetensors")
-    imp.add_argument("output", help="the shortcutlab checkpoint to write (.ckpt)")
+    imp.add_argument("output", help="the shortcutlab checkpoint to write (.ckpt); missing folders are created")
     imp.add_argument("--layout", choices=LAYOUTS, default="auto")
     imp.add_argument("--alpha-min", type=float, default=None,
                      help="authors' layout: their --min_decay when the file has no args (required then)")
@@ -333,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--seed", type=int, default=0, help="initialisation of a new decoder")
     exp = sub.add_parser("export-timm", help="a shortcutlab MAE .ckpt -> a timm VisionTransformer state_dict")
     exp.add_argument("checkpoint")
-    exp.add_argument("output", help=".pth (torch.save) or .safetensors")
+    exp.add_argument("output", help=".pth (torch.save) or .safetensors; missing folders are created")
     exp.add_argument("--allow-decayed", action="store_true", help="export an encoder with alpha_min < 1 anyway")
     return parser
 
@@ -356,6 +358,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"wrote {args.output}: timm VisionTransformer state_dict (num_classes=0)")
     except (ValueError, FileNotFoundError) as err:
         print(f"convert_mae: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:  # the output's folder cannot be made or written (a file in its way, permissions)
+        print(f"convert_mae: error: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -322,6 +322,37 @@ class BadInput(ValueError):
     """A setting, file or command line the run cannot use; its message is one line."""
 
 
+class _Parsed(Exception):
+    """Raised by :class:`_ParseOnlyCLI` once the arguments are parsed: nothing is built."""
+
+
+class _ParseOnlyCLI(ShortcutLabCLI):
+    def _set_seed(self) -> None:  # no global RNG draw in the checking process
+        pass
+
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed
+
+
+def check_arguments(args: list[str]) -> Optional[str]:
+    """Parse ``shortcutlab`` training ``args`` (``["fit", "--config=...", ...]``) as a run would,
+    building and training nothing: None when they parse, else the one-line reason a run would
+    give (an unknown key with its "did you mean", a value of the wrong type, a missing file).
+    Values only a class's ``__init__`` checks (a range, say) show when the run builds it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            _ParseOnlyCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                          parser_kwargs=raising_parsers(), args=list(args))
+        except _Parsed:
+            return None
+        except (ValueError, FileNotFoundError, MisconfigurationException) as err:
+            return root_message(err)
+        except SystemExit:  # --help or --print_config among the arguments
+            return "the arguments print help or a config instead of running"
+    return None
+
+
 LIGHTNING_CKPT_ALIASES = ("best", "last", "hpc", "registry")
 
 

@@ -18,20 +18,30 @@ A run whose ``sweep.json`` says it finished is skipped; an interrupted one resum
 config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
 linear probe), logging to ``<run>/probe``. A failed run is reported and the others still run;
 the sweep exits non-zero when any run failed.
+
+Before anything starts (or is printed), every point's composed config and its ``--then`` fit are
+parsed: a typo in a key is one line naming the point, exit status 2, no run started. The sweep
+owns its runs: SIGTERM or SIGINT (Ctrl+C) is passed on to the run in progress, which saves its
+resumable checkpoint; the sweep then exits with ``128 + signal`` and the same command resumes it.
+A run dies with its sweep, even one killed by SIGKILL (it gets SIGTERM and saves first).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import itertools
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 # grid keys whose last component is not a readable name
 SHORT_NAMES = {"seed_everything": "seed"}
@@ -138,45 +148,141 @@ def last_checkpoint(run: Path) -> Optional[Path]:
     return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None  # a tie keeps last.ckpt
 
 
+def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence[str]) -> list[str]:
+    """The ``shortcutlab fit`` arguments of one grid point, before the sweep's logging fragment."""
+    args = ["fit", *(f"--config={c}" for c in configs)]
+    args += [f"--{key}={value}" for key, value in point.items()]
+    return args + [a if a.startswith("--") else f"--{a}" for a in extra]
+
+
 def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[str], save_dir: Path,
                 version: str) -> list[str]:
     """The ``shortcutlab fit`` arguments of one run (without the program)."""
-    args = ["fit", *(f"--config={c}" for c in configs)]
-    args += [f"--{key}={value}" for key, value in point.items()]
-    args += [a if a.startswith("--") else f"--{a}" for a in extra]
-    return args + [f"--config={write_logging_fragment(save_dir, version)}"]
+    return fit_arguments(configs, point, extra) + [f"--config={write_logging_fragment(save_dir, version)}"]
+
+
+def follow_up_arguments(configs: Sequence[str], checkpoint: Path, point: dict[str, str],
+                        extra: Sequence[str]) -> list[str]:
+    """``fit`` of the composed ``configs`` on the run's checkpoint (the offline probe), seeded like
+    the run, with the ``--then-set`` settings ``extra``, before the logging fragment."""
+    args = ["fit", *(f"--config={c}" for c in configs), f"--model.checkpoint={checkpoint}"]
+    if "seed_everything" in point:
+        args.append(f"--seed_everything={point['seed_everything']}")
+    return args + [a if a.startswith("--") else f"--{a}" for a in extra]
 
 
 def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
                       save_dir: Path, version: str) -> list[str]:
-    """``fit`` of the composed ``configs`` on the run's checkpoint (the offline probe), seeded like
-    the run, with the ``--then-set`` settings ``extra``."""
-    args = ["fit", *(f"--config={c}" for c in configs), f"--model.checkpoint={checkpoint}"]
-    if "seed_everything" in point:
-        args.append(f"--seed_everything={point['seed_everything']}")
-    args += [a if a.startswith("--") else f"--{a}" for a in extra]
-    return args + [f"--config={write_logging_fragment(save_dir, f'{version}/{FOLLOW_UP_DIR}')}"]
+    """:func:`follow_up_arguments` logging to ``<run>/probe``."""
+    return follow_up_arguments(configs, checkpoint, point, extra) + [
+        f"--config={write_logging_fragment(save_dir, f'{version}/{FOLLOW_UP_DIR}')}"]
+
+
+def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -> None:
+    """Parse every point's composed config (and its ``--then`` fit's) as its run would, before any
+    run starts or any line is printed: a bad key or value is a ValueError naming the point (one
+    typo would otherwise fail every run of the grid, each after its start-up)."""
+    from commands.lightning_cli import check_arguments  # torch and Lightning: only when checking
+
+    checked: set[tuple[str, ...]] = set()
+    for point in points:
+        what = [(f"grid point {run_name(point)}", fit_arguments(parsed.config, point, parsed.set))]
+        if parsed.then:  # the run's checkpoint does not exist yet: its path is only parsed
+            what.append((f"the --then fit of {run_name(point)}",
+                         follow_up_arguments(parsed.then, Path("checkpoints/last.ckpt"), point, parsed.then_set)))
+        for where, args in what:
+            if tuple(args) in checked:
+                continue
+            checked.add(tuple(args))
+            reason = check_arguments(args)
+            if reason is not None:
+                raise ValueError(f"{where}: {reason} (nothing was started)")
 
 
 def shell_line(args: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in ["shortcutlab", *args])
 
 
-def run_once(args: Sequence[str], log: Path) -> tuple[int, float]:
-    """Run ``shortcutlab <args>`` in a subprocess, its output to the terminal and to ``log``."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_GRACE_SECONDS = 120.0  # a signalled run's time to save its checkpoint before SIGKILL (--stop-grace)
+
+
+class Stopped(Exception):
+    """The sweep was sent SIGTERM or SIGINT; its run got the signal too and has ended."""
+
+    def __init__(self, signum: int, status: Optional[int]) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.status = signum, status
+
+
+def _die_with_the_sweep() -> None:
+    """In the run's process, before it starts: SIGTERM when the sweep dies, even by SIGKILL
+    (Linux's parent-death signal), so a run never outlives its sweep; SIGTERM makes it save its
+    resumable checkpoint first (callbacks/preemption.py)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the process group and the forwarding remain
+        pass
+
+
+def run_once(args: Sequence[str], log: Path, grace: float = STOP_GRACE_SECONDS) -> tuple[int, float]:
+    """Run ``shortcutlab <args>`` in a subprocess, its output to the terminal and to ``log``.
+
+    The run has a process group of its own, which the sweep owns: SIGTERM or SIGINT to the sweep
+    is passed on to the run's group, the sweep waits ``grace`` seconds for it to save and exit
+    (then SIGKILL, said in one line) and raises :class:`Stopped`. A run also gets SIGTERM when the
+    sweep dies (:func:`_die_with_the_sweep`)."""
     start = time.perf_counter()
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-c", "import cli; cli.console_main()", *args]
+    received: list[int] = []
     with open(log, "a") as out:
         out.write(f"$ {shell_line(args)}\n")
         out.flush()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert process.stdout is not None
-        for line in process.stdout:
-            out.write(line)
-            sys.stdout.write(line)
-        status = process.wait()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                   start_new_session=True, preexec_fn=_die_with_the_sweep)
+
+        def forward(signum: int, frame: Any) -> None:
+            if not received:
+                received.append(signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        copier = threading.Thread(target=_copy_output, args=(process, out), daemon=True)
+        copier.start()
+        try:
+            deadline = None
+            while process.poll() is None:
+                if received and deadline is None:
+                    deadline = time.monotonic() + grace
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"shortcutlab sweep: the run did not stop within {grace:g} s of "
+                          f"{signal.Signals(received[0]).name}; killed it (SIGKILL)", file=sys.stderr, flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=0.2)
+            status = process.wait()
+            copier.join(timeout=5)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    if received:
+        raise Stopped(received[0], status)
     return status, time.perf_counter() - start
+
+
+def _copy_output(process: subprocess.Popen, out: Any) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        out.write(line)
+        out.flush()
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def merge_metrics_csv(earlier: str, path: Path) -> None:
@@ -200,18 +306,20 @@ def merge_metrics_csv(earlier: str, path: Path) -> None:
         writer.writerows({key: value for key, value in row.items() if key is not None} for row in rows)
 
 
-def fit_resuming(args: Sequence[str], folder: Path) -> tuple[list[str], int, float]:
+def fit_resuming(args: Sequence[str], folder: Path, grace: float = STOP_GRACE_SECONDS) -> tuple[list[str], int, float]:
     """Run ``fit`` ``args`` logging to ``folder``, resumed from its last checkpoint when it has
     one (keeping the metrics logged before it); returns ``(arguments run, exit status, seconds)``."""
     resume = last_checkpoint(folder)
     metrics = folder / "metrics.csv"
     earlier = metrics.read_text() if resume is not None and metrics.is_file() else None
     run_args = list(args) + ([f"--ckpt_path={resume}"] if resume is not None else [])
-    status, seconds = run_once(run_args, folder / "sweep.log")
-    if earlier is not None:
-        merge_metrics_csv(earlier, metrics)
-        print(f"    resumed from {resume}; the metrics logged before it are kept in {metrics} "
-              "(despite CSVLogger's 'will be deleted' warning)", flush=True)
+    try:
+        status, seconds = run_once(run_args, folder / "sweep.log", grace)
+    finally:  # also when the sweep was stopped: the rows before the checkpoint stay
+        if earlier is not None:
+            merge_metrics_csv(earlier, metrics)
+            print(f"    resumed from {resume}; the metrics logged before it are kept in {metrics} "
+                  "(despite CSVLogger's 'will be deleted' warning)", flush=True)
     return run_args, status, seconds
 
 
@@ -235,13 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print", dest="print_only", action="store_true",
                         help="print one command line per run (for a cluster array job: line i is run i; with "
                              "--then, the fit && the probe) instead of running them")
+    parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_SECONDS, metavar="SECONDS",
+                        help="after SIGTERM/SIGINT, how long the run in progress may take to save its resumable "
+                             f"checkpoint and exit before it is killed (default {STOP_GRACE_SECONDS:g})")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     """Run (or print) the sweep; returns one record per run (name, status, seconds, command).
 
-    A bad argument ends with one line on stderr and exit status 2; a failed run with exit status 1.
+    Exit status: 2 for a bad argument or a point whose config does not parse (one line on stderr,
+    nothing started); 1 when a run failed; ``128 + signal`` (143, 130) when SIGTERM or SIGINT
+    stopped the sweep: the run in progress got the signal, saved its resumable checkpoint and
+    ended, its ``sweep.json`` says so, and the same command resumes the sweep.
     """
     parsed = build_parser().parse_args(argv)
     try:
@@ -249,6 +363,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     except (ValueError, FileNotFoundError) as err:
         print(f"shortcutlab sweep: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as stop:
+        print(f"shortcutlab sweep: stopped by {stop} (the run in progress ended with status {stop.status}); "
+              "the same command resumes the sweep", file=sys.stderr, flush=True)
+        sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:  # Ctrl+C outside a run (while checking the configs, say)
+        print("shortcutlab sweep: stopped by SIGINT; no run was in progress", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_sweep(parsed: argparse.Namespace) -> list[dict]:
@@ -263,6 +384,9 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
     if parsed.then_set and not parsed.then:
         raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
+    if parsed.stop_grace <= 0:
+        raise ValueError(f"--stop-grace: must be > 0 seconds, got {parsed.stop_grace:g}")
+    check_points(parsed, points)
     save_dir = Path(parsed.runs_dir) / parsed.experiment
     record_plan(save_dir, [run_name(point) for point in points])
     records = []
@@ -283,7 +407,13 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         record = json.loads(record_file.read_text()) if record_file.is_file() else {}
         print(f"[{index}/{len(points)}] {parsed.experiment}/{name}", flush=True)
         if record.get("status") != 0:
-            run_args, status, seconds = fit_resuming(args, run)
+            try:
+                run_args, status, seconds = fit_resuming(args, run, parsed.stop_grace)
+            except Stopped as stop:
+                record = {"name": name, "grid": point, "status": stop.status, "stopped_by": str(stop)}
+                run.mkdir(parents=True, exist_ok=True)
+                record_file.write_text(json.dumps(record, indent=2) + "\n")
+                raise
             record = {"name": name, "grid": point, "command": shell_line(run_args), "status": status,
                       "seconds": round(seconds, 1)}
             run.mkdir(parents=True, exist_ok=True)
@@ -297,7 +427,12 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
             else:
                 follow = follow_up_command(parsed.then, run, checkpoint, point, parsed.then_set, save_dir, name)
-                follow, status, seconds = fit_resuming(follow, probe)
+                try:
+                    follow, status, seconds = fit_resuming(follow, probe, parsed.stop_grace)
+                except Stopped as stop:
+                    record.update(probe_status=stop.status, probe_stopped_by=str(stop))
+                    record_file.write_text(json.dumps(record, indent=2) + "\n")
+                    raise
                 record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
             record_file.write_text(json.dumps(record, indent=2) + "\n")
         records.append(record)

@@ -65,7 +65,9 @@ class MaskedAutoencoder(LightningModule):
         decoder_embed_dim, decoder_depth, decoder_num_heads: decoder transformer.
         unet_skips: the paper's skip decoder; ``False`` = classic MAE decoder (ablation).
         norm_pix_loss: per-patch normalised pixel target.
-        mask_ratio: fraction of patches masked.
+        mask_ratio: fraction of patches masked, in (0, 1); 0 only with ``loss_on_all_patches``.
+        loss_on_all_patches: the loss counts every patch, visible ones too (MAE's "loss on all
+            pixels" ablation); with ``mask_ratio=0`` a plain autoencoder. Default: masked patches only.
         feature_pool: evaluation features, ``mean`` of all tokens or the ``cls`` token.
         base_lr: learning rate per 256 samples of GLOBAL batch (peak = base_lr * batch / 256).
         weight_decay, betas: AdamW; no decay on norms, biases, position embeddings, tokens.
@@ -91,6 +93,7 @@ class MaskedAutoencoder(LightningModule):
         unet_skips: bool = True,
         norm_pix_loss: bool = True,
         mask_ratio: float = 0.75,
+        loss_on_all_patches: bool = False,
         feature_pool: Literal["mean", "cls"] = "mean",
         base_lr: float = 1.5e-4,
         weight_decay: float = 0.05,
@@ -100,8 +103,11 @@ class MaskedAutoencoder(LightningModule):
         num_reconstructions: int = 8,
     ) -> None:
         super().__init__()
-        if not 0.0 <= mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
+        if loss_on_all_patches and not 0.0 <= mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in [0, 1) with loss_on_all_patches, got {mask_ratio}")
+        if not loss_on_all_patches and not 0.0 < mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in (0, 1) (the loss counts masked patches only: at 0 it is 0 at "
+                             f"every step), got {mask_ratio}; for a plain autoencoder set loss_on_all_patches=true")
         if image_size % patch_size:
             raise ValueError(f"image_size ({image_size}) must be divisible by patch_size ({patch_size})")
         check_depth(depth, "depth", " (encoder blocks)")
@@ -210,7 +216,8 @@ class MaskedAutoencoder(LightningModule):
         target = patchify(images, self.hparams.patch_size)
         if self.hparams.norm_pix_loss:
             target = normalise_patches(target)
-        return masked_patch_loss(pred, target, mask), pred, mask
+        loss_mask = torch.ones_like(mask) if self.hparams.get("loss_on_all_patches") else mask
+        return masked_patch_loss(pred, target, loss_mask), pred, mask
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0]

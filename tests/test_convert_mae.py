@@ -190,3 +190,23 @@ def test_export_of_a_checkpoint_whose_weights_do_not_fit_is_one_line(tmp_path, c
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert "does not fit the MaskedAutoencoder its own settings build: missing encoder.blocks.1.mlp.fc2.weight" in err
     assert not (tmp_path / "vit.pth").exists()
+
+
+def test_outputs_into_folders_that_do_not_exist_yet_are_made(tmp_path, capsys):
+    """``--help`` says missing folders are created; a file in the folder's place is one line."""
+    ref = randomise_(OfficialMAE(**DIMS, depth=3, decoder_depth=2, norm_pix_loss=False), seed=3)
+    torch.save({"model": ref.state_dict()}, tmp_path / "mae.pth")
+    convert("import", str(tmp_path / "mae.pth"), str(tmp_path / "new" / "deeper" / "mae.ckpt"), *HEADS)
+    same_as_reference(tmp_path / "new" / "deeper" / "mae.ckpt", ref, torch.randn(2, 3, 16, 16))
+    convert("export-timm", str(tmp_path / "new" / "deeper" / "mae.ckpt"), str(tmp_path / "out" / "vit.pth"))
+    assert (tmp_path / "out" / "vit.pth").is_file()
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    with pytest.raises(SystemExit) as stop:
+        convert("export-timm", str(tmp_path / "new" / "deeper" / "mae.ckpt"), str(tmp_path / "blocker" / "vit.pth"))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"convert_mae: error: cannot write {tmp_path / 'blocker' / 'vit.pth'}: File exists"]
+    for command in ("import", "export-timm"):  # what --help says
+        with pytest.raises(SystemExit):
+            convert(command, "--help")
+        assert "missing folders are created" in " ".join(capsys.readouterr().out.split()), command

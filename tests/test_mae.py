@@ -267,3 +267,42 @@ def test_reconstruction_picture_labels_its_rows_and_columns(monkeypatch):
     grid = np.asarray(ax.images[0].get_array())
     original = (images[0, 0] * 0.25 + 0.5).clamp(0, 1).numpy()
     np.testing.assert_allclose(grid[2:2 + 96:6, 2:2 + 96:6], original, atol=1e-6)  # 16 px tiles enlarged 6x
+
+
+@pytest.mark.parametrize("ratio", [0.0, -0.1, 1.0])
+def test_a_mask_ratio_outside_0_1_is_refused_in_one_line(ratio):
+    with pytest.raises(ValueError) as err:
+        MaskedAutoencoder(**TINY, mask_ratio=ratio)
+    assert str(err.value) == (f"mask_ratio must be in (0, 1) (the loss counts masked patches only: at 0 it is 0 at "
+                              f"every step), got {ratio}; for a plain autoencoder set loss_on_all_patches=true")
+
+
+def test_a_plain_autoencoder_trains_on_every_patch():
+    """``mask_ratio=0`` with ``loss_on_all_patches``: nothing masked, the loss is the MSE of every
+    patch (hand-computed from the prediction), non-zero, and it has gradients."""
+    torch.manual_seed(0)
+    model = MaskedAutoencoder(**TINY, mask_ratio=0.0, loss_on_all_patches=True, norm_pix_loss=False,
+                              zero_init_branches=False)
+    images = torch.randn(3, 2, 16, 16)
+    loss, pred, mask = model(images)
+    assert mask.sum() == 0
+    expected = ((pred - patchify(images, 4)) ** 2).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    assert loss > 0
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoder.parameters())
+    with pytest.raises(ValueError, match=r"mask_ratio must be in \[0, 1\) with loss_on_all_patches, got 1.0"):
+        MaskedAutoencoder(**TINY, mask_ratio=1.0, loss_on_all_patches=True)
+
+
+def test_loss_on_all_patches_with_masking_counts_the_visible_patches_too():
+    torch.manual_seed(0)
+    images = torch.randn(2, 2, 16, 16)
+    plain = MaskedAutoencoder(**TINY, norm_pix_loss=False, zero_init_branches=False)
+    everywhere = MaskedAutoencoder(**TINY, norm_pix_loss=False, zero_init_branches=False, loss_on_all_patches=True)
+    everywhere.load_state_dict(plain.state_dict())
+    masked_loss, pred, mask = plain(images, generator=torch.Generator().manual_seed(1))
+    all_loss, pred_again, _ = everywhere(images, generator=torch.Generator().manual_seed(1))
+    per_patch = ((pred - patchify(images, 4)) ** 2).mean(-1)
+    torch.testing.assert_close(masked_loss, per_patch[mask.bool()].mean(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(all_loss, per_patch.mean(), rtol=1e-6, atol=0)
