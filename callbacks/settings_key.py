@@ -9,8 +9,10 @@ A subclass says which settings define what it measures (:meth:`SettingsKeyed.ide
   class, as before.
 - Metric names: one instance logs the plain names (``knn/top1``). With several instances of a
   class in the Trainer, each logs ``<name>@<tag>`` where the tag is its ``name`` argument when
-  given, else the settings that differ from the class's defaults (``knn/top1@k=5``); two
-  instances that would log the same names are a one-line error before anything trains.
+  given, else the settings that differ from the class's defaults (``knn/top1@k=5``); the one
+  at the defaults keeps the plain names, so adding a second kNN to a config leaves the first's
+  names (and every report and dashboard reading them) as they were. Two instances that would
+  log the same names are a one-line error before anything trains.
 """
 from __future__ import annotations
 
@@ -71,13 +73,12 @@ class SettingsKeyed(Callback):
         if len(siblings) < 2:
             self.instance_tag = self.name or ""
             return
-        tags = {id(cb): cb.name or cb.automatic_tag(cb.tag_exclusions()) or ("default" if cb.value_tags() == [""] else "")
-                for cb in siblings}
+        tags = {id(cb): cb.name or cb.automatic_tag(cb.tag_exclusions()) for cb in siblings}
         mine = tags[id(self)]
         names = {metric_names.join_tags(mine, value) for value in self.value_tags()}
         for other in siblings:
             if other is not self and names & {metric_names.join_tags(tags[id(other)], v) for v in other.value_tags()}:
-                raise ValueError(f"{type(self).__name__}: two instances would log the same names ('{mine}'); give "
+                raise ValueError(f"{type(self).__name__}: two instances would log the same names ('{mine or 'plain'}'); give "
                                  "each different settings or a distinct 'name'")
         self.instance_tag = mine
 
