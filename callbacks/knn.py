@@ -119,16 +119,22 @@ def knn_classify(bank_feats: torch.Tensor, bank_labels: torch.Tensor, query_feat
 
 
 def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> torch.Tensor:
-    """Number of queries whose label is among the ``k`` best classes, one count per ``k``."""
+    """Number of queries whose label is among the ``k`` best classes that got a vote, one count
+    per ``k``: a class without a vote (score 0) never counts, so with fewer voted classes than
+    ``k`` (always when the neighbours are fewer than ``k``) top-``k`` counts only the voted ones,
+    as DINO's ``knn_classifier`` (its top-5 at ``k < 5`` neighbours is the top-``k`` accuracy)."""
     ranking = rank_classes(scores)
-    hits = ranking == labels.to(ranking.device).view(-1, 1)
-    return torch.stack([hits[:, :k].any(dim=1).sum() for k in ks])
+    labels = labels.to(ranking.device).view(-1, 1)
+    voted = scores.gather(1, labels.to(scores.device)).view(-1) > 0  # every vote weighs exp(s / T) > 0
+    hits = ranking == labels
+    return torch.stack([(hits[:, :k].any(dim=1) & voted.to(hits.device)).sum() for k in ks])
 
 
 class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
     """kNN accuracy of ``pl_module.forward_features`` after validation epochs.
 
-    Logs ``knn/top1`` (and ``knn/top5`` when there are more than 5 classes), identical on every
+    Logs ``knn/top1`` (and ``knn/top5`` when there are more than 5 classes; a class no neighbour
+    voted for never counts, so at ``k < 5`` it is the top-``k`` accuracy), identical on every
     rank, at the end of every ``every_n_epochs``-th validation epoch of ``fit`` (and the last
     one), and in every ``validate``. Skips the sanity check; under ``fast_dev_run=n`` uses only
     the first ``n`` batches of the bank and of the queries.

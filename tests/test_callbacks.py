@@ -142,6 +142,21 @@ def test_knn_several_queries_and_ties():
     assert correct.tolist() == [2, 4]
 
 
+def test_knn_top5_counts_only_classes_that_got_a_vote():
+    """Six classes on a circle, k=2: each query's two neighbours vote for at most two classes, so
+    its top-5 holds three or more classes with no vote, filled in by class index. Those never
+    count: top-5 is the top-2 accuracy here (DINO caps top-5 at the voted classes)."""
+    bank = on_circle([0, 60, 120, 180, 240, 300])
+    labels = torch.arange(6)
+    queries = on_circle([10, 130, 250, 20])  # the two nearest: classes {0, 1}, {2, 3}, {4, 5}, {0, 1}
+    scores = knn_predict(bank, labels, queries, num_classes=6, k=2, temperature=0.1)
+    assert [set(torch.nonzero(row).flatten().tolist()) for row in scores] == [{0, 1}, {2, 3}, {4, 5}, {0, 1}]
+    # true labels: 0 (voted, 1st); 4 (no vote, ranked 5th by index: 2, 3, 0, 1, 4); 5 (voted, 2nd);
+    # 3 (no vote, ranked 4th: 0, 1, 2, 3)
+    truth = torch.tensor([0, 4, 5, 3])
+    assert topk_correct(scores, truth, ks=(1, 2, 5)).tolist() == [1, 2, 2]  # counting unvoted classes: 4 at top-5
+
+
 def test_knn_chunking_and_small_bank():
     g = torch.Generator().manual_seed(0)
     bank, queries = torch.randn(50, 5, generator=g), torch.randn(17, 5, generator=g)
