@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
 
@@ -43,27 +42,10 @@ from lightning_mods import metric_names
 from lightning_mods.classification_steps import top_k_accuracy
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from lightning_mods.eval_mode import isolated_eval
+from lightning_mods.probe_head import ProbeHead
 from .settings_key import SettingsKeyed, format_setting
 
 DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
-
-
-class ProbeHead(nn.Module):
-    """``Linear(BatchNorm1d(features.detach(), affine=False))``; the detach keeps every
-    gradient of the probe inside the head."""
-
-    def __init__(self, feature_dim: int, num_classes: int, batch_norm: bool = True) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(feature_dim, affine=False, eps=1e-6) if batch_norm else nn.Identity()
-        self.linear = nn.Linear(feature_dim, num_classes)
-
-    def reset_parameters(self, generator: torch.Generator) -> None:
-        """MAE's probe init: weight ~ trunc_normal(std 0.01), bias 0, from ``generator``."""
-        nn.init.trunc_normal_(self.linear.weight, std=0.01, generator=generator)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.norm(features.detach()))
 
 
 class OnlineLinearProbe(SettingsKeyed):
@@ -197,8 +179,9 @@ class OnlineLinearProbe(SettingsKeyed):
         self.heads, self.optimizers = [], []
         for lr in self.lrs:
             with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global CPU RNG
-                head = ProbeHead(feature_dim, int(self.num_classes), self.batch_norm)
-            head.reset_parameters(torch.Generator().manual_seed(self.seed))  # every rate starts alike
+                # every rate starts alike, from its own generator
+                head = ProbeHead(feature_dim, int(self.num_classes), self.batch_norm,
+                                 generator=torch.Generator().manual_seed(self.seed))
             head = head.to(self._device)
             params = list(head.parameters())
             if self.optimizer_name == "adamw":

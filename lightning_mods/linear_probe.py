@@ -23,20 +23,7 @@ from .classification_steps import ClassificationSteps
 from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
 from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
-
-
-class ProbeHead(nn.Module):
-    """``Linear(BatchNorm1d(x, affine=False))`` on detached features."""
-
-    def __init__(self, num_features: int, num_classes: int, batch_norm: bool = True) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(num_features, affine=False, eps=1e-6) if batch_norm else nn.Identity()
-        self.linear = nn.Linear(num_features, num_classes)
-        nn.init.trunc_normal_(self.linear.weight, std=0.01)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.norm(features.detach()))
+from .probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
 
 
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
