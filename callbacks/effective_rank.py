@@ -38,6 +38,7 @@ from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
 from lightning_mods import metric_names
 from lightning_mods.pictures import log_picture, run_dir
+from lightning_mods.over_depth import mark_for_writing, write_pending
 from .settings_key import SettingsKeyed
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
@@ -227,6 +228,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         self.history: list[dict[str, Any]] = []
         # the last evaluation's per-block values (fit or validate): {"entropy": [...], "effective_rank": [...]}
         self.last_profile: dict[str, list[float]] = {}
+        self._validate_entries: list[dict[str, Any]] = []  # the last validate's evaluation
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -236,6 +238,23 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
     def identity(self) -> dict[str, Any]:
         return {"source": self.source, "dtype": self.dtype, "per_block": self.per_block,
                 "max_samples": self.max_samples}
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
+
+    def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
+        """The per-block ranks as rows of ``eval_per_block.csv`` (:mod:`lightning_mods.over_depth`):
+        every evaluation of fit, or the last validate's."""
+        if not self.per_block:
+            return []
+        entries = self.history if trainer.state.fn == TrainerFn.FITTING else self._validate_entries
+        rows = []
+        for entry in entries:
+            entropies = entry.get("entropy_profile") or [float("nan")] * len(entry["profile"])
+            for block, (h, r) in enumerate(zip(entropies, entry["profile"]), start=1):
+                rows.append({"epoch": entry["epoch"], "step": entry["step"], "block": block,
+                             self.metric(metric_names.EFFECTIVE_RANK): r, self.metric(metric_names.RANK_ENTROPY): h})
+        return rows
 
     @property
     def profile_file(self) -> str:
@@ -259,8 +278,13 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.history.append(entry)
+        else:
+            self._validate_entries = [entry]
         self.last_profile = profile
-        if not self.per_block or not trainer.is_global_zero:
+        if not self.per_block:
+            return
+        mark_for_writing(trainer)
+        if not trainer.is_global_zero:
             return
         # validate: Lightning does not restore the fit's history, the file holds this evaluation
         evaluated = [h for h in self.history if h.get("profile")] if fitting else [entry]

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_mods.eval_mode import isolated_eval, module_device
+from lightning_mods.over_depth import features_and_blocks
 
 from .distributed import gather_strided, rank_and_world_size, strided_shard
 
@@ -90,9 +91,12 @@ def collect_features(
             images, batch_labels = _split_batch(batch)
             images = images.to(device, non_blocking=True)
             with context():
-                features.append(module.forward_features(images).float())
                 if with_blocks:
-                    blocks.append([b.float() for b in module.forward_block_features(images)])
+                    batch_features, batch_blocks = features_and_blocks(module, images)
+                    blocks.append([b.float() for b in batch_blocks])
+                else:
+                    batch_features = module.forward_features(images)
+                features.append(batch_features.float())
             labels.append(batch_labels.to(device=device, dtype=torch.int64))
 
     def finish(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -23,11 +23,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mods import metric_names
 from .distributed import all_reduce_sum, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
+from lightning_mods.over_depth import check_blocks, mark_for_writing, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
@@ -154,13 +156,19 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         chunk_size: queries scored at once (default: bounded by a similarity budget).
         name: the tag of this instance's metric names when the Trainer has several (default:
             its settings that differ from the defaults).
+        blocks: also score every chosen block's pooled output (``"all"`` or a list of indices,
+            1 = nearest the input, -1 = the last) from the same forward pass: one row per block
+            in ``eval_per_block.csv`` and the picture ``eval/over_depth``
+            (:mod:`lightning_mods.over_depth`); the logged metrics stay those of ``forward_features``.
     """
 
     def __init__(self, k: Union[int, list[int]] = 20, temperature: float = 0.07,
                  every_n_epochs: Optional[int] = None, num_classes: Optional[int] = None,
                  batch_size: Optional[int] = None, num_workers: Optional[int] = None,
-                 chunk_size: Optional[int] = None, name: Optional[str] = None) -> None:
+                 chunk_size: Optional[int] = None, name: Optional[str] = None,
+                 blocks: Union[None, str, list[int]] = None) -> None:
         super().__init__()
+        self.blocks = check_blocks("KNNEvaluator", blocks)
         ks = list(k) if isinstance(k, (list, tuple)) else [k]
         if not ks or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ks):
             raise ValueError(f"KNNEvaluator: k must be an integer >= 1 or a non-empty list of them, got {k!r}")
@@ -188,6 +196,15 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         self.name = name
         self.last_metrics: dict[str, float] = {}  # of the last evaluation
         self.last_epoch: Optional[int] = None
+        self.depth_history: list[dict[str, Any]] = []  # per-block rows of every evaluation of fit
+        self._validate_rows: list[dict[str, Any]] = []  # of the last validate
+        self._block_values: list[dict[str, Any]] = []  # of the evaluation in progress
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.blocks is not None and not hasattr(pl_module, "forward_block_features"):
+            raise ValueError(f"KNNEvaluator: blocks needs {type(pl_module).__name__}.forward_block_features "
+                             "(docs/contracts.md)")
 
     @property
     def ks(self) -> list[int]:
@@ -195,7 +212,14 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         return list(self.k) if isinstance(self.k, list) else [self.k]
 
     def identity(self) -> dict[str, Any]:
-        return {"k": self.k, "temperature": self.temperature}
+        return {"k": self.k, "temperature": self.temperature, **({"blocks": self.blocks} if self.blocks else {})}
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
+
+    def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
+        """This instance's per-block rows (:mod:`lightning_mods.over_depth`): fit's, or the last validate's."""
+        return self.depth_history if trainer.state.fn == TrainerFn.FITTING else self._validate_rows
 
     def tag_exclusions(self) -> tuple[str, ...]:
         return ("k",) if isinstance(self.k, list) else ()
@@ -214,6 +238,14 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         metrics = self.evaluate(trainer, pl_module)
         log_identical(pl_module, metrics)
         self.last_metrics, self.last_epoch = metrics, int(trainer.current_epoch)
+        if self.blocks is not None:
+            rows = [{"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), **values}
+                    for values in self._block_values]
+            if trainer.state.fn == TrainerFn.FITTING:
+                self.depth_history += rows
+            else:
+                self._validate_rows = rows
+            mark_for_writing(trainer)
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         """``{"knn/top1": ..., ["knn/top5": ...]}`` (per ``k`` for a list) in [0, 1], the same on every rank."""
@@ -227,28 +259,51 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         bank_set = smoke_test_subset(trainer, bank_set, batch_size)
         query_set = smoke_test_subset(trainer, query_set, batch_size)
         context = trainer.precision_plugin.forward_context
-        bank = collect_features(pl_module, bank_set, batch_size, num_workers, forward_context=context)
+        with_blocks = self.blocks is not None
+        bank = collect_features(pl_module, bank_set, batch_size, num_workers, with_blocks=with_blocks,
+                                forward_context=context)
         queries = collect_features(pl_module, query_set, batch_size, num_workers, gather=False,
-                                   forward_context=context)
+                                   with_blocks=with_blocks, forward_context=context)
         tops = (1, 5) if num_classes > 5 else (1,)
         names = [self.metric_name(k, top) for k in self.ks for top in tops]
-        finite = torch.isfinite(bank.features).all() & torch.isfinite(queries.features).all()
+        metrics = self._score(bank.features, bank.labels, queries.features, queries.labels, num_classes, names, tops)
+        self._block_values = []
+        if with_blocks:
+            chosen = resolve_blocks("KNNEvaluator", self.blocks, len(bank.blocks))
+            for block in chosen:
+                values = self._score(bank.blocks[block - 1], bank.labels, queries.blocks[block - 1], queries.labels,
+                                     num_classes, names, tops, warn=False)
+                norms = all_reduce_sum(torch.stack([queries.blocks[block - 1].double().norm(dim=1).sum(),
+                                                    torch.tensor(float(len(queries.labels)), dtype=torch.float64,
+                                                                 device=queries.labels.device)]))
+                values[metric_names.FEATURE_NORM] = float(norms[0] / norms[1])
+                self._block_values.append({"block": block, **values})
+        return metrics
+
+    def _score(self, bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor,
+               query_labels: torch.Tensor, num_classes: int, names: list[str], tops: tuple[int, ...],
+               warn: bool = True) -> dict[str, float]:
+        """The accuracies ``names`` (per k, per top) of ``queries`` against ``bank``, summed over ranks."""
+        finite = torch.isfinite(bank).all() & torch.isfinite(queries).all()
         if int(all_reduce_sum(finite.logical_not().to(torch.int64).view(1))):  # same answer on every rank
-            rank_zero_warn("KNNEvaluator: non-finite features at this evaluation; logging NaN")
+            if warn:
+                rank_zero_warn("KNNEvaluator: non-finite features at this evaluation; logging NaN")
             return {name: float("nan") for name in names}
-        if len(queries.labels):
-            all_scores = knn_predict_ks(bank.features, bank.labels, queries.features, num_classes, self.ks,
-                                        self.temperature, self.chunk_size)
-            correct = torch.cat([topk_correct(scores, queries.labels, tops) for scores in all_scores])
+        if len(query_labels):
+            all_scores = knn_predict_ks(bank, bank_labels, queries, num_classes, self.ks, self.temperature,
+                                        self.chunk_size)
+            correct = torch.cat([topk_correct(scores, query_labels, tops) for scores in all_scores])
         else:  # a rank without queries (fewer queries than ranks) still joins the sum
-            correct = torch.zeros(len(names), dtype=torch.int64, device=bank.features.device)
-        counts = all_reduce_sum(torch.cat([correct, correct.new_tensor([len(queries.labels)])]))
+            correct = torch.zeros(len(names), dtype=torch.int64, device=bank.device)
+        counts = all_reduce_sum(torch.cat([correct, correct.new_tensor([len(query_labels)])]))
         total = int(counts[-1])
         return {name: int(c) / total for name, c in zip(names, counts[:-1].tolist())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch}
+        return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch,
+                "depth_history": [dict(row) for row in self.depth_history]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
         self.last_epoch = state_dict.get("last_epoch")
+        self.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]

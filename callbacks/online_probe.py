@@ -34,6 +34,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
@@ -43,6 +44,7 @@ from lightning_mods.classification_steps import top_k_accuracy
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from lightning_mods.eval_mode import isolated_eval
 from lightning_mods.probe_head import ProbeHead
+from lightning_mods.over_depth import check_blocks, features_and_blocks, mark_for_writing, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed, format_setting
 
 DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
@@ -78,13 +80,21 @@ class OnlineLinearProbe(SettingsKeyed):
             loader shuffles, so the first ones are a random sample.
         name: the tag of this instance's metric names when the Trainer has several (default:
             its settings that differ from the defaults).
+        blocks: also train a head (per rate) on every chosen block's pooled output (``"all"`` or a
+            list of indices, 1 = nearest the input, -1 = the last), from the same forward pass, each
+            initialised from ``seed`` as a probe of that block alone would be; their validation
+            accuracies and the blocks' feature norms go to ``eval_per_block.csv`` and the picture
+            ``eval/over_depth`` (:mod:`lightning_mods.over_depth`); the logged metrics stay those of the
+            ``forward_features`` heads.
     """
 
     def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
                  optimizer: Literal["adamw", "sgd"] = "adamw", lr: Union[float, list[float], None] = None,
                  momentum: float = 0.9, batch_norm: bool = True, seed: int = 0, every_n_steps: int = 4,
-                 max_samples: Optional[int] = 32, name: Optional[str] = None) -> None:
+                 max_samples: Optional[int] = 32, name: Optional[str] = None,
+                 blocks: Union[None, str, list[int]] = None) -> None:
         super().__init__()
+        self.blocks = check_blocks("OnlineLinearProbe", blocks)
         if num_classes is not None and num_classes < 2:
             raise ValueError(f"OnlineLinearProbe: num_classes must be >= 2 or None, got {num_classes!r}")
         if feature_dim is not None and feature_dim < 1:
@@ -120,11 +130,18 @@ class OnlineLinearProbe(SettingsKeyed):
         self.name = name
         self.heads: list[ProbeHead] = []  # one per rate of self.lrs
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
+        self.block_optimizers: dict[int, list[torch.optim.Optimizer]] = {}
+        self.depth_history: list[dict[str, Any]] = []  # per-block rows of every validation of fit
+        self._validate_rows: list[dict[str, Any]] = []
+        self._pending_blocks: Optional[dict[int, list[dict[str, Any]]]] = None  # restored before they are built
         self.steps = 0  # optimiser steps of the heads (they step together)
         self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
         self._device = torch.device("cpu")
         self._pending_state: Optional[dict[str, Any]] = None
         self._val_top1: list[MulticlassAccuracy] = []  # this validation epoch's accuracy, per head
+        self._val_block_top1: dict[int, list[MulticlassAccuracy]] = {}
+        self._val_block_norm: dict[int, torch.Tensor] = {}  # sum of the blocks' feature norms
         self._val_total = torch.zeros(1, dtype=torch.int64)  # samples it counted on this rank
         self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
         self._val_nonfinite = False  # a non-finite feature seen this validation epoch
@@ -142,7 +159,14 @@ class OnlineLinearProbe(SettingsKeyed):
     def identity(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer_name, "lr": self.given_lr, "momentum": self.momentum,
                 "batch_norm": self.batch_norm, "seed": self.seed, "every_n_steps": self.every_n_steps,
-                "max_samples": self.max_samples}
+                "max_samples": self.max_samples, **({"blocks": self.blocks} if self.blocks else {})}
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
+
+    def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
+        """This instance's per-block rows (:mod:`lightning_mods.over_depth`): fit's, or the last validate's."""
+        return self.depth_history if trainer.state.fn == TrainerFn.FITTING else self._validate_rows
 
     def tag_exclusions(self) -> tuple[str, ...]:
         return ("lr",) if self.multi_rate else ()
@@ -161,6 +185,9 @@ class OnlineLinearProbe(SettingsKeyed):
     # --- head -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if self.blocks is not None and not hasattr(pl_module, "forward_block_features"):
+            raise ValueError(f"OnlineLinearProbe: blocks needs {type(pl_module).__name__}.forward_block_features "
+                             "(docs/contracts.md)")
         self._device = trainer.strategy.root_device
         if self.num_classes is None:
             self.num_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
@@ -171,15 +198,14 @@ class OnlineLinearProbe(SettingsKeyed):
         if not self.heads and self.feature_dim is not None:
             self._build_heads(int(self.feature_dim))
         else:
-            for head in self.heads:
+            for head in self.heads + [h for heads in self.block_heads.values() for h in heads]:
                 head.to(self._device)
 
-    def _build_heads(self, feature_dim: int) -> None:
-        self.feature_dim = feature_dim
-        self.heads, self.optimizers = [], []
+    def _new_heads(self, feature_dim: int) -> tuple[list[ProbeHead], list[torch.optim.Optimizer]]:
+        """One head per rate, each initialised from ``seed`` (every rate and block starts alike)."""
+        heads, optimizers = [], []
         for lr in self.lrs:
             with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global CPU RNG
-                # every rate starts alike, from its own generator
                 head = ProbeHead(feature_dim, int(self.num_classes), self.batch_norm,
                                  generator=torch.Generator().manual_seed(self.seed))
             head = head.to(self._device)
@@ -188,21 +214,45 @@ class OnlineLinearProbe(SettingsKeyed):
                 optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
             else:
                 optimizer = torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=0.0)
-            self.heads.append(head)
-            self.optimizers.append(optimizer)
+            heads.append(head)
+            optimizers.append(optimizer)
+        return heads, optimizers
+
+    def _build_heads(self, feature_dim: int) -> None:
+        self.feature_dim = feature_dim
+        self.heads, self.optimizers = self._new_heads(feature_dim)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self._load_head_state(state)
 
-    def _features(self, trainer: Trainer, pl_module: LightningModule, images: torch.Tensor) -> torch.Tensor:
+    def _build_block_heads(self, dims: dict[int, int]) -> None:
+        for block, dim in dims.items():
+            self.block_heads[block], self.block_optimizers[block] = self._new_heads(dim)
+        if self._pending_blocks is not None:
+            saved, self._pending_blocks = self._pending_blocks, None
+            self._load_block_heads(saved)
+
+    def _features(self, trainer: Trainer, pl_module: LightningModule,
+                  images: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``forward_features`` and, with ``blocks``, each chosen block's pooled output, one pass."""
         with isolated_eval(pl_module), trainer.precision_plugin.forward_context():
-            features = pl_module.forward_features(images).float()
+            if self.blocks is None:
+                features, outputs = pl_module.forward_features(images), []
+            else:
+                features, outputs = features_and_blocks(pl_module, images)
+        features = features.float()
         if not self.heads:
             self._build_heads(features.shape[1])
         elif features.ndim != 2 or features.shape[1] != self.feature_dim:
             raise ValueError(f"OnlineLinearProbe: forward_features gave shape {tuple(features.shape)}, the head "
                              f"expects B x {self.feature_dim} (set feature_dim)")
-        return features.to(self._device)
+        chosen: dict[int, torch.Tensor] = {}
+        if self.blocks is not None:
+            blocks = self.block_heads.keys() or resolve_blocks("OnlineLinearProbe", self.blocks, len(outputs))
+            chosen = {b: outputs[b - 1].float().to(self._device) for b in blocks}
+            if not self.block_heads:
+                self._build_block_heads({b: f.shape[1] for b, f in chosen.items()})
+        return features.to(self._device), chosen
 
     # --- training ---------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -214,33 +264,46 @@ class OnlineLinearProbe(SettingsKeyed):
         images, labels = batch[0][: self.max_samples], batch[1][: self.max_samples].to(self._device)
         if self.batch_norm and len(labels) < 2:
             return  # batch norm cannot train on one sample (DistributedSampler: same size on every rank)
-        features = self._features(trainer, pl_module, images)
-        if _any_rank_nonfinite(features):  # a diverged backbone: no step, and the same on every rank
+        features, blocks = self._features(trainer, pl_module, images)
+        if _any_rank_nonfinite(features, *blocks.values()):  # a diverged backbone: no step, the same on every rank
             rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
         logged = {}
         losses, tops = self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_LOSS), \
             self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_TOP1)
         for head, optimizer, loss_name, top_name in zip(self.heads, self.optimizers, losses, tops):
-            with torch.enable_grad():
-                head.train()
-                logits = head(features)
-                loss = F.cross_entropy(logits, labels)
-                optimizer.zero_grad(set_to_none=False)
-                loss.backward()
-            average_across_ranks_(p.grad for p in head.parameters())
-            optimizer.step()
-            average_across_ranks_(b for b in head.buffers() if b.is_floating_point())
-            logged[loss_name] = loss.detach()
-            logged[top_name] = multiclass_accuracy(logits.detach(), labels, int(self.num_classes), average="micro")
+            loss, logits = self._step(head, optimizer, features, labels)
+            logged[loss_name] = loss
+            logged[top_name] = multiclass_accuracy(logits, labels, int(self.num_classes), average="micro")
+        for block, block_features in blocks.items():
+            for head, optimizer in zip(self.block_heads[block], self.block_optimizers[block]):
+                self._step(head, optimizer, block_features, labels)
         self.steps += 1
         # epoch means over the probed batches: a per-step value would be repeated by Lightning at
         # every batch of the epoch after it (stale numbers between probes, and lost on a mid-epoch resume)
         pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=len(labels))
 
+    @staticmethod
+    def _step(head: ProbeHead, optimizer: torch.optim.Optimizer, features: torch.Tensor,
+              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimiser step of ``head``, averaged over ranks; ``(loss, logits)`` before the step."""
+        with torch.enable_grad():
+            head.train()
+            logits = head(features)
+            loss = F.cross_entropy(logits, labels)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+        average_across_ranks_(p.grad for p in head.parameters())
+        optimizer.step()
+        average_across_ranks_(b for b in head.buffers() if b.is_floating_point())
+        return loss.detach(), logits.detach()
+
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_top1 = [top_k_accuracy(int(self.num_classes), 1).to(self._device) for _ in self.lrs]
+        self._val_block_top1 = {b: [top_k_accuracy(int(self.num_classes), 1).to(self._device) for _ in self.lrs]
+                                for b in self.block_heads}
+        self._val_block_norm = {b: torch.zeros((), dtype=torch.float64, device=self._device) for b in self.block_heads}
         self._val_total = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._val_seen = 0
         self._val_nonfinite = False
@@ -254,16 +317,23 @@ class OnlineLinearProbe(SettingsKeyed):
         loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
         real = distributed_padding_mask(loader, self._val_seen, len(labels))
         self._val_seen += len(labels)
-        features = self._features(trainer, pl_module, images)
+        features, blocks = self._features(trainer, pl_module, images)
         self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
         if real is not None:
-            features, labels = features[real.to(features.device)], labels[real.to(labels.device)]
+            keep = real.to(features.device)
+            features, labels = features[keep], labels[real.to(labels.device)]
+            blocks = {b: f[keep] for b, f in blocks.items()}
         if not len(labels):  # a batch of padding only: torchmetrics refuses empty updates
             return
         with torch.no_grad():
             for head, accuracy in zip(self.heads, self._val_top1):
                 head.eval()
                 accuracy.update(head(features), labels)
+            for block, block_features in blocks.items():
+                for head, accuracy in zip(self.block_heads[block], self._val_block_top1[block]):
+                    head.eval()
+                    accuracy.update(head(block_features), labels)
+                self._val_block_norm[block] += block_features.double().norm(dim=1).sum()
         self._val_total += len(labels)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -277,6 +347,20 @@ class OnlineLinearProbe(SettingsKeyed):
             log_identical(pl_module, {name: float("nan") for name in names})
         elif total:  # compute() sums the counts over ranks: every rank calls it
             log_identical(pl_module, {name: accuracy.compute().item() for name, accuracy in zip(names, self._val_top1)})
+        if not self.block_heads or not total:
+            return
+        rows = []
+        for block in sorted(self.block_heads):
+            norm = all_reduce_sum(self._val_block_norm[block].view(1))
+            values = {name: float("nan") if nonfinite else accuracy.compute().item()
+                      for name, accuracy in zip(names, self._val_block_top1[block])}
+            rows.append({"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), "block": block,
+                         **values, metric_names.FEATURE_NORM: float(norm) / total})
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.depth_history += rows
+        else:
+            self._validate_rows = rows
+        mark_for_writing(trainer)
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -288,7 +372,15 @@ class OnlineLinearProbe(SettingsKeyed):
                   "optimizer": copy.deepcopy(optimizer.state_dict())}
                  for lr, head, optimizer in zip(self.lrs, self.heads, self.optimizers)]
         state = {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
-                 "batches": self.batches}
+                 "batches": self.batches, "depth_history": [dict(row) for row in self.depth_history]}
+        if self.block_heads:
+            state["block_heads"] = {block: [{"lr": lr, "head": {k: v.detach().cpu().clone()
+                                                              for k, v in head.state_dict().items()},
+                                             "optimizer": copy.deepcopy(optimizer.state_dict())}
+                                            for lr, head, optimizer in zip(self.lrs, heads, self.block_optimizers[block])]
+                                    for block, heads in self.block_heads.items()}
+        elif self._pending_blocks:
+            state["block_heads"] = self._pending_blocks
         if self.multi_rate:
             return {**state, "heads": heads}
         return {**state, "head": heads[0]["head"], "optimizer": heads[0]["optimizer"]}
@@ -296,12 +388,27 @@ class OnlineLinearProbe(SettingsKeyed):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        self.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
+        if state_dict.get("block_heads"):
+            if self.block_heads:
+                self._load_block_heads(state_dict["block_heads"])
+            else:  # built at the first batch, when the blocks' widths are known
+                self._pending_blocks = dict(state_dict["block_heads"])
         if not self.heads:  # before setup, or a lazily sized head: applied when it is built
             self._pending_state = dict(state_dict)
             self.feature_dim = self.feature_dim or state_dict.get("feature_dim")
             self.batches = int(state_dict.get("batches", state_dict.get("steps", 0)))
             return
         self._load_head_state(state_dict)
+
+    def _load_block_heads(self, saved: dict[int, list[dict[str, Any]]]) -> None:
+        if sorted(saved) != sorted(self.block_heads):
+            raise ValueError(f"OnlineLinearProbe: the checkpoint has heads for blocks {sorted(saved)}, this probe "
+                             f"for {sorted(self.block_heads)}")
+        for block, entries in saved.items():
+            for entry, head, optimizer in zip(entries, self.block_heads[block], self.block_optimizers[block]):
+                head.load_state_dict(entry["head"])
+                optimizer.load_state_dict(entry["optimizer"])
 
     def _load_head_state(self, state_dict: dict[str, Any]) -> None:
         if (state_dict.get("feature_dim"), state_dict.get("num_classes")) != (self.feature_dim, self.num_classes):
@@ -320,6 +427,6 @@ class OnlineLinearProbe(SettingsKeyed):
         self.batches = int(state_dict.get("batches", self.steps))  # older checkpoints: probed every batch
 
 
-def _any_rank_nonfinite(features: torch.Tensor) -> bool:
-    flag = torch.logical_not(torch.isfinite(features).all()).to(torch.int64).view(1)
+def _any_rank_nonfinite(*features: torch.Tensor) -> bool:
+    flag = torch.logical_not(torch.stack([torch.isfinite(f).all() for f in features]).all()).to(torch.int64).view(1)
     return bool(int(all_reduce_sum(flag)))

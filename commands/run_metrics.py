@@ -28,6 +28,10 @@ SWEEP_RECORD = "sweep.json"
 FIT_END_FILE = "fit_end.json"
 # metrics logged with on_step and on_epoch get these suffixes; the epoch value is the one reported
 EPOCH_SUFFIX = "_epoch"
+# lightning_mods.over_depth.DEPTH_FILE (not imported: the report needs no torch): one row per
+# evaluation and block; its accuracy columns become <name>@best_block and <name>@last_block
+DEPTH_FILE = "eval_per_block.csv"
+DEPTH_ACCURACIES = ("knn/top1", "online_probe/val_top1", "val/top1")
 
 
 @dataclass
@@ -111,6 +115,30 @@ def read_metrics_csv(path: Path) -> dict[str, list[Point]]:
     return {name: points for name, points in series.items() if points}
 
 
+def read_depth_csv(path: Path) -> dict[str, list[Point]]:
+    """From an ``eval_per_block.csv``, per accuracy column and evaluation: the best block's value
+    (``<name>@best_block``) and the last block's (``<name>@last_block``), as logged series."""
+    evaluations: dict[tuple[int, int], dict[str, dict[int, float]]] = {}
+    with open(path, newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                key, block = (int(row["step"]), int(row["epoch"])), int(row["block"])
+                for name, value in row.items():
+                    if name.split("@", 1)[0] in DEPTH_ACCURACIES and value not in (None, ""):
+                        evaluations.setdefault(key, {}).setdefault(name, {})[block] = float(value)
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{path}, line {line}: not an eval_per_block row ({err})") from None
+    series: dict[str, list[Point]] = {}
+    for (step, epoch), columns in sorted(evaluations.items()):
+        for name, by_block in columns.items():
+            finite = [v for v in by_block.values() if v == v]
+            for where, value in (("best_block", max(finite) if finite else float("nan")),
+                                 ("last_block", by_block[max(by_block)])):
+                variant = f"{name},{where}" if "@" in name else f"{name}@{where}"
+                series.setdefault(variant, []).append(Point(epoch, step, value))
+    return series
+
+
 def _exit_status(record: dict, key: str) -> Optional[int]:
     status = record.get(key)
     return status if isinstance(status, int) else None
@@ -139,8 +167,10 @@ def read_run(folder: Path) -> Run:
     if run.problem is None:
         try:
             run.metrics = read_metrics_csv(folder / METRICS_FILE)
+            if (folder / DEPTH_FILE).is_file():
+                run.metrics.update(read_depth_csv(folder / DEPTH_FILE))
         except (ValueError, csv.Error) as err:
-            run.problem = f"unreadable ({METRICS_FILE}: {err})"
+            run.problem = f"unreadable ({err})"
     probe_file = folder / FOLLOW_UP_DIR / METRICS_FILE
     probe_status = _exit_status(record, "probe_status")
     if probe_status not in (None, 0):
@@ -151,8 +181,10 @@ def read_run(folder: Path) -> Run:
     elif probe_file.is_file():
         try:
             run.probe_metrics = read_metrics_csv(probe_file)
+            if (folder / FOLLOW_UP_DIR / DEPTH_FILE).is_file():
+                run.probe_metrics.update(read_depth_csv(folder / FOLLOW_UP_DIR / DEPTH_FILE))
         except (ValueError, csv.Error) as err:
-            run.probe_problem = f"probe unreadable ({METRICS_FILE}: {err})"
+            run.probe_problem = f"probe unreadable ({err})"
     elif "probe_command" in record:
         run.probe_problem = f"probe missing (no {FOLLOW_UP_DIR}/{METRICS_FILE})"
     return run

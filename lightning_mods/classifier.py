@@ -155,15 +155,35 @@ class ImageClassifier(ClassificationSteps, LightningModule):
 
     def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Pooled output of every residual block in depth order (``B x C_k`` each)."""
-        outputs: list[torch.Tensor] = []
-        handles = [blk.register_forward_hook(lambda _m, _i, out: outputs.append(pool_block_output(out)))
+        return self.forward_features_and_blocks(images)[1]
+
+    def forward_features_and_blocks(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(forward_features, forward_block_features)`` from one pass of the backbone."""
+        outputs = self._block_outputs(images)
+        return self.backbone.forward_head(outputs[-1][1], pre_logits=True), [pool_block_output(o) for o, _ in outputs[:-1]]
+
+    def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
+        """Spatial features of residual block ``block`` (Python index; -1 the last), ``B x H x W x C``:
+        a ResNet block's feature map, or a ViT block's patch tokens on their grid (prefix tokens dropped)."""
+        out = self._block_outputs(images)[:-1][block][0]
+        if out.ndim == 4:
+            return out.permute(0, 2, 3, 1)
+        tokens = out[:, getattr(self.backbone, "num_prefix_tokens", 0):]
+        grid = getattr(getattr(self.backbone, "patch_embed", None), "grid_size", None)
+        height, width = grid if grid is not None else (int(tokens.shape[1] ** 0.5),) * 2
+        return tokens.reshape(tokens.shape[0], height, width, tokens.shape[-1])
+
+    def _block_outputs(self, images: torch.Tensor) -> list[tuple[torch.Tensor, object]]:
+        """Every residual block's output in depth order, then ``(None, forward_features output)``."""
+        outputs: list = []
+        handles = [blk.register_forward_hook(lambda _m, _i, out: outputs.append((out, None)))
                    for blk in residual_blocks(self.backbone)]
         try:
-            self.backbone.forward_features(images)
+            final = self.backbone.forward_features(images)
         finally:
             for handle in handles:
                 handle.remove()
-        return outputs
+        return outputs + [(None, final)]
 
     # --- steps (training, validation, test: ClassificationSteps) ----------------------------
     def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,12 @@ already extracted (e.g. the diffusion feature sweep).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
@@ -24,6 +25,28 @@ from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  #
                          module_from_checkpoint)
 from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
 from .probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
+from . import metric_names
+from .classification_steps import top_k_accuracy
+from .over_depth import check_blocks, features_and_blocks, mark_for_writing, resolve_blocks, write_pending
+
+
+def block_widths(backbone: nn.Module) -> list[int]:
+    """The width of every block's pooled output (``forward_block_features``), from one example
+    image of the backbone's input geometry (``image_size``/``in_chans`` of its settings, or its
+    patch embedding's image size)."""
+    if not hasattr(backbone, "forward_block_features"):
+        raise ValueError(f"LinearProbe: blocks needs {type(backbone).__name__}.forward_block_features "
+                         "(docs/contracts.md)")
+    hp = getattr(backbone, "hparams", {}) or {}
+    embed = getattr(getattr(backbone, "backbone", None), "patch_embed", None)
+    size = hp.get("image_size") or (embed.img_size[0] if embed is not None else 32)
+    example = torch.zeros(1, int(hp.get("in_chans", 3)), int(size), int(size))
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        training = backbone.training
+        backbone.eval()
+        outputs = backbone.forward_block_features(example)
+        backbone.train(training)
+    return [int(o.shape[-1]) for o in outputs]
 
 
 def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
@@ -86,12 +109,21 @@ class LinearProbe(ClassificationSteps, LightningModule):
         num_classes: linked from the datamodule by the CLI.
         lr: peak learning rate (SPEC: 1e-2 at batch 1024), cosine to 0 over the run.
         batch_norm: BatchNorm without affine parameters before the linear layer.
+        blocks: also probe every chosen block's pooled output (``"all"`` or a list of indices,
+            1 = nearest the input, -1 = the last; the backbone's ``forward_block_features``): one
+            head per block from the same forward pass, trained in the same optimiser step, each
+            initialised as a probe of that block alone would be. Each validation writes their
+            top-1 and the blocks' feature norms to ``eval_per_block.csv`` and the picture
+            ``eval/over_depth`` (:mod:`lightning_mods.over_depth`); ``val/top1`` stays the
+            ``forward_features`` head's.
     """
 
     def __init__(self, backbone: Optional[dict] = None, checkpoint: Optional[str] = None,
                  num_classes: int = 1000, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
-                 warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False) -> None:
+                 warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False,
+                 blocks: Union[None, str, list[int]] = None) -> None:
         super().__init__()
+        check_blocks("LinearProbe", blocks)
         self.save_hyperparameters(ignore=["backbone"])
         if isinstance(backbone, nn.Module):
             if checkpoint is not None:
@@ -116,6 +148,18 @@ class LinearProbe(ClassificationSteps, LightningModule):
             raise ValueError(f"backbone must expose num_features (its feature width); {type(backbone).__name__} does not")
         self.head = ProbeHead(int(dim), num_classes, batch_norm)
         self.init_accuracies(num_classes)
+        self.block_heads = nn.ModuleDict()  # "3" -> the head of block 3
+        self.block_top1 = nn.ModuleDict()
+        if blocks is not None:
+            widths = block_widths(backbone)
+            seed = torch.initial_seed()
+            for block in resolve_blocks("LinearProbe", blocks, len(widths)):
+                with torch.random.fork_rng(devices=[]):  # the global stream stays the single-head probe's
+                    self.block_heads[str(block)] = ProbeHead(
+                        widths[block - 1], num_classes, batch_norm,
+                        generator=torch.Generator().manual_seed(seed + block))  # as a probe of this block alone
+                self.block_top1[str(block)] = top_k_accuracy(num_classes, 1)
+        self.depth_history: list[dict] = []
 
     def setup(self, stage: str) -> None:
         # a backbone that takes its input normalisation from the datamodule (DiffusionModule:
@@ -134,6 +178,74 @@ class LinearProbe(ClassificationSteps, LightningModule):
             features = self.backbone.forward_features(images)
         return self.head(features)
 
+    # --- heads over depth (blocks) ----------------------------------------------------------
+    def _features_and_blocks(self, images: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            features, outputs = features_and_blocks(self.backbone, images)
+        return features, {key: outputs[int(key) - 1] for key in self.block_heads}
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        if not self.block_heads:
+            return super().training_step(batch, batch_idx)
+        images, labels = batch[0], batch[1]
+        features, blocks = self._features_and_blocks(images)
+        logits = self.head(features)
+        loss = self.training_loss(logits, labels)
+        self.train_top1(logits, labels)
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        # the heads are independent: the sum's gradient is each head's own loss gradient
+        return loss + sum(F.cross_entropy(self.block_heads[key](f), labels) for key, f in blocks.items())
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        if not self.block_heads:
+            return
+        images, labels = batch[0], batch[1]
+        _, blocks = self._features_and_blocks(images)
+        for key, block_features in blocks.items():
+            self.block_top1[key].update(self.block_heads[key](block_features), labels)
+            self._block_norms[key] = self._block_norms.get(key, 0.0) + block_features.double().norm(dim=1).sum()
+        self._block_count = getattr(self, "_block_count", 0) + labels.shape[0]
+
+    def on_validation_epoch_start(self) -> None:
+        self._block_norms: dict[str, torch.Tensor] = {}
+        self._block_count = 0
+        for accuracy in self.block_top1.values():  # the sanity check's batches do not count
+            accuracy.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.block_heads or self.trainer.sanity_checking:
+            return
+        count = self.trainer.strategy.reduce(torch.tensor(float(self._block_count), device=self.device),
+                                             reduce_op="sum")
+        rows = []
+        for key in self.block_heads:
+            norm = self.trainer.strategy.reduce(self._block_norms[key].to(self.device), reduce_op="sum")
+            rows.append({"epoch": int(self.current_epoch), "step": int(self.global_step), "block": int(key),
+                         metric_names.VAL_TOP1: self.block_top1[key].compute().item(),
+                         metric_names.FEATURE_NORM: float(norm / count)})
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            self.depth_history += rows
+        else:
+            self._validate_rows = rows
+        mark_for_writing(self.trainer)
+
+    def on_validation_end(self) -> None:
+        write_pending(self.trainer, "linear probe over depth")
+
+    def depth_rows(self, trainer) -> list[dict]:  # noqa: ANN001 (Trainer)
+        """The per-block rows of ``eval_per_block.csv``: every validation of fit, or the last validate's."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            return self.depth_history
+        return getattr(self, "_validate_rows", [])
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["depth_history"] = [dict(row) for row in self.depth_history]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.depth_history = [dict(row) for row in checkpoint.get("depth_history", [])]
+
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """The backbone's ``embeddings``, the probe's ``logits`` and ``labels``, for
         ``callbacks.prediction_writer``."""
@@ -143,7 +255,8 @@ class LinearProbe(ClassificationSteps, LightningModule):
         return {"embeddings": features, "logits": self.head(features), "labels": labels}
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.head.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
+        heads = [*self.head.parameters(), *self.block_heads.parameters()]  # the authors' layout: one step for all
+        optimizer = torch.optim.SGD(heads, lr=self.hparams.lr, momentum=self.hparams.momentum,
                                     weight_decay=self.hparams.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(steps_from_epochs(self.trainer, self.hparams.warmup_epochs), max(0, total - 1))

@@ -201,6 +201,18 @@ class MaskedAutoencoder(LightningModule):
         """Pooled output of every encoder block (the rank-over-depth profile)."""
         return [self._pool(t) for t in self.encode(images)[1]]
 
+    def forward_features_and_blocks(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(forward_features, forward_block_features)`` from one encoder pass."""
+        last, outputs = self.encode(images)
+        return self._pool(last), [self._pool(t) for t in outputs]
+
+    def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
+        """Patch tokens of encoder block ``block`` (Python index; -1 the last) on their grid,
+        ``B x H/p x W/p x D`` (the cls token dropped): the paper's pixel-wise embeddings (Fig. 3)."""
+        tokens = self.encode(images)[1][block][:, 1:]
+        grid = self.hparams.image_size // self.hparams.patch_size
+        return tokens.reshape(tokens.shape[0], grid, grid, tokens.shape[-1])
+
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.prediction_writer``."""
         images, labels = batch[0], batch[1]

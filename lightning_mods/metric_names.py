@@ -16,6 +16,7 @@ name                                  meaning                                   
 ``online_probe/val_top1``             its top-1 accuracy on the validation split         fraction in [0, 1]
 ``rank/effective_rank``               exp(H) of the normalised singular values           dimensions
 ``rank/entropy``                      H, the paper's "effective rank"                    nats
+``feature/norm``                      mean L2 norm of a block's pooled output            norm
 ``val/fid``                           Frechet Inception distance of generated samples    FID (lower better)
 ``val/kid_mean``, ``val/isc_mean``    kernel Inception distance, Inception score         KID, IS
 ====================================  =================================================  ==================
@@ -25,7 +26,9 @@ squared error of (normalised) pixels for the MAE and of the noise for diffusion.
 is logged per step and as epoch mean, which Lightning writes to the logger files as
 ``train/loss_step`` and ``train/loss_epoch``. Accuracies are fractions everywhere they are
 logged or shown; a Markdown report may print percentages with the unit in its header.
-The per-block rank profile is a file and a picture, not metrics (``callbacks/effective_rank.py``).
+The per-block rank profile is a file and a picture, not metrics (``callbacks/effective_rank.py``);
+so are the per-block kNN, probe and feature-norm values (``feature/norm`` is a column of
+``eval_per_block.csv``, ``lightning_mods/over_depth.py``).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ ONLINE_PROBE_TRAIN_TOP1 = "online_probe/train_top1"
 ONLINE_PROBE_VAL_TOP1 = "online_probe/val_top1"
 EFFECTIVE_RANK = "rank/effective_rank"
 RANK_ENTROPY = "rank/entropy"
+FEATURE_NORM = "feature/norm"
 VAL_FID = "val/fid"
 
 LOSS = {"train": TRAIN_LOSS, "val": VAL_LOSS, "test": TEST_LOSS}

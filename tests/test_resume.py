@@ -110,6 +110,10 @@ CASES: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], list]]] = {
         KNNEvaluator(k=[1, 3]), KNNEvaluator(k=5, temperature=0.1),
         OnlineLinearProbe(lr=[1e-2, 1e-3], every_n_steps=1), OnlineLinearProbe(optimizer="sgd", every_n_steps=2),
         EffectiveRank(), EffectiveRank(source="features", per_block=True, draw_profile=False)]),
+    # evaluation over depth: its eval_per_block.csv is rewritten whole from the restored states
+    "mae_over_depth": (lambda: tiny_mae("linear"), lambda: [
+        KNNEvaluator(blocks="all"), OnlineLinearProbe(blocks=[1, -1], every_n_steps=1),
+        EffectiveRank(per_block=True, draw_profile=False)]),
 }
 
 
@@ -130,7 +134,8 @@ def fit(case: str, root: Path, save: Optional[SaveAt] = None, ckpt_path: Optiona
             "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
             "ema": ema._average_model.state_dict() if ema is not None else None,
             "records": logger.records, "global_step": trainer.global_step,
-            "callbacks": {cb.state_key: cb.state_dict() for cb in extra if isinstance(cb, SettingsKeyed)}}
+            "callbacks": {cb.state_key: cb.state_dict() for cb in extra if isinstance(cb, SettingsKeyed)},
+            "eval_per_block": (root / "eval_per_block.csv").read_text() if (root / "eval_per_block.csv").exists() else None}
 
 
 def assert_identical(actual: Any, expected: Any, where: str = "") -> None:
@@ -151,7 +156,7 @@ def assert_identical(actual: Any, expected: Any, where: str = "") -> None:
 
 def assert_resumed_equals_full(resumed: dict, full: dict, step: int) -> None:
     assert resumed["global_step"] == full["global_step"] == EPOCHS * BATCHES
-    for part in ("weights", "optimizer", "scheduler", "ema", "callbacks"):
+    for part in ("weights", "optimizer", "scheduler", "ema", "callbacks", "eval_per_block"):
         assert_identical(resumed[part], full[part], part)
     after = [r for r in full["records"] if r[0] >= step]
     assert len(after) >= 5  # step metrics, epoch metrics, validation metrics
