@@ -25,6 +25,7 @@ from commands import catalogue
 COMMANDS = {
     "sweep": ("commands.sweep", "run a grid of fits (alpha_min x seed ...) one after another, or print their commands"),
     "report": ("commands.report", "a sweep's table (mean ± std over seeds) and figures from runs/<experiment>"),
+    "features": ("commands.features", "the patch-feature picture of a checkpoint (top-3 principal components as RGB)"),
     "convert-mae": ("commands.convert_mae", "import the authors', official or timm MAE weights; export to timm"),
     "feature-reuse": ("commands.feature_reuse", "the spiral feature-reuse study (ResidualDroppath paper, Fig. 3)"),
     "probe-diffusion": ("commands.probe_diffusion", "linear probe / kNN of a diffusion model's blocks per noise level"),

@@ -6,7 +6,9 @@ Each ``predict_step`` returns a dict of per-sample tensors (``embeddings`` from
 
     predictions = torch.load("predictions.pt", weights_only=True)  # {"embeddings": N x D, ...}
 
-plus ``indices`` (the sample's position in the predict dataset). Under DDP every rank writes
+plus ``indices`` (the sample's position in the predict dataset), and draws the embeddings in two
+dimensions, coloured by label (``embedding_map.png`` beside it, :mod:`lightning_mods.embedding_map`:
+scikit-learn's t-SNE, seeded, subsampled above ``max_points``). Under DDP every rank writes
 its part next to the output file (a folder every node sees, as the log directory is), rank 0
 merges the parts in dataset order, drops the samples a ``DistributedSampler`` repeated to even
 out the ranks, and removes the parts.
@@ -21,6 +23,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_mods.embedding_map import EMBEDDING_MAP_POINTS, write_embedding_map
 
 
 def concatenate_predictions(batches: Sequence[dict[str, torch.Tensor]],
@@ -58,12 +62,22 @@ class PredictionWriter(BasePredictionWriter):
     Args:
         path: output file (``.pt``, a dict of tensors for ``torch.load(..., weights_only=True)``);
             None writes ``predictions.pt`` in the trainer's log directory.
+        embedding_map: also draw ``embedding_map.png`` next to it (when there are labels).
+        max_points: the map shows a seeded random subset of this many samples above it.
+        seed: of the subset and of t-SNE.
     """
 
-    def __init__(self, path: Optional[str] = None) -> None:
+    def __init__(self, path: Optional[str] = None, embedding_map: bool = True,
+                 max_points: int = EMBEDDING_MAP_POINTS, seed: int = 0) -> None:
         super().__init__(write_interval="epoch")
+        if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 3:
+            raise ValueError(f"PredictionWriter: max_points must be an integer >= 3, got {max_points!r}")
         self.path = path
+        self.embedding_map = embedding_map
+        self.max_points = max_points
+        self.seed = seed
         self.written: Optional[Path] = None
+        self.map_written: Optional[Path] = None
 
     def output_path(self, trainer: Trainer) -> Path:
         return Path(self.path) if self.path is not None else Path(trainer.log_dir or trainer.default_root_dir) \
@@ -78,6 +92,7 @@ class PredictionWriter(BasePredictionWriter):
         part = concatenate_predictions(predictions, indices)
         if trainer.world_size == 1:
             self.save(merge_in_dataset_order([part]), path)
+            self.draw_map(trainer)
             return
         if not indices:
             raise ValueError("PredictionWriter: under DDP the predict loader must be a DataLoader (Lightning "
@@ -91,7 +106,23 @@ class PredictionWriter(BasePredictionWriter):
             self.save(merge_in_dataset_order([torch.load(p, weights_only=True) for p in part_paths]), path)
             for p in part_paths:
                 os.remove(p)
+            self.draw_map(trainer)
         trainer.strategy.barrier("prediction_writer_merged")
+
+    def draw_map(self, trainer: Trainer) -> None:
+        """``embedding_map.png`` next to the written predictions (rank 0)."""
+        if not self.embedding_map or self.written is None:
+            return
+        predictions = torch.load(self.written, weights_only=True)
+        if "embeddings" not in predictions or "labels" not in predictions or len(predictions["labels"]) < 3:
+            return
+        names = getattr(getattr(trainer, "datamodule", None), "class_names", None)
+        self.map_written = write_embedding_map(predictions["embeddings"], predictions["labels"],
+                                               self.written.with_name("embedding_map.png"), names,
+                                               self.max_points, self.seed,
+                                               f"{type(trainer.lightning_module).__name__} embeddings "
+                                               f"({self.written.name})")
+        rank_zero_info(f"PredictionWriter: drew the embedding map {self.map_written}")
 
     def save(self, predictions: dict[str, torch.Tensor], path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
