@@ -171,7 +171,7 @@ def draw_over_depth(rows: list[dict[str, Any]], title: str = "evaluation over de
     evaluations = sorted({(row["step"], row["epoch"]) for row in rows})
     epochs = [epoch for _, epoch in evaluations]
     shades = ScalarMappable(Normalize(min(epochs), max(max(epochs), min(epochs) + 1)), colormaps["viridis"])
-    fig = Figure(figsize=(6.4, 3.9), layout="constrained")
+    fig = Figure(figsize=(6.4, 4.8), layout="constrained")
     ax = fig.add_subplot()
     styles = ["-", "--", "-.", ":"]
     columns = accuracy_columns(rows)
@@ -200,10 +200,9 @@ def draw_over_depth(rows: list[dict[str, Any]], title: str = "evaluation over de
         line, = right.plot([b for b, _ in norms], [n for _, n in norms], color="tab:red", linestyle=":",
                            marker="s", markersize=3, label=f"feature norm, epoch {latest_rows[0]['epoch']}")
         right.set_ylabel("mean L2 norm of the pooled block output", color="tab:red")
-        right.set_yscale("log")
         handles, labels = handles + [line], labels + [line.get_label()]
     if handles:
-        ax.legend(handles, labels, loc="best", fontsize="x-small")
+        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="x-small")
     if not named and columns:
         fig.colorbar(shades, ax=ax, label="epoch", location="bottom")
     return fig
