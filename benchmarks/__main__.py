@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from . import models, report, several_settings, startup, training
+from . import models, over_depth, report, several_settings, startup, training
 from .settings import Settings
 from .timing import skipped
 
-GROUPS = {"models": models.run, "training": training.run, "several": several_settings.run, "startup": startup.run}
+GROUPS = {"models": models.run, "training": training.run, "several": several_settings.run,
+          "depth": over_depth.run, "startup": startup.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
