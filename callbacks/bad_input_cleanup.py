@@ -4,7 +4,7 @@ Lightning creates the logger's version folder (and TensorBoard's event file) bef
 datamodule's ``setup`` runs, so a missing data folder or an unreadable first image would
 leave an empty ``version_N`` behind on every try. :class:`RemoveLogsOnBadInput` removes the
 log folders this run created when the run stops on bad input (``ValueError``,
-``FileNotFoundError``) before its first optimiser step and nothing in them is a checkpoint.
+``FileNotFoundError``) or a file it cannot write (a full disk: ``DiskWriteError``) before its first optimiser step and nothing in them is a checkpoint.
 A folder that existed before the run is never touched.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_mods.atomic_files import DiskWriteError
 
 
 def new_folders(path: Path) -> list[Path]:
@@ -36,7 +38,7 @@ class RemoveLogsOnBadInput(Callback):
                         for folder in new_folders(Path(logger.log_dir))]
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, (ValueError, FileNotFoundError)) or trainer.global_step > 0 \
+        if not isinstance(exception, (ValueError, FileNotFoundError, DiskWriteError)) or trainer.global_step > 0 \
                 or not trainer.is_global_zero:
             return
         for folder in self.created:

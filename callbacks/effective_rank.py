@@ -26,6 +26,7 @@ NaN and a warning, not an SVD error.
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Optional
 
@@ -37,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
 from lightning_mods import metric_names
+from lightning_mods.atomic_files import write_text_atomically
 from lightning_mods.pictures import log_picture, run_dir
 from lightning_mods.over_depth import mark_for_writing, write_pending
 from .settings_key import SettingsKeyed
@@ -147,15 +149,14 @@ def write_profiles(path: Path, history: list[dict[str, Any]]) -> Path:
     """``rank_per_block.csv``: one row per evaluation and block (``PROFILE_COLUMNS``), from
     the entries of :attr:`EffectiveRank.history` that have a profile. Rewritten whole, so a
     resumed run's file holds exactly the evaluations its restored history holds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(PROFILE_COLUMNS)
-        for entry in history:
-            entropies = entry.get("entropy_profile") or [float("nan")] * len(entry["profile"])  # older checkpoints
-            for block, (h, r) in enumerate(zip(entropies, entry["profile"]), start=1):
-                writer.writerow([entry["epoch"], entry["step"], block, repr(h), repr(r)])
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(PROFILE_COLUMNS)
+    for entry in history:
+        entropies = entry.get("entropy_profile") or [float("nan")] * len(entry["profile"])  # older checkpoints
+        for block, (h, r) in enumerate(zip(entropies, entry["profile"]), start=1):
+            writer.writerow([entry["epoch"], entry["step"], block, repr(h), repr(r)])
+    return write_text_atomically(path, text.getvalue())
 
 
 def read_profiles(path: Path) -> dict[int, dict[str, list[float]]]:

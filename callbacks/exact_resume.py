@@ -31,6 +31,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 
+from lightning_mods import checkpoint_io
+
 
 def capture_rng_states() -> dict[str, Any]:
     """This process's generator states (python, numpy, torch CPU, every CUDA device) as
@@ -72,6 +74,7 @@ class ExactResume(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        checkpoint_io.install(trainer)  # checkpoints whole or absent (lightning_mods/checkpoint_io.py)
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer

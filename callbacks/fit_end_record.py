@@ -39,4 +39,4 @@ class FitEndRecord(Callback):
                   "max_epochs": trainer.max_epochs, "max_steps": trainer.max_steps}
         path = run_dir(trainer) / FIT_END_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        write_text_atomically(path, json.dumps(record, indent=2) + "\n")

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mods.embedding_map import EMBEDDING_MAP_POINTS, write_embedding_map
+from lightning_mods.checkpoint_io import save_torch_atomically
 
 
 def concatenate_predictions(batches: Sequence[dict[str, torch.Tensor]],
@@ -99,7 +100,7 @@ class PredictionWriter(BasePredictionWriter):
                              "then reports each sample's index, needed to merge the ranks)")
         part_path = path.with_name(f"{path.stem}.rank{trainer.global_rank}{path.suffix}")
         part_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(part, part_path)
+        save_torch_atomically(part, part_path)
         trainer.strategy.barrier("prediction_writer_parts")
         if trainer.is_global_zero:
             part_paths = [path.with_name(f"{path.stem}.rank{r}{path.suffix}") for r in range(trainer.world_size)]
@@ -125,8 +126,7 @@ class PredictionWriter(BasePredictionWriter):
         rank_zero_info(f"PredictionWriter: drew the embedding map {self.map_written}")
 
     def save(self, predictions: dict[str, torch.Tensor], path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(predictions, path)
+        save_torch_atomically(predictions, path)
         self.written = path
         shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in predictions.items())
         rank_zero_info(f"PredictionWriter: wrote {len(predictions['indices'])} samples to {path} ({shapes})")

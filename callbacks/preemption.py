@@ -35,6 +35,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_mods import checkpoint_io
+
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: Optional[int] = None  # signals are process-wide: the first one a fit received
 
@@ -53,6 +55,9 @@ class PreemptionCheckpoint(Callback):
         self.filename = filename
         self.saved_path: Optional[Path] = None
         self._previous: dict[int, Any] = {}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        checkpoint_io.install(trainer)  # the pre-emption save is whole or absent, last.ckpt never half replaced
 
     # --- signal handlers (main thread only: Python's rule) ------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mods import metric_names
+from lightning_mods.atomic_files import write_text_atomically
 from lightning_mods.pictures import picture_dir, run_dir
 
 DEFAULT_METRICS = (metric_names.KNN_TOP1, metric_names.ONLINE_PROBE_VAL_TOP1, metric_names.EFFECTIVE_RANK,
@@ -81,8 +82,7 @@ class RunSummary(Callback):
             return
         if self.summary_file:
             path = Path(self.summary["log_dir"]) / self.summary_file
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.summary, indent=2) + "\n")
+            write_text_atomically(path, json.dumps(self.summary, indent=2) + "\n")
         self.print_table()
 
     def print_table(self) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 import re
 import sys
 from typing import Any, Optional
@@ -42,6 +41,8 @@ import lightning
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+from lightning_mods.atomic_files import write_bytes_atomically
+from lightning_mods.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.checkpoint import init_parameters, read_torch_file, state_dict_mismatch
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
@@ -300,16 +301,13 @@ def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor
 
 
 def save(obj: Any, path: str) -> None:
-    """``torch.save`` (or safetensors for ``.safetensors``) through a temporary file: an
-    existing file is replaced only by a complete one."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)  # --help: "folders are created"
-    tmp = f"{path}.tmp{os.getpid()}"
-    if path.endswith(".safetensors"):
-        from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in obj.items()}, tmp)
+    """``torch.save`` (or safetensors for ``.safetensors``) whole or not at all
+    (:mod:`lightning_mods.atomic_files`): an existing file is replaced only by a complete one."""
+    if path.endswith(".safetensors"):  # missing folders are created (--help)
+        from safetensors.torch import save as to_bytes
+        write_bytes_atomically(path, to_bytes({k: v.contiguous() for k, v in obj.items()}))
     else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+        save_torch_atomically(obj, path)
 
 
 # --- command line --------------------------------------------------------------------------------

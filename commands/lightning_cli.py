@@ -44,6 +44,7 @@ from callbacks.nonfinite_guard import NonFiniteTrainingError
 from callbacks.preemption import received_signal
 from callbacks.schedule import ScheduledEvaluation
 
+from lightning_mods import atomic_files
 from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, init_parameters,
                                        load_checkpoint, read_torch_file, setting_conflicts,
                                        state_dict_mismatch)
@@ -565,8 +566,9 @@ def console_main(args: Optional[list[str]] = None) -> None:
     """The ``shortcutlab`` console command on ``args`` (``sys.argv`` when None; returns None: a
     console script exits with its value).
 
-    A bad setting or a missing file ends with one line on stderr and exit status 2;
-    ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
+    A bad setting or a missing file ends with one line on stderr and exit status 2; a file that
+    cannot be written (full disk, quota, read-only, permissions) with one line and exit status 4
+    (:mod:`lightning_mods.atomic_files`); ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
     """
     info_logs_to_stdout()
     silence_third_party_noise()
@@ -577,6 +579,13 @@ def console_main(args: Optional[list[str]] = None) -> None:
             raise
         print(f"shortcutlab: error: {root_message(err)}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:  # a full disk, a quota, a read-only or forbidden folder, while saving or logging
+        if os.environ.get("SHORTCUTLAB_TRACEBACK") or err.errno not in atomic_files.DISK_ERRORS:
+            raise
+        message = str(err) if isinstance(err, atomic_files.DiskWriteError) else \
+            atomic_files.describe(err, Path(err.filename or "?"), None)
+        print(f"shortcutlab: error: {message}", file=sys.stderr)
+        sys.exit(atomic_files.DISK_ERROR_EXIT_STATUS)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 
 from commands.run_metrics import Run, read_run
 from lightning_mods import metric_names
+from lightning_mods.atomic_files import write_text_atomically
 from commands.sweep import parse_run_name, read_plan, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
@@ -344,8 +345,8 @@ def make_report(experiment: Path, out: Path) -> dict:
     data = report_data(experiment.name, group_keys, groups, correlation, stale)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.md", out / "report.json"]
-    files[0].write_text(markdown)
-    files[1].write_text(json.dumps(data, indent=2) + "\n")
+    write_text_atomically(files[0], markdown)
+    write_text_atomically(files[1], json.dumps(data, indent=2) + "\n")
     if metrics and group_keys:
         files.append(metric_vs_group_figure(out, group_keys, groups, metrics))
     if any(run.history(EFFECTIVE_RANK.name) for run in counted):

@@ -14,7 +14,8 @@ pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after a
 (they neither skip finished runs nor resume: ``shortcutlab sweep`` itself does both).
 
 A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
-``checkpoints/last.ckpt`` (bit for bit, README "Reliability"). ``--then CONFIG`` (repeatable) fits a second
+newest checkpoint that loads (bit for bit, README "Reliability"; a truncated newer one is
+skipped with one line). ``--then CONFIG`` (repeatable) fits a second
 config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
 linear probe), logging to ``<run>/probe``. A failed run is reported and the others still run;
 the sweep exits non-zero when any run failed.
@@ -42,6 +43,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from lightning_mods.atomic_files import DISK_ERROR_EXIT_STATUS, DiskWriteError, write_text_atomically
 
 # grid keys whose last component is not a readable name
 SHORT_NAMES = {"seed_everything": "seed"}
@@ -99,8 +102,7 @@ def write_logging_fragment(save_dir: Path, version: str) -> Path:
                for cls in ("CSVLogger", "TensorBoardLogger")]
     trainer = {"logger": loggers, "callbacks+": [{"class_path": "callbacks.fit_end_record.FitEndRecord"}]}
     path = save_dir / version / "run.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# written by shortcutlab sweep: where this run logs\n"
+    write_text_atomically(path, "# written by shortcutlab sweep: where this run logs\n"
                     + json.dumps({"trainer": trainer}, indent=2) + "\n")
     return path
 
@@ -122,7 +124,7 @@ def record_plan(save_dir: Path, names: Sequence[str]) -> None:
     planned = read_plan(save_dir)
     planned += [name for name in names if name not in planned]
     save_dir.mkdir(parents=True, exist_ok=True)
-    (save_dir / PLAN_FILE).write_text(json.dumps({"runs": planned}, indent=2) + "\n")
+    write_text_atomically(save_dir / PLAN_FILE, json.dumps({"runs": planned}, indent=2) + "\n")
 
 
 CHECKPOINT_AT_RUN_TIME = "@newest-checkpoint@"  # placeholder in a printed --then line
@@ -146,6 +148,39 @@ def last_checkpoint(run: Path) -> Optional[Path]:
     found = [path for path in (run / "checkpoints" / "last.ckpt", run / "checkpoints" / "latest.ckpt")
              if path.is_file()]
     return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None  # a tie keeps last.ckpt
+
+
+def unloadable(path: Path) -> Optional[str]:
+    """Why the checkpoint at ``path`` cannot be resumed from (truncated, empty, not a Lightning
+    checkpoint ...), or None when it loads (read memory-mapped: no full copy in memory)."""
+    from lightning_mods.checkpoint import read_torch_file  # torch: only when a run resumes
+
+    try:
+        ckpt = read_torch_file(path, "checkpoint", mmap=True)
+    except (ValueError, FileNotFoundError) as err:
+        text = str(err)
+        return text.split(" is ", 1)[1] if " is " in text else text  # without the path said already
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        return "not a Lightning checkpoint (no 'state_dict')"
+    return None
+
+
+def resumable_checkpoint(run: Path) -> Optional[Path]:
+    """The newest checkpoint of ``run`` (``checkpoints/*.ckpt`` by modification time, ``last.ckpt``
+    and ``latest.ckpt`` first on a tie) that loads; each newer one that does not (a save cut
+    short by a full disk or a killed node, before checkpoints were written atomically) is
+    skipped with one line saying why."""
+    folder = run / "checkpoints"
+    if not folder.is_dir():
+        return None
+    preferred = {"last.ckpt": 0, "latest.ckpt": 1}
+    candidates = sorted(folder.glob("*.ckpt"), key=lambda p: (-p.stat().st_mtime_ns, preferred.get(p.name, 2), p.name))
+    for path in candidates:
+        reason = unloadable(path)
+        if reason is None:
+            return path
+        print(f"    skipped {path}: {reason}; trying the next newest checkpoint", flush=True)
+    return None
 
 
 def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence[str]) -> list[str]:
@@ -300,16 +335,17 @@ def merge_metrics_csv(earlier: str, path: Path) -> None:
     first_new = min((step(row) for row in new_rows), default=float("inf"))
     rows = [row for row in old_rows if step(row) < first_new] + new_rows
     columns = sorted({key for row in rows for key in row if key is not None})
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows({key: value for key, value in row.items() if key is not None} for row in rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows({key: value for key, value in row.items() if key is not None} for row in rows)
+    write_text_atomically(path, text.getvalue())
 
 
 def fit_resuming(args: Sequence[str], folder: Path, grace: float = STOP_GRACE_SECONDS) -> tuple[list[str], int, float]:
     """Run ``fit`` ``args`` logging to ``folder``, resumed from its last checkpoint when it has
     one (keeping the metrics logged before it); returns ``(arguments run, exit status, seconds)``."""
-    resume = last_checkpoint(folder)
+    resume = resumable_checkpoint(folder)
     metrics = folder / "metrics.csv"
     earlier = metrics.read_text() if resume is not None and metrics.is_file() else None
     run_args = list(args) + ([f"--ckpt_path={resume}"] if resume is not None else [])
@@ -363,6 +399,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     except (ValueError, FileNotFoundError) as err:
         print(f"shortcutlab sweep: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except DiskWriteError as err:  # its own record or plan: a full disk, a quota, a read-only folder
+        print(f"shortcutlab sweep: error: {err}", file=sys.stderr)
+        sys.exit(DISK_ERROR_EXIT_STATUS)
     except Stopped as stop:
         print(f"shortcutlab sweep: stopped by {stop} (the run in progress ended with status {stop.status}); "
               "the same command resumes the sweep", file=sys.stderr, flush=True)
@@ -412,16 +451,16 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
             except Stopped as stop:
                 record = {"name": name, "grid": point, "status": stop.status, "stopped_by": str(stop)}
                 run.mkdir(parents=True, exist_ok=True)
-                record_file.write_text(json.dumps(record, indent=2) + "\n")
+                write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
                 raise
             record = {"name": name, "grid": point, "command": shell_line(run_args), "status": status,
                       "seconds": round(seconds, 1)}
             run.mkdir(parents=True, exist_ok=True)
-            record_file.write_text(json.dumps(record, indent=2) + "\n")
+            write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
         else:
             print(f"    done before ({record.get('seconds')} s), skipped", flush=True)
         if parsed.then and record.get("status") == 0 and record.get("probe_status") != 0:
-            checkpoint = last_checkpoint(run)
+            checkpoint = resumable_checkpoint(run)
             if checkpoint is None:
                 record["probe_status"] = 1
                 print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
@@ -431,10 +470,10 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                     follow, status, seconds = fit_resuming(follow, probe, parsed.stop_grace)
                 except Stopped as stop:
                     record.update(probe_status=stop.status, probe_stopped_by=str(stop))
-                    record_file.write_text(json.dumps(record, indent=2) + "\n")
+                    write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
                     raise
                 record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
-            record_file.write_text(json.dumps(record, indent=2) + "\n")
+            write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
         records.append(record)
     if parsed.print_only:
         return []

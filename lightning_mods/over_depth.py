@@ -21,6 +21,7 @@ The columns are the metric names (``knn/top1``, ``knn/top1@k=10``, ``online_prob
 from __future__ import annotations
 
 import csv
+import io
 import math
 import weakref
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from . import metric_names
+from .atomic_files import write_text_atomically
 from .pictures import log_picture, run_dir
 
 DEPTH_FILE = "eval_per_block.csv"
@@ -90,15 +92,12 @@ def merged_rows(trainer: Any) -> list[dict[str, Any]]:
 def write_table(path: Path, rows: list[dict[str, Any]]) -> Path:
     """``rows`` as a CSV: the key columns, then every value column (sorted), empty where a row has none."""
     columns = list(KEY_COLUMNS) + sorted({c for row in rows for c in row} - set(KEY_COLUMNS))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
-    tmp.replace(path)  # a reader never sees half a file
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+    return write_text_atomically(path, text.getvalue())  # a reader never sees half a file
 
 
 def read_table(path: Path) -> list[dict[str, Any]]:
