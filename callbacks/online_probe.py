@@ -281,7 +281,7 @@ class OnlineLinearProbe(SettingsKeyed):
         self.steps += 1
         # epoch means over the probed batches: a per-step value would be repeated by Lightning at
         # every batch of the epoch after it (stale numbers between probes, and lost on a mid-epoch resume)
-        pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=len(labels))
+        pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=len(labels), sync_dist=True)
 
     @staticmethod
     def _step(head: ProbeHead, optimizer: torch.optim.Optimizer, features: torch.Tensor,

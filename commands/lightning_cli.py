@@ -37,7 +37,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from commands import catalogue
+from callbacks import lost_rank
 from callbacks.bad_input_cleanup import RemoveLogsOnBadInput
+from callbacks.lost_rank import LostRankReport
 from callbacks.prediction_writer import PredictionWriter
 
 from callbacks.nonfinite_guard import NonFiniteTrainingError
@@ -254,6 +256,7 @@ class ShortcutLabCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         expect_frozen_eval_modules(self.model)
         self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
+        self.trainer.callbacks.append(LostRankReport())
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
 
@@ -568,7 +571,8 @@ def console_main(args: Optional[list[str]] = None) -> None:
 
     A bad setting or a missing file ends with one line on stderr and exit status 2; a file that
     cannot be written (full disk, quota, read-only, permissions) with one line and exit status 4
-    (:mod:`lightning_mods.atomic_files`); ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
+    (:mod:`lightning_mods.atomic_files`); a lost DDP peer with one line naming it and exit status 5
+    (:mod:`callbacks.lost_rank`); ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
     """
     info_logs_to_stdout()
     silence_third_party_noise()
@@ -579,13 +583,18 @@ def console_main(args: Optional[list[str]] = None) -> None:
             raise
         print(f"shortcutlab: error: {root_message(err)}", file=sys.stderr)
         sys.exit(2)
-    except OSError as err:  # a full disk, a quota, a read-only or forbidden folder, while saving or logging
-        if os.environ.get("SHORTCUTLAB_TRACEBACK") or err.errno not in atomic_files.DISK_ERRORS:
+    except Exception as err:  # noqa: BLE001 (the two faults below get one line; anything else its traceback)
+        if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise
-        message = str(err) if isinstance(err, atomic_files.DiskWriteError) else \
-            atomic_files.describe(err, Path(err.filename or "?"), None)
-        print(f"shortcutlab: error: {message}", file=sys.stderr)
-        sys.exit(atomic_files.DISK_ERROR_EXIT_STATUS)
+        if isinstance(err, OSError) and err.errno in atomic_files.DISK_ERRORS:  # full disk, quota, read-only ...
+            message = str(err) if isinstance(err, atomic_files.DiskWriteError) else \
+                atomic_files.describe(err, Path(err.filename or "?"), None)
+            print(f"shortcutlab: error: {message}", file=sys.stderr)
+            sys.exit(atomic_files.DISK_ERROR_EXIT_STATUS)
+        if lost_rank.lost_rank_message is not None:  # a DDP peer died (callbacks/lost_rank.py)
+            print(f"shortcutlab: error: {lost_rank.lost_rank_message}", file=sys.stderr)
+            sys.exit(lost_rank.LOST_RANK_EXIT_STATUS)
+        raise
 
 
 if __name__ == "__main__":
