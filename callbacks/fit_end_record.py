@@ -16,6 +16,7 @@ import json
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_mods.atomic_files import write_text_atomically
 from lightning_mods.pictures import run_dir
 
 FIT_END_FILE = "fit_end.json"

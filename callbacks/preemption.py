@@ -111,7 +111,7 @@ class PreemptionCheckpoint(Callback):
             message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint (non-finite weights)"
         else:
             self.saved_path = self._directory(trainer) / f"{self.filename}.ckpt"
-            trainer.save_checkpoint(self.saved_path)
+            trainer.save_checkpoint(self.saved_path, weights_only=False)  # the full resumable state, said explicitly
             message = (f"shortcutlab: stopped by {name} at step {trainer.global_step}; resumable checkpoint "
                        f"{self.saved_path} (resume: fit ... --ckpt_path {self.saved_path})")
         if trainer.is_global_zero:

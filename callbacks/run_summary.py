@@ -90,13 +90,18 @@ class RunSummary(Callback):
         from rich.console import Console
         from rich.table import Table
 
+        console = Console()
+        terminal = console.is_terminal
+        if not terminal:  # a job's log file: the paths whole on one line, to be copied from it
+            longest = max((len(str(v)) for v in self.summary.values() if isinstance(v, str)), default=0)
+            console = Console(width=max(console.width, longest + 40))
         table = Table(title=self.title, show_header=True, header_style="bold")
         table.add_column("what")
-        table.add_column("value", justify="right", overflow="fold")
+        table.add_column("value", justify="right", overflow="fold" if terminal else "ignore", no_wrap=not terminal)
         for name, value in self.summary["metrics"].items():
             table.add_row(name, format_value(name, value))
         table.add_row("epochs / steps", f"{self.summary['epochs']} / {self.summary['steps']}")
         for label, key in (("best checkpoint", "best_checkpoint"), ("last checkpoint", "last_checkpoint"),
                            ("pictures", "pictures")):
             table.add_row(label, self.summary[key] or "-", style="dim" if not self.summary[key] else None)
-        Console().print(table)
+        console.print(table)

@@ -41,6 +41,8 @@ class SettingsKeyed(Callback):
 
     name: Optional[str] = None
     instance_tag: str = ""  # "" while this is the only instance of its class in the Trainer
+    # settings that add measurements (rows over depth) without changing the logged ones: not in tags
+    untagged_settings: tuple[str, ...] = ("blocks",)
 
     def identity(self) -> dict[str, Any]:
         """The settings that define what this instance measures and when (override)."""
@@ -57,7 +59,8 @@ class SettingsKeyed(Callback):
         """The settings of :meth:`identity` that differ from the ``__init__`` defaults, ``k=v,...``."""
         defaults = {name: p.default for name, p in inspect.signature(type(self).__init__).parameters.items()}
         parts = [f"{key}={format_setting(value)}" for key, value in self.identity().items()
-                 if key not in exclude and (key not in defaults or _differs(value, defaults[key]))]
+                 if key not in exclude and key not in self.untagged_settings
+                 and (key not in defaults or _differs(value, defaults[key]))]
         return ",".join(parts)
 
     def tag_exclusions(self) -> tuple[str, ...]:

@@ -545,6 +545,19 @@ def test_run_summary_table_and_file(tmp_path, capsys):
     assert written["epochs"] == 1 and written["steps"] == 2
 
 
+def test_run_summary_paths_stay_whole_in_a_log_file(tmp_path, capsys):
+    """Not a terminal (a job's log file): each path on one line, copyable, however long."""
+    deep = tmp_path / ("a_rather_long_folder_name_" * 4) / "checkpoints"
+    summary = RunSummary()
+    summary.summary = {"metrics": {"knn/top1": 0.5}, "best_checkpoint": str(deep / "epoch=9-step=100.ckpt"),
+                       "last_checkpoint": str(deep / "last.ckpt"), "pictures": None, "log_dir": str(tmp_path),
+                       "epochs": 10, "steps": 100}
+    summary.print_table()
+    lines = capsys.readouterr().out.splitlines()
+    for path in (deep / "last.ckpt", deep / "epoch=9-step=100.ckpt"):
+        assert any(str(path) in line for line in lines), (str(path), lines)
+
+
 def test_fast_dev_run_uses_a_few_batches_and_per_block_needs_blocks(tmp_path):
     from types import SimpleNamespace
 

@@ -306,3 +306,19 @@ def test_loss_on_all_patches_with_masking_counts_the_visible_patches_too():
     per_patch = ((pred - patchify(images, 4)) ** 2).mean(-1)
     torch.testing.assert_close(masked_loss, per_patch[mask.bool()].mean(), rtol=1e-6, atol=0)
     torch.testing.assert_close(all_loss, per_patch.mean(), rtol=1e-6, atol=0)
+
+
+def test_the_decoder_cls_token_gets_its_gradient_in_the_layout_ddp_expects():
+    """Its gradient is a slice of the concatenated tokens' (strides 17*D, D, 1), which DDP's reducer
+    warns about at every multi-process fit; the hook gives the same values with a fresh tensor's strides."""
+    torch.manual_seed(0)
+    hooked = MaskedAutoencoder(**TINY)
+    plain = MaskedAutoencoder(**TINY)
+    plain.load_state_dict(hooked.state_dict())
+    plain.decoder.cls_token = nn.Parameter(hooked.decoder.cls_token.detach().clone())  # a parameter without the hook
+    images = torch.randn(2, 2, 16, 16)
+    for model in (hooked, plain):
+        model(images, generator=torch.Generator().manual_seed(0))[0].backward()
+    got, sliced = hooked.decoder.cls_token.grad, plain.decoder.cls_token.grad
+    assert sliced.stride() != got.stride() == torch.empty(got.shape).stride()
+    assert torch.equal(got, sliced)

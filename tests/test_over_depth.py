@@ -21,7 +21,7 @@ from datamodules.digits import Digits
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.over_depth import DEPTH_FILE, check_blocks, read_table, resolve_blocks
-from test_callbacks import Passthrough, TinyData, TinyNet, tiny_trainer
+from test_callbacks import TinyData, TinyNet, tiny_trainer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -75,6 +75,13 @@ class _DecoderTail(nn.Module):
         return self.pred(self.norm(x))[:, 1:]
 
 
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with the strides a fresh tensor of its shape has (``.contiguous()`` keeps a
+    ``1 x 1 x D`` slice's strides: size-1 dimensions do not count for it, but DDP compares them)."""
+    return grad if grad.stride() == torch.empty(grad.shape, device="meta").stride() else grad.clone(
+        memory_format=torch.contiguous_format)
+
+
 class UNetSkipDecoder(_DecoderTail):
     """The decay paper's MAE decoder with skips from every other encoder block."""
 
@@ -91,6 +98,10 @@ class UNetSkipDecoder(_DecoderTail):
         self.fusions = nn.ModuleList(SkipFusion(dec_dim, enc_dim) for _ in self.skip_sources)
         init_linear_and_norm_(self)
         nn.init.normal_(self.cls_token, std=0.02)
+        # its gradient is a slice of the concatenated tokens' (strides 17*D, D, 1): given to DDP as
+        # is, the reducer warns "grad strides do not match bucket view strides" at every multi-process
+        # fit; a contiguous copy has the same values in the layout DDP's buckets use
+        self.cls_token.register_hook(_contiguous)
         if zero_init:
             self.zero_init_()
             for fusion in self.fusions:
