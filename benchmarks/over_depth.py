@@ -68,9 +68,10 @@ def run(settings: Settings) -> list[Row]:
     section = "evaluation over depth"
     epochs = settings.pick(max(3, settings.rounds), 1)
     with quiet(), tempfile.TemporaryDirectory() as root:
-        one, every = TimedKNN(every_n_epochs=1), TimedKNN(every_n_epochs=1, blocks="all")
+        # the same logged names (blocks adds rows over depth only): told apart by a name
+        one, every = TimedKNN(every_n_epochs=1), TimedKNN(every_n_epochs=1, blocks="all", name="blocks")
         one_head = TimedProbe(every_n_steps=1, max_samples=32)
-        block_heads = TimedProbe(every_n_steps=1, max_samples=32, blocks="all")
+        block_heads = TimedProbe(every_n_steps=1, max_samples=32, blocks="all", name="blocks")
         seed_everything(0, verbose=False)
         tr = trainer(settings, root, [one, every, one_head, block_heads], epochs + 1, 1, logger=False)
         tr.fit(vit_tiny_mae(settings), datamodule=quickstart_data(settings))

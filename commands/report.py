@@ -19,12 +19,12 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+from commands.report_groups import Group, ReportedMetric, Summary  # noqa: F401 (Summary re-exported)
 from commands.run_metrics import Run, read_run
 from lightning_mods import metric_names
 from lightning_mods.atomic_files import write_text_atomically
@@ -32,19 +32,6 @@ from commands.sweep import parse_run_name, read_plan, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
 REPORT_DIR = "report"
-
-
-@dataclass(frozen=True)
-class ReportedMetric:
-    """A column of the table: the logged ``name`` (in the run's or the probe's ``metrics.csv``)."""
-
-    name: str
-    label: str
-    percent: bool
-    probe: bool = False  # logged by the offline probe (<run>/probe/metrics.csv)
-
-    def shown(self, value: float) -> float:
-        return 100.0 * value if self.percent else value
 
 
 KNN = ReportedMetric("knn/top1", "kNN top-1 (%)", percent=True)
@@ -58,47 +45,6 @@ TABLE_METRICS = (KNN, ONLINE_PROBE, OFFLINE_PROBE, SUPERVISED, EFFECTIVE_RANK, R
 # in report.json only
 EXTRA_METRICS = (ReportedMetric("train/loss", "train loss", percent=False),
                  ReportedMetric("val/loss", "val loss", percent=False))
-
-
-@dataclass
-class Summary:
-    """Mean and sample standard deviation (ddof=1; None for one value) of ``values``."""
-
-    values: list[float]
-
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    @property
-    def mean(self) -> float:
-        return float(np.mean(np.asarray(self.values, dtype=np.float64)))
-
-    @property
-    def std(self) -> Optional[float]:
-        return float(np.std(np.asarray(self.values, dtype=np.float64), ddof=1)) if self.n > 1 else None
-
-
-@dataclass
-class Group:
-    """The runs sharing every grid value but the seed."""
-
-    key: dict[str, str]
-    runs: list[Run]
-    missing: list[str]  # run names expected from the grid whose folder does not exist
-
-    @property
-    def counted(self) -> list[Run]:
-        return [run for run in self.runs if run.counted]
-
-    def summary(self, metric: ReportedMetric) -> Optional[Summary]:
-        values = [run.final(metric.name, metric.probe) for run in self.counted]
-        values = [v for v in values if v is not None]
-        return Summary(values) if values else None
-
-    @property
-    def label(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.key.items()) or "all runs"
 
 
 def pearson_r(x: Sequence[float], y: Sequence[float]) -> Optional[float]:

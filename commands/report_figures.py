@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 if TYPE_CHECKING:
-    from commands.report import Group, ReportedMetric
+    from commands.report_groups import Group, ReportedMetric
     from commands.run_metrics import Run
 
 DPI = 120
