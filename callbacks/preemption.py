@@ -15,15 +15,23 @@ turns the exception into the exit status of :func:`received_signal`. A second SI
 interrupts at once (Python's ``KeyboardInterrupt``). No checkpoint is written over non-finite
 weights.
 
-SLURM: with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the default under SLURM), the
-requeue signal (``SIGUSR1``, e.g. ``#SBATCH --signal=SIGUSR1@90``) is Lightning's: it writes
-``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``, requeues the job with ``scontrol requeue``, and
-the requeued job resumes from that file by itself.
+SLURM: the requeue signal (``requeue_signal``, default ``SIGUSR1``: ``#SBATCH --signal=SIGUSR1@90``)
+is a pre-emption like SIGTERM: the step in progress finishes, the same exact ``last.ckpt`` is
+written, then global rank 0 asks SLURM to requeue the job (``scontrol requeue <SLURM_JOB_ID>``, or
+``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>`` for an array task), one line says so and the process
+exits with ``128 + signal`` (138 for SIGUSR1). Lightning's own SLURM handler of that signal, which
+writes ``hpc_ckpt_<n>.ckpt`` from inside the handler wherever the step is (a requeued job resumed
+from it is not the uninterrupted run), is switched off. The requeued job, the same command,
+resumes from the newest checkpoint by itself (``SLURM_RESTART_COUNT > 0``, or ``--ckpt_path auto``
+from any launcher: ``commands/lightning_cli.py``).
 """
 from __future__ import annotations
 
 import math
+import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -32,12 +40,14 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mods import checkpoint_io
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REQUEUE_SIGNAL = "SIGUSR1"  # SLURM's --signal of the papers' job scripts
 _received: Optional[int] = None  # signals are process-wide: the first one a fit received
 
 
@@ -47,17 +57,32 @@ def received_signal() -> Optional[int]:
 
 
 class PreemptionCheckpoint(Callback):
-    """On SIGTERM/SIGINT: checkpoint after the training batch in progress, then stop (see the
-    module docstring)."""
+    """On SIGTERM/SIGINT (and the requeue signal): checkpoint after the training batch in
+    progress, then stop (see the module docstring).
 
-    def __init__(self, filename: str = "last") -> None:
+    Args:
+        filename: of the checkpoint, in the ModelCheckpoint folder.
+        requeue_signal: the signal that also requeues the SLURM job (None: none does).
+    """
+
+    def __init__(self, filename: str = "last", requeue_signal: Optional[str] = REQUEUE_SIGNAL) -> None:
         super().__init__()
+        if requeue_signal is not None and (not isinstance(requeue_signal, str)
+                                           or not isinstance(getattr(signal, requeue_signal, None), signal.Signals)):
+            raise ValueError(f"PreemptionCheckpoint: requeue_signal must be a signal name such as 'SIGUSR1' or "
+                             f"null, got {requeue_signal!r}")
         self.filename = filename
+        self.requeue_signal = signal.Signals[requeue_signal] if requeue_signal else None
         self.saved_path: Optional[Path] = None
         self._previous: dict[int, Any] = {}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         checkpoint_io.install(trainer)  # the pre-emption save is whole or absent, last.ckpt never half replaced
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if environment is None:  # a single-device strategy has none; Lightning's signal handlers read this one
+            environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+        if isinstance(environment, SLURMEnvironment):  # its requeue handler saves mid-step: this one replaces it
+            environment.auto_requeue = False
 
     # --- signal handlers (main thread only: Python's rule) ------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -65,7 +90,7 @@ class PreemptionCheckpoint(Callback):
         _received, self.saved_path = None, None
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in HANDLED_SIGNALS:
+        for signum in HANDLED_SIGNALS + ((self.requeue_signal,) if self.requeue_signal else ()):
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handle)
 
@@ -111,9 +136,15 @@ class PreemptionCheckpoint(Callback):
             message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint (non-finite weights)"
         else:
             self.saved_path = self._directory(trainer) / f"{self.filename}.ckpt"
+            for callback in trainer.checkpoint_callbacks:  # this file is their last.ckpt now: a resumed
+                if isinstance(callback, ModelCheckpoint) and callback.save_last \
+                        and callback.dirpath and Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}.ckpt" == self.saved_path:
+                    callback.last_model_path = str(self.saved_path)  # fit in this folder replaces it, not last-v1.ckpt
             trainer.save_checkpoint(self.saved_path, weights_only=False)  # the full resumable state, said explicitly
             message = (f"shortcutlab: stopped by {name} at step {trainer.global_step}; resumable checkpoint "
                        f"{self.saved_path} (resume: fit ... --ckpt_path {self.saved_path})")
+            if _received == self.requeue_signal and trainer.is_global_zero:
+                message += "; " + requeue_slurm_job()
         if trainer.is_global_zero:
             print(message, file=sys.stderr)
 
@@ -123,6 +154,32 @@ class PreemptionCheckpoint(Callback):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                 return Path(callback.dirpath)
         return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def slurm_job_id() -> Optional[str]:
+    """The id ``scontrol requeue`` takes: ``<array job>_<task>`` for an array task, else the job's."""
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def requeue_slurm_job() -> str:
+    """``scontrol requeue <job id>``; the words that say what happened."""
+    job = slurm_job_id()
+    if job is None:
+        return "not a SLURM job (no SLURM_JOB_ID): nothing requeued"
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job):
+        return f"SLURM job id {job!r} is not a job id: nothing requeued"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"requeueing SLURM job {job} failed ({err}); requeue it by hand"
+    if done.returncode != 0:
+        reason = (done.stderr or done.stdout).strip().splitlines()
+        return (f"requeueing SLURM job {job} failed (scontrol exit status {done.returncode}"
+                + (f": {reason[-1]}" if reason else "") + "); requeue it by hand")
+    return f"requeued SLURM job {job} (scontrol requeue {job}); it resumes from the newest checkpoint"
 
 
 def end_weight_averaging_validation(trainer: Trainer, pl_module: LightningModule) -> None:

@@ -48,7 +48,7 @@ from callbacks.schedule import ScheduledEvaluation
 
 from lightning_mods import atomic_files
 from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, init_parameters,
-                                       load_checkpoint, read_torch_file, setting_conflicts,
+                                       load_checkpoint, newest_loadable, read_torch_file, setting_conflicts,
                                        state_dict_mismatch)
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
@@ -123,6 +123,8 @@ class ShortcutLabCLI(LightningCLI):
             raise BadInput(explain_parse_error(err, self.option_names())) from err
         self.check_optimizer_override()
         subcommand = self.config.get("subcommand")
+        if subcommand == "fit":
+            resolve_auto_ckpt_path(self.config[subcommand])
         # read once here; _parse_ckpt_path uses it (checkpoints of large models are gigabytes)
         self._checked_ckpt = check_ckpt_path(self.config[subcommand].get("ckpt_path")) if subcommand else None
 
@@ -358,6 +360,34 @@ def check_arguments(args: list[str]) -> Optional[str]:
 
 
 LIGHTNING_CKPT_ALIASES = ("best", "last", "hpc", "registry")
+AUTO_CKPT_PATH = "auto"
+
+
+def resolve_auto_ckpt_path(cfg) -> None:  # noqa: ANN001 (the fit subcommand's jsonargparse Namespace)
+    """``--ckpt_path auto``, and a restarted SLURM job (``SLURM_RESTART_COUNT > 0``) without
+    ``--ckpt_path``: resume from the newest checkpoint under ``trainer.default_root_dir`` that
+    loads (Lightning's mid-step ``hpc_ckpt_*`` files left out), said in one line; none: a fresh
+    start, said too. ``cfg.ckpt_path`` is set in place."""
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    if cfg.get("ckpt_path") != AUTO_CKPT_PATH and not (restarted and cfg.get("ckpt_path") is None):
+        return
+    root = Path((cfg.get("trainer") or {}).get("default_root_dir") or os.getcwd())
+    why = "--ckpt_path auto" if cfg.get("ckpt_path") == AUTO_CKPT_PATH else \
+        f"SLURM restart {os.environ['SLURM_RESTART_COUNT']} of job {os.environ.get('SLURM_JOB_ID', '?')}"
+    files = [p for p in root.rglob("*.ckpt") if not p.name.startswith("hpc_ckpt")] if root.is_dir() else []
+    first_task = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0)))) == 0
+
+    def say(line: str) -> None:  # once per job, not once per process
+        if first_task:
+            print(f"shortcutlab: {line}", file=sys.stderr)
+
+    found = newest_loadable(files, say)
+    cfg["ckpt_path"] = str(found) if found is not None else None
+    if found is None:
+        say(f"{why}: no checkpoint under {root}; starting fresh")
+        return
+    step = read_torch_file(found, "ckpt_path", mmap=True).get("global_step", "?")
+    say(f"{why}: resuming from {found} (step {step})")
 
 
 def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:

@@ -150,37 +150,17 @@ def last_checkpoint(run: Path) -> Optional[Path]:
     return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None  # a tie keeps last.ckpt
 
 
-def unloadable(path: Path) -> Optional[str]:
-    """Why the checkpoint at ``path`` cannot be resumed from (truncated, empty, not a Lightning
-    checkpoint ...), or None when it loads (read memory-mapped: no full copy in memory)."""
-    from lightning_mods.checkpoint import read_torch_file  # torch: only when a run resumes
-
-    try:
-        ckpt = read_torch_file(path, "checkpoint", mmap=True)
-    except (ValueError, FileNotFoundError) as err:
-        text = str(err)
-        return text.split(" is ", 1)[1] if " is " in text else text  # without the path said already
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        return "not a Lightning checkpoint (no 'state_dict')"
-    return None
-
-
 def resumable_checkpoint(run: Path) -> Optional[Path]:
     """The newest checkpoint of ``run`` (``checkpoints/*.ckpt`` by modification time, ``last.ckpt``
     and ``latest.ckpt`` first on a tie) that loads; each newer one that does not (a save cut
     short by a full disk or a killed node, before checkpoints were written atomically) is
     skipped with one line saying why."""
+    from lightning_mods.checkpoint import newest_loadable  # torch: only when a run resumes
+
     folder = run / "checkpoints"
     if not folder.is_dir():
         return None
-    preferred = {"last.ckpt": 0, "latest.ckpt": 1}
-    candidates = sorted(folder.glob("*.ckpt"), key=lambda p: (-p.stat().st_mtime_ns, preferred.get(p.name, 2), p.name))
-    for path in candidates:
-        reason = unloadable(path)
-        if reason is None:
-            return path
-        print(f"    skipped {path}: {reason}; trying the next newest checkpoint", flush=True)
-    return None
+    return newest_loadable(list(folder.glob("*.ckpt")), lambda line: print(f"    {line}", flush=True))
 
 
 def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence[str]) -> list[str]:

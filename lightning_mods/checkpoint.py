@@ -19,7 +19,8 @@ import pickle
 import re
 import warnings
 import zipfile
-from typing import Any, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import yaml
@@ -64,6 +65,31 @@ def describe_load_failure(err: Exception) -> str:
     if "zip archive" in text:
         return "truncated or corrupted zip archive"
     return f"not a torch zip archive or pickle; {type(err).__name__}: {text.splitlines()[0][:200]}"
+
+
+def unloadable(path: str | os.PathLike) -> Optional[str]:
+    """Why the checkpoint at ``path`` cannot be resumed from (truncated, empty, not a Lightning
+    checkpoint ...), or None when it loads (read memory-mapped: no full copy in memory)."""
+    try:
+        ckpt = read_torch_file(path, "checkpoint", mmap=True)
+    except (ValueError, FileNotFoundError) as err:
+        text = str(err)
+        return text.split(" is ", 1)[1] if " is " in text else text  # without the path, said by the caller
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        return "not a Lightning checkpoint (no 'state_dict')"
+    return None
+
+
+def newest_loadable(paths: Sequence[Path], say: Callable[[str], None] = print) -> Optional[Path]:
+    """The newest of ``paths`` by modification time (``last.ckpt``, then ``latest.ckpt`` first on
+    a tie) that loads; each newer one that does not is skipped with one line through ``say``."""
+    preferred = {"last.ckpt": 0, "latest.ckpt": 1}
+    for path in sorted(paths, key=lambda p: (-p.stat().st_mtime_ns, preferred.get(p.name, 2), str(p))):
+        reason = unloadable(path)
+        if reason is None:
+            return path
+        say(f"skipped {path}: {reason}; trying the next newest checkpoint")
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
