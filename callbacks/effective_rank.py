@@ -41,7 +41,7 @@ from lightning_mods import metric_names
 from lightning_mods.atomic_files import write_text_atomically
 from lightning_mods.pictures import log_picture, run_dir
 from lightning_mods.over_depth import mark_for_writing, write_pending
-from .settings_key import SettingsKeyed
+from .settings_key import SettingsKeyed, check_name
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 Source = Literal["covariance", "features"]
@@ -203,9 +203,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
                  num_workers: Optional[int] = None, draw_profile: bool = True,
                  name: Optional[str] = None) -> None:
         super().__init__()
-        if name is not None and (not name or any(c in name for c in "@/")):
-            raise ValueError(f"EffectiveRank: name must be a non-empty string without '@' or '/', got {name!r}")
-        self.name = name
+        self.name = check_name("EffectiveRank", name)
         if source not in SOURCES:
             raise ValueError(f"EffectiveRank: source must be one of {SOURCES}, got {source!r}")
         if dtype not in DTYPES:

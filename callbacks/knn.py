@@ -23,14 +23,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mods import metric_names
 from .distributed import all_reduce_sum, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
-from lightning_mods.over_depth import check_blocks, mark_for_writing, resolve_blocks, write_pending
-from .settings_key import SettingsKeyed
+from lightning_mods.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
+from .settings_key import SettingsKeyed, check_name
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
 SIMILARITY_BUDGET = 2 ** 24  # similarity entries per chunk (64 MiB in float32)
@@ -184,8 +183,6 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             raise ValueError(f"KNNEvaluator: num_workers must be >= 0 or None, got {num_workers!r}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"KNNEvaluator: chunk_size must be >= 1 or None, got {chunk_size!r}")
-        if name is not None and (not name or any(c in name for c in "@/")):
-            raise ValueError(f"KNNEvaluator: name must be a non-empty string without '@' or '/', got {name!r}")
         self.k = list(ks) if isinstance(k, (list, tuple)) else k
         self.temperature = float(temperature)
         self.every_n_epochs = check_every_n_epochs("KNNEvaluator", every_n_epochs)
@@ -193,11 +190,10 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.chunk_size = chunk_size
-        self.name = name
+        self.name = check_name("KNNEvaluator", name)
         self.last_metrics: dict[str, float] = {}  # of the last evaluation
         self.last_epoch: Optional[int] = None
-        self.depth_history: list[dict[str, Any]] = []  # per-block rows of every evaluation of fit
-        self._validate_rows: list[dict[str, Any]] = []  # of the last validate
+        self.over_depth = DepthRows()  # per-block rows of fit's evaluations (in the state) and the last validate's
         self._block_values: list[dict[str, Any]] = []  # of the evaluation in progress
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -219,7 +215,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
         """This instance's per-block rows (:mod:`lightning_mods.over_depth`): fit's, or the last validate's."""
-        return self.depth_history if trainer.state.fn == TrainerFn.FITTING else self._validate_rows
+        return self.over_depth.rows(trainer)
 
     def tag_exclusions(self) -> tuple[str, ...]:
         return ("k",) if isinstance(self.k, list) else ()
@@ -239,13 +235,8 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         log_identical(pl_module, metrics)
         self.last_metrics, self.last_epoch = metrics, int(trainer.current_epoch)
         if self.blocks is not None:
-            rows = [{"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), **values}
-                    for values in self._block_values]
-            if trainer.state.fn == TrainerFn.FITTING:
-                self.depth_history += rows
-            else:
-                self._validate_rows = rows
-            mark_for_writing(trainer)
+            self.over_depth.record(trainer, [{"epoch": int(trainer.current_epoch), "step": int(trainer.global_step),
+                                              **values} for values in self._block_values])
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         """``{"knn/top1": ..., ["knn/top5": ...]}`` (per ``k`` for a list) in [0, 1], the same on every rank."""
@@ -301,9 +292,9 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch,
-                "depth_history": [dict(row) for row in self.depth_history]}
+                "depth_history": [dict(row) for row in self.over_depth.depth_history]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
         self.last_epoch = state_dict.get("last_epoch")
-        self.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
+        self.over_depth.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]

@@ -34,7 +34,6 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
@@ -44,8 +43,8 @@ from lightning_mods.classification_steps import top_k_accuracy
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from lightning_mods.eval_mode import isolated_eval
 from lightning_mods.probe_head import ProbeHead
-from lightning_mods.over_depth import check_blocks, features_and_blocks, mark_for_writing, resolve_blocks, write_pending
-from .settings_key import SettingsKeyed, format_setting
+from lightning_mods.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
+from .settings_key import SettingsKeyed, check_name, format_setting
 
 DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 
@@ -114,8 +113,6 @@ class OnlineLinearProbe(SettingsKeyed):
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
                                         or max_samples < 2):
             raise ValueError(f"OnlineLinearProbe: max_samples must be an integer >= 2 or None, got {max_samples!r}")
-        if name is not None and (not name or any(c in name for c in "@/")):
-            raise ValueError(f"OnlineLinearProbe: name must be a non-empty string without '@' or '/', got {name!r}")
         self.num_classes = num_classes
         self.feature_dim = feature_dim
         self.optimizer_name = optimizer
@@ -127,13 +124,12 @@ class OnlineLinearProbe(SettingsKeyed):
         self.seed = int(seed)
         self.every_n_steps = every_n_steps
         self.max_samples = max_samples
-        self.name = name
+        self.name = check_name("OnlineLinearProbe", name)
         self.heads: list[ProbeHead] = []  # one per rate of self.lrs
         self.optimizers: list[torch.optim.Optimizer] = []
         self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
         self.block_optimizers: dict[int, list[torch.optim.Optimizer]] = {}
-        self.depth_history: list[dict[str, Any]] = []  # per-block rows of every validation of fit
-        self._validate_rows: list[dict[str, Any]] = []
+        self.over_depth = DepthRows()  # per-block rows of fit's validations (in the state) and the last validate's
         self._pending_blocks: Optional[dict[int, list[dict[str, Any]]]] = None  # restored before they are built
         self.steps = 0  # optimiser steps of the heads (they step together)
         self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
@@ -166,7 +162,7 @@ class OnlineLinearProbe(SettingsKeyed):
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
         """This instance's per-block rows (:mod:`lightning_mods.over_depth`): fit's, or the last validate's."""
-        return self.depth_history if trainer.state.fn == TrainerFn.FITTING else self._validate_rows
+        return self.over_depth.rows(trainer)
 
     def tag_exclusions(self) -> tuple[str, ...]:
         return ("lr",) if self.multi_rate else ()
@@ -356,11 +352,7 @@ class OnlineLinearProbe(SettingsKeyed):
                       for name, accuracy in zip(names, self._val_block_top1[block])}
             rows.append({"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), "block": block,
                          **values, metric_names.FEATURE_NORM: float(norm) / total})
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.depth_history += rows
-        else:
-            self._validate_rows = rows
-        mark_for_writing(trainer)
+        self.over_depth.record(trainer, rows)
 
     # --- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -372,7 +364,7 @@ class OnlineLinearProbe(SettingsKeyed):
                   "optimizer": copy.deepcopy(optimizer.state_dict())}
                  for lr, head, optimizer in zip(self.lrs, self.heads, self.optimizers)]
         state = {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
-                 "batches": self.batches, "depth_history": [dict(row) for row in self.depth_history]}
+                 "batches": self.batches, "depth_history": [dict(row) for row in self.over_depth.depth_history]}
         if self.block_heads:
             state["block_heads"] = {block: [{"lr": lr, "head": {k: v.detach().cpu().clone()
                                                               for k, v in head.state_dict().items()},
@@ -388,7 +380,7 @@ class OnlineLinearProbe(SettingsKeyed):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
+        self.over_depth.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
         if state_dict.get("block_heads"):
             if self.block_heads:
                 self._load_block_heads(state_dict["block_heads"])

@@ -31,6 +31,13 @@ def format_setting(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def check_name(owner: str, name: Optional[str]) -> Optional[str]:
+    """``name`` (the tag of an instance's metric names) as given, or a one-line ValueError."""
+    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in "@/")):
+        raise ValueError(f"{owner}: name must be a non-empty string without '@' or '/', got {name!r}")
+    return name
+
+
 class SettingsKeyed(Callback):
     """Mixin: ``state_key`` from :meth:`identity`, and the instance's metric-name tag.
 

@@ -34,11 +34,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options (as TorchCheckpointIO)")
         if get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        data = buffer.getbuffer()
-        atomic_files.write_atomically(path, lambda f: f.write(data), len(data))
-        atomic_files.last_good_checkpoint = Path(path)
+        atomic_files.last_good_checkpoint = save_torch_atomically(checkpoint, path)
 
 
 def save_torch_atomically(obj: Any, path: Any) -> Path:

@@ -37,8 +37,10 @@ class ClassificationSteps:
         return F.cross_entropy(logits, labels)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, labels = batch[0], batch[1]
-        logits = self(images)
+        return self.train_on_logits(self(batch[0]), batch[1])
+
+    def train_on_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of ``logits`` for ``labels``, logged with the training top-1."""
         loss = self.training_loss(logits, labels)
         self.train_top1(logits, labels)
         self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
@@ -46,8 +48,11 @@ class ClassificationSteps:
         return loss
 
     def _evaluate(self, batch, stage: str, top1: MulticlassAccuracy, top5: MulticlassAccuracy) -> None:
-        images, labels = batch[0], batch[1]
-        logits = self(images)
+        self.evaluate_logits(self(batch[0]), batch[1], stage, top1, top5)
+
+    def evaluate_logits(self, logits: torch.Tensor, labels: torch.Tensor, stage: str, top1: MulticlassAccuracy,
+                        top5: MulticlassAccuracy) -> None:
+        """Log the loss, top-1 and top-5 of ``logits`` for ``labels`` under ``stage`` (val, test)."""
         self.log(metric_names.LOSS[stage], F.cross_entropy(logits, labels), sync_dist=True, batch_size=labels.shape[0])
         top1(logits, labels)
         top5(logits, labels)

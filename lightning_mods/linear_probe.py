@@ -16,7 +16,6 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
@@ -27,7 +26,7 @@ from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
 from .probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
 from . import metric_names
 from .classification_steps import top_k_accuracy
-from .over_depth import check_blocks, features_and_blocks, mark_for_writing, resolve_blocks, write_pending
+from .over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
 
 
 def block_widths(backbone: nn.Module) -> list[int]:
@@ -159,7 +158,9 @@ class LinearProbe(ClassificationSteps, LightningModule):
                         widths[block - 1], num_classes, batch_norm,
                         generator=torch.Generator().manual_seed(seed + block))  # as a probe of this block alone
                 self.block_top1[str(block)] = top_k_accuracy(num_classes, 1)
-        self.depth_history: list[dict] = []
+        self.over_depth = DepthRows()  # per-block rows of fit's validations (in the checkpoint) and the last validate's
+        self._block_norms: dict[str, torch.Tensor] = {}  # this validation's feature-norm sums and sample count
+        self._block_count = 0
 
     def setup(self, stage: str) -> None:
         # a backbone that takes its input normalisation from the datamodule (DiffusionModule:
@@ -187,26 +188,21 @@ class LinearProbe(ClassificationSteps, LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         if not self.block_heads:
             return super().training_step(batch, batch_idx)
-        images, labels = batch[0], batch[1]
-        features, blocks = self._features_and_blocks(images)
-        logits = self.head(features)
-        loss = self.training_loss(logits, labels)
-        self.train_top1(logits, labels)
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
-        self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
+        features, blocks = self._features_and_blocks(batch[0])
+        loss = self.train_on_logits(self.head(features), batch[1])
         # the heads are independent: the sum's gradient is each head's own loss gradient
-        return loss + sum(F.cross_entropy(self.block_heads[key](f), labels) for key, f in blocks.items())
+        return loss + sum(F.cross_entropy(self.block_heads[key](f), batch[1]) for key, f in blocks.items())
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        super().validation_step(batch, batch_idx)
         if not self.block_heads:
-            return
+            return super().validation_step(batch, batch_idx)
         images, labels = batch[0], batch[1]
-        _, blocks = self._features_and_blocks(images)
+        features, blocks = self._features_and_blocks(images)  # one backbone pass for every head
+        self.evaluate_logits(self.head(features), labels, "val", self.val_top1, self.val_top5)
         for key, block_features in blocks.items():
             self.block_top1[key].update(self.block_heads[key](block_features), labels)
             self._block_norms[key] = self._block_norms.get(key, 0.0) + block_features.double().norm(dim=1).sum()
-        self._block_count = getattr(self, "_block_count", 0) + labels.shape[0]
+        self._block_count += labels.shape[0]
 
     def on_validation_epoch_start(self) -> None:
         self._block_norms: dict[str, torch.Tensor] = {}
@@ -225,26 +221,20 @@ class LinearProbe(ClassificationSteps, LightningModule):
             rows.append({"epoch": int(self.current_epoch), "step": int(self.global_step), "block": int(key),
                          metric_names.VAL_TOP1: self.block_top1[key].compute().item(),
                          metric_names.FEATURE_NORM: float(norm / count)})
-        if self.trainer.state.fn == TrainerFn.FITTING:
-            self.depth_history += rows
-        else:
-            self._validate_rows = rows
-        mark_for_writing(self.trainer)
+        self.over_depth.record(self.trainer, rows)
 
     def on_validation_end(self) -> None:
         write_pending(self.trainer, "linear probe over depth")
 
     def depth_rows(self, trainer) -> list[dict]:  # noqa: ANN001 (Trainer)
         """The per-block rows of ``eval_per_block.csv``: every validation of fit, or the last validate's."""
-        if trainer.state.fn == TrainerFn.FITTING:
-            return self.depth_history
-        return getattr(self, "_validate_rows", [])
+        return self.over_depth.rows(trainer)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["depth_history"] = [dict(row) for row in self.depth_history]
+        checkpoint["depth_history"] = [dict(row) for row in self.over_depth.depth_history]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.depth_history = [dict(row) for row in checkpoint.get("depth_history", [])]
+        self.over_depth.depth_history = [dict(row) for row in checkpoint.get("depth_history", [])]
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """The backbone's ``embeddings``, the probe's ``logits`` and ``labels``, for

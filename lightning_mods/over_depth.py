@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 from torch import nn
 
@@ -125,6 +126,27 @@ def last_evaluation(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def accuracy_columns(rows: Iterable[dict[str, Any]]) -> list[str]:
     """The columns of ``rows`` that are accuracies (kNN, probes; variants included), sorted."""
     return sorted({c for row in rows for c in row if metric_names.base_name(c) in ACCURACIES})
+
+
+class DepthRows:
+    """The per-block rows of one contributor: every evaluation of ``fit`` (:attr:`depth_history`,
+    which the contributor keeps in its checkpoint state) or the last ``validate``'s (Lightning
+    does not restore a fit's callback states there)."""
+
+    def __init__(self) -> None:
+        self.depth_history: list[dict[str, Any]] = []
+        self.validate_rows: list[dict[str, Any]] = []
+
+    def record(self, trainer: Any, rows: list[dict[str, Any]]) -> None:
+        """Keep this evaluation's ``rows`` and have the table written at the end of the validation."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.depth_history += rows
+        else:
+            self.validate_rows = rows
+        mark_for_writing(trainer)
+
+    def rows(self, trainer: Any) -> list[dict[str, Any]]:
+        return self.depth_history if trainer.state.fn == TrainerFn.FITTING else self.validate_rows
 
 
 _pending: "weakref.WeakSet[Any]" = weakref.WeakSet()  # trainers with new rows to write
