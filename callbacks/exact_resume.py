@@ -136,12 +136,14 @@ class ExactResume(Callback):
                                                    + saved["cumulated_batch_size"].to(result.value.device))
             elif not epoch_end:
                 waiting[key] = saved
-            elif "name" in saved:
-                value = saved["value"]
-                if "cumulated_batch_size" in saved:  # a mean: the weighted sum over its batch count
-                    value = value / saved["cumulated_batch_size"]
-                pl_module.log(saved["name"], value.to(pl_module.device), on_step=False, on_epoch=True,
-                              reduce_fx="mean" if "cumulated_batch_size" in saved else "sum", batch_size=1)
+            elif "name" in saved:  # logged anew, then given the saved sums themselves (bit for bit, and
+                mean = "cumulated_batch_size" in saved  # synced across ranks as the original was)
+                pl_module.log(saved["name"], saved["value"].to(pl_module.device), on_step=False, on_epoch=True,
+                              reduce_fx="mean" if mean else "sum", batch_size=1, sync_dist=saved.get("sync_dist", False))
+                relogged = results[f"{pl_module._current_fx_name}.{saved['name']}"]
+                relogged.value = saved["value"].to(relogged.value.device)
+                if mean:
+                    relogged.cumulated_batch_size = saved["cumulated_batch_size"].to(relogged.value.device)
         self._pending_sums = waiting or None
 
 
@@ -156,7 +158,8 @@ def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
         if not meta.on_epoch or result.has_reset:
             continue
         if result.is_tensor and (meta.is_mean_reduction or meta.is_sum_reduction):
-            sums[key] = {"value": result.value.detach().cpu().clone(), "name": meta.name}
+            sums[key] = {"value": result.value.detach().cpu().clone(), "name": meta.name,
+                         "sync_dist": bool(meta.sync.should)}
             if meta.is_mean_reduction:
                 sums[key]["cumulated_batch_size"] = result.cumulated_batch_size.detach().cpu().clone()
         elif isinstance(result.value, Metric) and meta.metric_attribute:

@@ -297,12 +297,18 @@ class OnlineLinearProbe(SettingsKeyed):
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_top1 = [top_k_accuracy(int(self.num_classes), 1).to(self._device) for _ in self.lrs]
-        self._val_block_top1 = {b: [top_k_accuracy(int(self.num_classes), 1).to(self._device) for _ in self.lrs]
-                                for b in self.block_heads}
-        self._val_block_norm = {b: torch.zeros((), dtype=torch.float64, device=self._device) for b in self.block_heads}
+        self._val_block_top1, self._val_block_norm = {}, {}
+        self._add_block_accumulators(self.block_heads)
         self._val_total = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._val_seen = 0
         self._val_nonfinite = False
+
+    def _add_block_accumulators(self, blocks: Any) -> None:
+        for block in blocks:
+            if block not in self._val_block_top1:
+                self._val_block_top1[block] = [top_k_accuracy(int(self.num_classes), 1).to(self._device)
+                                               for _ in self.lrs]
+                self._val_block_norm[block] = torch.zeros((), dtype=torch.float64, device=self._device)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -314,6 +320,7 @@ class OnlineLinearProbe(SettingsKeyed):
         real = distributed_padding_mask(loader, self._val_seen, len(labels))
         self._val_seen += len(labels)
         features, blocks = self._features(trainer, pl_module, images)
+        self._add_block_accumulators(blocks)  # heads restored from a checkpoint are built at their first batch
         self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
         if real is not None:
             keep = real.to(features.device)

@@ -2,18 +2,26 @@
 process with status ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a
 process killed by that signal, so a scheduler never takes a killed run for a finished one.
 
-The signal only raises Lightning's own stop flag (its SIGTERM handler, which also forwards the
-signal to DDP worker processes and broadcasts the decision to every rank): the loop finishes
-the training batch in progress, with every callback's hooks, the optimiser and scheduler
-steps and the progress counters, then raises Lightning's ``SIGTERMException``. This
-callback's ``on_exception`` then writes ``last.ckpt`` into the ModelCheckpoint folder
-(``<default_root_dir>/checkpoints`` without one): ``fit --ckpt_path <it>`` resumes exactly, with
-``callbacks.exact_resume.ExactResume``. A signal during validation stops at the next
-validation batch, and the checkpoint resumes that validation (holding the training weights, not
-the averaged ones an EMA callback swapped in for it). The ``shortcutlab`` command
-turns the exception into the exit status of :func:`received_signal`. A second SIGINT
-interrupts at once (Python's ``KeyboardInterrupt``). No checkpoint is written over non-finite
-weights.
+The signal only raises Lightning's stop flag (``trainer.received_sigterm``): the loop finishes
+the training batch in progress, with every callback's hooks, the optimiser and scheduler steps
+and the progress counters, then raises Lightning's ``SIGTERMException``; ``on_exception`` writes
+``last.ckpt`` into the ModelCheckpoint folder (``<default_root_dir>/checkpoints`` without one),
+from which ``fit --ckpt_path <it>`` resumes exactly (``callbacks.exact_resume.ExactResume``).
+The ``shortcutlab`` command turns the exception into the exit status of :func:`received_signal`.
+A second SIGINT interrupts at once (Python's ``KeyboardInterrupt``). No checkpoint is written
+over non-finite weights.
+
+- **During validation** the signal lets the validation finish (its metrics logged, an averaging
+  callback's weights swapped back; one line says so) and the fit stops at the end of the epoch,
+  or of the next training step for a validation inside the epoch. Resumed from the middle of a
+  validation, Lightning logs neither that validation's metrics nor the epoch's, so the resumed
+  run would not be the uninterrupted one.
+- **Under DDP** every rank stops after the same step: the handler only notes the signal, and at
+  the end of each training batch and of each validation one ``all_reduce`` of the ranks' notes
+  decides for all of them, whether the signal reached every task or only one. (Lightning's own
+  handler broadcasts from inside the handler and its per-step check reads rank 0's flag alone:
+  a signal on another rank stopped that rank only, and the others hung.) The reduction replaces
+  Lightning's per-step broadcast of the flag, so a step makes no more collectives than before.
 
 SLURM: the requeue signal (``requeue_signal``, default ``SIGUSR1``: ``#SBATCH --signal=SIGUSR1@90``)
 is a pre-emption like SIGTERM: the step in progress finishes, the same exact ``last.ckpt`` is
@@ -39,7 +47,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -75,6 +83,8 @@ class PreemptionCheckpoint(Callback):
         self.requeue_signal = signal.Signals[requeue_signal] if requeue_signal else None
         self.saved_path: Optional[Path] = None
         self._previous: dict[int, Any] = {}
+        self._trainer: Optional[Trainer] = None
+        self._noted = [0, 0, 0]  # SIGTERM, SIGINT, requeue signal seen by this rank (DDP: until the ranks agree)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         checkpoint_io.install(trainer)  # the pre-emption save is whole or absent, last.ckpt never half replaced
@@ -87,7 +97,10 @@ class PreemptionCheckpoint(Callback):
     # --- signal handlers (main thread only: Python's rule) ------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         global _received
-        _received, self.saved_path = None, None
+        _received, self.saved_path, self._noted = None, None, [0, 0, 0]
+        self._trainer = trainer
+        if _distributed(trainer):  # the ranks' stop decision is this callback's all_reduce (module docstring)
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in HANDLED_SIGNALS + ((self.requeue_signal,) if self.requeue_signal else ()):
@@ -98,13 +111,50 @@ class PreemptionCheckpoint(Callback):
         global _received
         if signum == signal.SIGINT and _received == signal.SIGINT:  # second Ctrl+C: stop now
             raise KeyboardInterrupt
-        if _received is None:
+        trainer = self._trainer
+        if trainer is None:  # the handlers are installed only while a fit trains
+            return
+        first = _received is None
+        if first:
             _received = signum
-        lightning_stop = self._previous.get(signal.SIGTERM)  # Lightning's: sets trainer.received_sigterm
-        if callable(lightning_stop):
-            lightning_stop(signal.SIGTERM, frame)
-        elif signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        self._noted[self._signal_index(signum)] = 1
+        launcher = trainer.strategy.launcher
+        if first and launcher is not None:  # DDP workers Lightning started get SIGTERM (a Ctrl+C reaches
+            launcher.kill(signal.SIGTERM)    # them already: a forwarded SIGINT would be their second)
+        if trainer.validating:
+            if first and trainer.is_global_zero:
+                print(f"shortcutlab: {signal.Signals(signum).name} during validation: stopping when it ends"
+                      + (" (Ctrl+C again stops now, without a checkpoint)" if signum == signal.SIGINT else ""),
+                      file=sys.stderr, flush=True)
+        elif not _distributed(trainer):
+            trainer._signal_connector.received_sigterm = True
+
+    def _signal_index(self, signum: int) -> int:
+        return 2 if signum == self.requeue_signal else (1 if signum == signal.SIGINT else 0)
+
+    def _decide(self, trainer: Trainer) -> None:
+        """Raise the stop flag if a signal was noted (under DDP: on any rank, one all_reduce)."""
+        global _received
+        if trainer.received_sigterm:
+            return
+        noted = self._noted
+        if _distributed(trainer):
+            reduced = torch.tensor(noted, dtype=torch.int32, device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+            noted = reduced.tolist()
+        term, interrupt, requeue = noted
+        if term or interrupt or requeue:  # one signal for every rank: the same message and exit status
+            _received = self.requeue_signal if requeue else (signal.SIGTERM if term else signal.SIGINT)
+            trainer._signal_connector.received_sigterm = True
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if _distributed(trainer):  # alone, the handler raised the flag already
+            self._decide(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._trainer is trainer and not trainer.sanity_checking:
+            self._decide(trainer)
 
     def _restore_handlers(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -114,6 +164,7 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restore_handlers()
+        self._trainer = None
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._restore_handlers()
@@ -129,8 +180,6 @@ class PreemptionCheckpoint(Callback):
                 print(f"shortcutlab: stopped by {name} during {trainer.state.fn.value}; no checkpoint written",
                       file=sys.stderr)
             return
-        if trainer.validating:
-            end_weight_averaging_validation(trainer, pl_module)
         weights = [p.detach() for p in pl_module.parameters()]
         if weights and not math.isfinite(float(torch.nn.utils.get_total_norm(weights, norm_type=math.inf))):
             message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint (non-finite weights)"
@@ -154,6 +203,10 @@ class PreemptionCheckpoint(Callback):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                 return Path(callback.dirpath)
         return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def _distributed(trainer: Trainer) -> bool:
+    return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def slurm_job_id() -> Optional[str]:
@@ -180,15 +233,3 @@ def requeue_slurm_job() -> str:
         return (f"requeueing SLURM job {job} failed (scontrol exit status {done.returncode}"
                 + (f": {reason[-1]}" if reason else "") + "); requeue it by hand")
     return f"requeued SLURM job {job} (scontrol requeue {job}); it resumes from the newest checkpoint"
-
-
-def end_weight_averaging_validation(trainer: Trainer, pl_module: LightningModule) -> None:
-    """Give the module its training weights back from a weight-averaging callback (EMA) that
-    swapped the averaged ones in for validation. A signal stops validation between the
-    callback's ``on_validation_epoch_start`` (swap in) and ``on_validation_epoch_end`` (swap
-    back); saved then, the checkpoint would hold the training weights as the averaged
-    ``state_dict`` and the averaged ones as ``current_model_state``, and the resumed fit would
-    train on from the averaged weights."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, WeightAveraging):
-            callback.on_validation_epoch_end(trainer, pl_module)

@@ -88,10 +88,11 @@ def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(na
 
 
 
-def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_swapped_in(tmp_path):
+def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_swapped_in(tmp_path, capsys):
     """EMAWeightAveraging swaps the averaged weights into the module for validation. A SIGTERM
-    there must still save the training weights as ``current_model_state`` and the averaged ones
-    as ``state_dict``, as every other checkpoint of the run holds them."""
+    there lets the validation finish and the checkpoint holds the training weights as
+    ``current_model_state`` and the averaged ones as ``state_dict``, as every other checkpoint
+    of the run holds them."""
     import lightning as L
     from lightning.pytorch.callbacks import EMAWeightAveraging
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -107,6 +108,7 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
             seen["training"] = self.lin.weight.detach().clone()  # after the last step: what validation swaps out
 
         def validation_step(self, batch, batch_idx):
+            seen["validated"] = batch_idx + 1
             if batch_idx == 0:
                 seen["averaged"] = self.lin.weight.detach().clone()
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -122,6 +124,8 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert torch.equal(saved["current_model_state"]["lin.weight"], seen["training"])
     assert torch.equal(saved["state_dict"]["lin.weight"], seen["averaged"])
+    assert seen["validated"] == 4  # every validation batch ran
+    assert "shortcutlab: SIGTERM during validation: stopping when it ends" in capsys.readouterr().err
 
 
 def test_a_signal_during_validate_writes_no_checkpoint(tmp_path, capsys):

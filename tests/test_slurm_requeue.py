@@ -1,10 +1,13 @@
-"""A requeued SLURM job resumes exactly (issue 24, single task): the README's sbatch script run
-with the environment ``srun`` gives a task and a stand-in ``scontrol`` that records its calls.
-SIGUSR1 stops the fit after the step in progress, writes the exact ``last.ckpt``, requeues the job
-once with the right id and exits 138; the same command as the requeued job (``SLURM_RESTART_COUNT=1``)
-resumes by itself and ends with the uninterrupted run's weights, optimiser state and step."""
+"""A requeued SLURM job resumes exactly (issue 24): the README's sbatch script run with the
+environment ``srun`` gives each task and a stand-in ``scontrol`` that records its calls, with
+one task and with the script's two tasks (DDP over gloo). SIGUSR1 stops every task after the same
+step (whether it reached every task or one), inside a training step, a validation or a checkpoint
+save; the exact ``last.ckpt`` is written, the job is requeued once with the right id and every
+task exits 138; the same command as the requeued job (``SLURM_RESTART_COUNT=1``) resumes by
+itself and ends with the uninterrupted run's weights, optimiser state, logged metrics and step."""
 from __future__ import annotations
 
+import csv
 import os
 import re
 import shlex
@@ -20,13 +23,19 @@ import torch
 
 from callbacks.preemption import requeue_slurm_job, slurm_job_id
 from commands.lightning_cli import resolve_auto_ckpt_path
+from test_callbacks_ddp import free_port
 from test_resume import assert_identical
 
 ROOT = Path(__file__).resolve().parents[1]
-STOP_STEP = 3
-BUDGET = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=1",
+STEPS = 8  # 2 epochs of 4 batches
+BUDGET = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+          "--trainer.check_val_every_n_epoch=1", "--trainer.log_every_n_steps=1",
           "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu", "--model.depth=2",
-          "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2"]
+          "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2",
+          "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
+STOPPED = re.compile(r"shortcutlab: stopped by SIGUSR1 at step (\d+); resumable checkpoint (\S+last\.ckpt) "
+                     r"\(resume: fit \.\.\. --ckpt_path \S+\); requeued SLURM job 4242 \(scontrol requeue 4242\); "
+                     r"it resumes from the newest checkpoint")
 
 
 def readme_script() -> list[str]:
@@ -37,84 +46,158 @@ def readme_script() -> list[str]:
     return [line.strip() for line in block.strip().splitlines()]
 
 
-def srun_command(root: Path) -> list[str]:
+def script_tasks() -> int:
+    """Tasks per node the script asks for (one node)."""
+    (line,) = [line for line in readme_script() if "--ntasks-per-node=" in line]
+    assert "--nodes=1" in line
+    return int(re.search(r"--ntasks-per-node=(\d+)", line).group(1))
+
+
+def srun_command(root: Path, env: dict[str, str]) -> list[str]:
+    """The script's ``srun`` line as one task runs it (its ``$SLURM_*`` words expanded from ``env``)."""
     (line,) = [line for line in readme_script() if line.startswith("srun ")]
-    words = shlex.split(line)[1:]
+    words = [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in shlex.split(line)[1:]]
     assert words[0] == ".venv/bin/shortcutlab"
     words = [w if not w.startswith("--trainer.default_root_dir=") else f"--trainer.default_root_dir={root}"
              for w in words[1:]]
-    return [sys.executable, "-m", "cli", *words, *BUDGET]
+    return [sys.executable, "-m", "cli", *words, *BUDGET, f"--trainer.logger.init_args.save_dir={root}"]
 
 
-def slurm_environment(tmp_path: Path, restart: int = 0, **extra: str) -> dict[str, str]:
-    """One task's ``srun`` environment, and ``scontrol`` on PATH writing its arguments to a file."""
+def slurm_environment(tmp_path: Path, restart: int = 0, tasks: int = 1, task: int = 0, port: int = 0,
+                      **extra: str) -> dict[str, str]:
+    """Task ``task``'s ``srun`` environment, and ``scontrol`` on PATH writing its arguments to a file."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n")
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-               SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1",
-               SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NNODES="1",
-               SLURM_NODELIST="localhost", SLURM_RESTART_COUNT=str(restart), **extra)
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1",
+               SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NTASKS=str(tasks),
+               SLURM_NTASKS_PER_NODE=str(tasks), SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID="0",
+               SLURM_NNODES="1", SLURM_NODELIST="localhost", SLURM_RESTART_COUNT=str(restart),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()), **extra)
     for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         if key not in extra:
             env.pop(key, None)
     return env
 
 
-def last_state(root: Path) -> dict:
-    """The newest checkpoint under ``root``."""
-    ckpt = torch.load(max(root.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns), weights_only=True)
-    return {"weights": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"], "step": ckpt["global_step"]}
+def srun(root: Path, tmp_path: Path, tasks: int, restart: int = 0, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """Start the job step: one process per task, as ``srun`` would."""
+    port = free_port()
+    procs = []
+    for task in range(tasks):
+        env = slurm_environment(tmp_path, restart, tasks, task, port)
+        procs.append(subprocess.Popen([*srun_command(root, env), *extra], cwd=ROOT, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return procs
 
 
-@pytest.mark.slow
-def test_sigusr1_requeues_and_the_requeued_job_equals_the_uninterrupted_run(tmp_path):
-    script = readme_script()
-    for directive in ("#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
-        assert directive in script
-    # uninterrupted
-    (tmp_path / "p").mkdir()
-    plain = subprocess.run(srun_command(tmp_path / "plain"), cwd=ROOT, env=slurm_environment(tmp_path / "p"),
-                           capture_output=True, text=True, timeout=600)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    # pre-empted at step 3 by SIGUSR1
+def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    errs = [proc.communicate(timeout=600)[1] for proc in procs]
+    return [(proc.returncode, err) for proc, err in zip(procs, errs)]
+
+
+def final_state(root: Path) -> dict:
+    """The run's newest checkpoint and its logged metrics (the rows of every ``metrics.csv``, the
+    first job's ``version_0`` then the requeued job's ``version_1``)."""
+    last = max(root.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    ckpt = torch.load(last, weights_only=True)
+    rows = []
+    for metrics in sorted(root.rglob("metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
+        with metrics.open() as f:
+            rows += [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return {"weights": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"], "step": ckpt["global_step"],
+            "metrics": rows}
+
+
+_uninterrupted: dict[int, dict] = {}
+
+
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tasks: int) -> dict:
+    """The run never stopped (once per module and task count)."""
+    if tasks not in _uninterrupted:
+        base = tmp_path_factory.mktemp(f"uninterrupted{tasks}")
+        for status, err in finish(srun(base / "run", base, tasks)):
+            assert status == 0, err[-3000:]
+        _uninterrupted[tasks] = final_state(base / "run")
+        assert _uninterrupted[tasks]["step"] == STEPS
+    return _uninterrupted[tasks]
+
+
+def stop_requeue_and_resume(tmp_path: Path, tasks: int, at: str, step: int, signalled: list[int]) -> tuple[dict, int]:
+    """SIGUSR1 to the tasks ``signalled`` while they wait at ``at`` of step ``step``; then the
+    requeued job. Returns the requeued job's final state and the step the first job stopped at."""
     run = tmp_path / "requeued"
     ready = tmp_path / "ready"
-    env = slurm_environment(tmp_path)
-    first = subprocess.Popen([*srun_command(run), "--trainer.callbacks+=signal_helpers.WaitForSignal",
-                              f"--trainer.callbacks.step={STOP_STEP}", f"--trainer.callbacks.ready_file={ready}"],
-                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs = srun(run, tmp_path, tasks, extra=("--trainer.callbacks+=signal_helpers.WaitForSignal",
+                                              f"--trainer.callbacks.step={step}", f"--trainer.callbacks.at={at}",
+                                              f"--trainer.callbacks.ready_file={ready}",
+                                              f"--trainer.callbacks.ranks={signalled}"))
+    readies = [ready] if tasks == 1 else [Path(f"{ready}.rank{r}") for r in signalled]
     deadline = time.monotonic() + 300
-    while not ready.exists():
-        assert first.poll() is None, first.communicate()[1][-3000:]
+    while not all(r.exists() for r in readies):
+        for proc in procs:
+            assert proc.poll() is None, "\n".join(err[-3000:] for _, err in finish(procs))
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    first.send_signal(signal.SIGUSR1)
-    _, err = first.communicate(timeout=300)
-    assert first.returncode == 128 + signal.SIGUSR1, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("shortcutlab:")]
-    assert len(lines) == 1, err[-3000:]
-    assert re.fullmatch(rf"shortcutlab: stopped by SIGUSR1 at step {STOP_STEP}; resumable checkpoint \S+last\.ckpt "
-                        r"\(resume: fit \.\.\. --ckpt_path \S+\); requeued SLURM job 4242 \(scontrol requeue 4242\); "
-                        r"it resumes from the newest checkpoint", lines[0]), lines[0]
+    for task in signalled:
+        procs[task].send_signal(signal.SIGUSR1)
+    done = finish(procs)
+    for status, err in done:  # every task stops, with the same status
+        assert status == 128 + signal.SIGUSR1, err[-3000:]
+    said = [line for _, err in done for line in err.splitlines() if line.startswith("shortcutlab:")]
+    if at == "validation" and 0 in signalled:  # said when the signal came, by the first task
+        assert said.pop(0) == "shortcutlab: SIGUSR1 during validation: stopping when it ends"
+    assert len(said) == 1, said  # one line for the job, from its first task
+    stopped = STOPPED.fullmatch(said[0])
+    assert stopped, said[0]
     assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"  # once, with the job's id
     assert not list(run.rglob("hpc_ckpt*"))  # Lightning's mid-step save is off
     # the requeued job: the same command, SLURM_RESTART_COUNT=1, no --ckpt_path
-    second = subprocess.run(srun_command(run), cwd=ROOT, env=slurm_environment(tmp_path, restart=1),
-                            capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    said = [line for line in second.stderr.splitlines() if line.startswith("shortcutlab:")]
-    assert len(said) == 1 and re.fullmatch(rf"shortcutlab: SLURM restart 1 of job 4242: resuming from \S+last\.ckpt "
-                                           rf"\(step {STOP_STEP}\)", said[0]), said
+    done = finish(srun(run, tmp_path, tasks, restart=1))
+    for status, err in done:
+        assert status == 0, err[-3000:]
+    said = [line for _, err in done for line in err.splitlines() if line.startswith("shortcutlab:")]
+    assert len(said) == 1 and re.fullmatch(rf"shortcutlab: SLURM restart 1 of job 4242: resuming from "
+                                           rf"{re.escape(stopped.group(2))} \(step {stopped.group(1)}\)", said[0]), said
     assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"  # not again
-    resumed, uninterrupted = last_state(run), last_state(tmp_path / "plain")
-    assert resumed["step"] == uninterrupted["step"] == 8
-    assert_identical(resumed, uninterrupted, "final state")
-    # the requeued job replaced last.ckpt (the pre-emption save is the checkpoint callback's last)
-    assert sorted(p.name for p in run.rglob("last*.ckpt")) == ["last.ckpt"]
+    assert not list(run.rglob("last-v*.ckpt"))
+    return final_state(run), int(stopped.group(1))
+
+
+@pytest.mark.slow
+def test_the_readme_script_asks_for_the_signal_requeue_and_appended_logs():
+    script = readme_script()
+    for directive in ("#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
+        assert directive in script
+    assert script_tasks() == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at, step, stop_step", [
+    ("train_step", 3, 3),  # the step in progress finishes
+    ("validation", 4, 4),  # the validation at the end of epoch 0 finishes, then the fit stops
+    ("save", 4, 4),        # the epoch-end save finishes whole, then the fit stops at that boundary
+])
+def test_one_task(tmp_path, tmp_path_factory, at, step, stop_step):
+    resumed, stopped_at = stop_requeue_and_resume(tmp_path, 1, at, step, [0])
+    assert stopped_at == stop_step
+    assert_identical(resumed, uninterrupted(tmp_path_factory, 1), "requeued run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at, step, signalled, stop_step", [
+    # the signal comes after step k's stop decision (the helper waits in a later hook): stop after k + 1
+    ("train_step", 2, [0, 1], 3),  # SLURM's --signal reaches every task
+    ("train_step", 1, [1], 2),     # a signal to one task only stops every task after the same step
+    ("validation", 4, [1], 4),     # the validation finishes, every task stops at the epoch's end
+])
+def test_two_tasks(tmp_path, tmp_path_factory, at, step, signalled, stop_step):
+    resumed, stopped_at = stop_requeue_and_resume(tmp_path, script_tasks(), at, step, signalled)
+    assert stopped_at == stop_step
+    assert_identical(resumed, uninterrupted(tmp_path_factory, 2), "requeued run")
 
 
 def test_an_array_task_is_requeued_as_job_underscore_task(tmp_path, monkeypatch):
