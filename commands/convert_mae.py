@@ -44,7 +44,7 @@ from timm.models.vision_transformer import VisionTransformer
 from lightning_mods.atomic_files import write_bytes_atomically
 from lightning_mods.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.checkpoint import init_parameters, read_torch_file, state_dict_mismatch
+from lightning_mods.checkpoint import canonical_class_path, init_parameters, read_torch_file, state_dict_mismatch
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -256,7 +256,7 @@ def load_shortcutlab(path: str) -> MaskedAutoencoder:
     ckpt = read_torch_file(path, "checkpoint")
     # a foreign file (no state_dict, no class) is named as such, not as a broken checkpoint
     hparams = dict(ckpt.get("hyper_parameters", {})) if isinstance(ckpt, dict) else {}
-    if hparams.get("_class_path") != CLASS_PATH or not isinstance(ckpt.get("state_dict"), dict):
+    if canonical_class_path(hparams.get("_class_path")) != CLASS_PATH or not isinstance(ckpt.get("state_dict"), dict):
         raise ValueError(f"checkpoint: {path!r} is not a MaskedAutoencoder checkpoint (hyper_parameters._class_path "
                          f"is {hparams.get('_class_path')!r})")
     accepted = init_parameters(CLASS_PATH)

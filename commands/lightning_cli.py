@@ -47,9 +47,9 @@ from callbacks.preemption import received_signal
 from callbacks.schedule import ScheduledEvaluation
 
 from lightning_mods import atomic_files
-from lightning_mods.checkpoint import (checkpoint_model_config, conflict_message, flat_settings, init_parameters,
-                                       load_checkpoint, newest_loadable, read_torch_file, setting_conflicts,
-                                       state_dict_mismatch)
+from lightning_mods.checkpoint import (canonical_class_path, checkpoint_model_config, conflict_message, flat_settings,
+                                       init_parameters, load_checkpoint, newest_loadable, read_torch_file,
+                                       setting_conflicts, state_dict_mismatch)
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
@@ -211,7 +211,7 @@ class ShortcutLabCLI(LightningCLI):
         # a checkpoint written outside the CLI (Trainer.fit in Python) names no class: the
         # config's class is taken, and its settings and then its weights must still agree
         written = checkpoint_model_config(ckpt, ckpt_path, class_path=given.get("class_path"))
-        if given.get("class_path") != written["class_path"]:
+        if canonical_class_path(given.get("class_path")) != canonical_class_path(written["class_path"]):
             raise ValueError(f"--ckpt_path: {ckpt_path!r} is a checkpoint of {written['class_path']}, the model is "
                              f"{given.get('class_path')}; give the config the checkpoint was trained with")
         settings = {k: v for k, v in flat_settings(given).items() if k.split(".")[0] not in LINKED_FROM_DATA}

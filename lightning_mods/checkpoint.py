@@ -179,7 +179,7 @@ def flat_settings(value: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(value, dict):
         out: dict[str, Any] = {}
         if "class_path" in value:
-            out[prefix + "class_path"] = value["class_path"]
+            out[prefix + "class_path"] = canonical_class_path(value["class_path"])
             value = {**(value.get("init_args") or {}), **(value.get("dict_kwargs") or {})}
         for key, item in value.items():
             out.update(flat_settings(item, f"{prefix}{key}."))
@@ -211,8 +211,48 @@ def _parse(parser: ArgumentParser, config: dict, previous: Optional[Namespace] =
     try:
         return parser.parse_object({"module": config}, previous)
     except Exception as err:  # jsonargparse's multi-line report of every type tried
+        missing = unimportable_class(config)
+        if missing:
+            raise ValueError(f"checkpoint settings: cannot import {missing[0]!r}, a class the checkpoint was written "
+                             f"with ({missing[1]}); put its module on PYTHONPATH") from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"checkpoint settings: {first}") from None
+
+
+def canonical_class_path(class_path: Any) -> Any:
+    """``module.Class`` where the class is defined: jsonargparse writes the shortest path that
+    imports it (``lightning_mods.backbone.ShortcutSchedule``), older files the defining one."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return class_path
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return class_path
+    return f"{found.__module__}.{found.__qualname__}" if isinstance(found, type) else class_path
+
+
+def unimportable_class(value: Any) -> Optional[tuple[str, str]]:
+    """The first ``class_path`` in nested settings that does not import, and why (else None)."""
+    if isinstance(value, dict):
+        class_path = value.get("class_path")
+        if isinstance(class_path, str) and "." in class_path:
+            module_name, _, name = class_path.rpartition(".")
+            try:
+                if not hasattr(importlib.import_module(module_name), name):
+                    return class_path, f"module {module_name!r} has no {name!r}"
+            except ImportError as err:
+                return class_path, str(err)
+        for item in value.values():
+            found = unimportable_class(item)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found = unimportable_class(item)
+            if found:
+                return found
+    return None
 
 
 def _dump(parser: ArgumentParser, cfg: Namespace) -> dict[str, Any]:
@@ -250,7 +290,8 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
     given = dict(given or {})
     given_class = given.pop("class_path", None)
     config = checkpoint_model_config(ckpt, path, given_class)
-    if given_class is not None and given_class != config["class_path"] and not allow_override:
+    if given_class is not None and canonical_class_path(given_class) != canonical_class_path(config["class_path"]) \
+            and not allow_override:
         raise ValueError(conflict_message([("class_path", given_class, config["class_path"])], f"{name}.", path))
     parser = _module_parser()
     cfg = _parse(parser, config if given_class is None else {**config, "class_path": given_class})
@@ -259,7 +300,7 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
     if given:
         cfg = _parse(parser, given, cfg)
         conflicts = setting_conflicts(flat_settings(_dump(parser, cfg)), flat_settings(written))
-        if given_class is not None and given_class != config["class_path"]:
+        if given_class is not None and canonical_class_path(given_class) != canonical_class_path(config["class_path"]):
             conflicts.insert(0, ("class_path", given_class, config["class_path"]))
         if conflicts and not allow_override:
             raise ValueError(conflict_message(conflicts, f"{name}.", path)

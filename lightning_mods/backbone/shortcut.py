@@ -21,11 +21,18 @@ kind               shortcut weight ``a_k``                      ``b_k``
 sub-layers are counted separately (``K = 2 * depth``); ``branches`` picks which of them are
 decayed, the others keep ``a_k = b_k = 1``. The linear schedule follows the authors' code:
 exactly ``alpha_min`` at the last sub-layer.
+
+A schedule of one's own is a subclass that overrides :meth:`ShortcutSchedule.decayed_alpha`
+(``a_k`` of decayed sub-layer ``k`` of ``K``), usable from YAML by ``class_path`` in every family.
+Its class path and arguments are saved in checkpoints (:meth:`ShortcutSchedule.as_dict`) and a
+checkpoint rebuilds that class, with those arguments, or says in one line why it cannot.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
-from typing import Literal
+from typing import Any, Literal
 
 Kind = Literal["none", "linear", "cosine", "constant", "learnable", "scaled_branch", "scaled_sum"]
 Branches = Literal["both", "attn", "mlp"]
@@ -53,6 +60,10 @@ def check_depth(value: int, name: str = "num_sublayers", what: str = "") -> int:
 class ShortcutSchedule:
     """Describes how the identity shortcut of every residual sub-layer is weighted.
 
+    Extension point: a subclass overrides :meth:`decayed_alpha`. It may take arguments of its
+    own: plain data (numbers, strings), each kept as an attribute of the same name, as the
+    built-in ones are, since :meth:`as_dict` reads them back for the checkpoint.
+
     Args:
         kind: one of ``none``, ``linear`` (default), ``cosine``, ``constant``, ``learnable``,
             ``scaled_branch``, ``scaled_sum`` (see the module docstring).
@@ -79,28 +90,49 @@ class ShortcutSchedule:
         self.branches = branches
         self.scale = _check_unit_interval("scale", scale)
 
+    def schedule_class(self) -> type["ShortcutSchedule"]:
+        """The schedule's class (jsonargparse's lazy default instance stands for its base)."""
+        return next(c for c in type(self).__mro__
+                    if issubclass(c, ShortcutSchedule) and not c.__name__.startswith("LazyInstance_"))
+
+    def init_args(self) -> dict[str, Any]:
+        """The arguments that rebuild this schedule: its class's ``__init__`` parameters, read
+        back from the attributes of the same names."""
+        names = [n for n, p in inspect.signature(self.schedule_class().__init__).parameters.items()
+                 if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        missing = [n for n in names if not hasattr(self, n)]
+        if missing:
+            raise ValueError(f"{self.schedule_class().__name__}: keep each __init__ argument as an attribute of the "
+                             f"same name (missing: {', '.join(missing)}); a checkpoint rebuilds the schedule from them")
+        return {n: getattr(self, n) for n in names}
+
     def __repr__(self) -> str:
-        return (f"ShortcutSchedule(kind={self.kind!r}, alpha_min={self.alpha_min}, "
-                f"branches={self.branches!r}, scale={self.scale:.6g})")
+        return f"{self.schedule_class().__name__}({', '.join(f'{k}={v!r}' for k, v in self.init_args().items())})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ShortcutSchedule) and repr(self) == repr(other)
+        return isinstance(other, ShortcutSchedule) and self.as_dict() == other.as_dict()
 
     def as_dict(self) -> dict:
-        """Plain-data form, safe in checkpoints loaded with ``weights_only=True``."""
-        return {"kind": self.kind, "alpha_min": self.alpha_min, "branches": self.branches, "scale": self.scale}
+        """Plain-data form, safe in checkpoints loaded with ``weights_only=True``: the built-in
+        schedule as its four fields, a subclass as ``{"class_path", "init_args"}``."""
+        cls = self.schedule_class()
+        if cls is ShortcutSchedule:
+            return self.init_args()
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": self.init_args()}
 
     @classmethod
     def coerce(cls, value: "ShortcutSchedule | dict | None", default: "ShortcutSchedule | None" = None
                ) -> "ShortcutSchedule":
-        """Accept a schedule, its :meth:`as_dict` form (from a checkpoint) or ``None`` (-> ``default``)."""
+        """Accept a schedule, its :meth:`as_dict` form (from a checkpoint), LightningCLI's
+        ``class_path``/``init_args`` form or ``None`` (-> ``default``)."""
         if value is None:
             return default if default is not None else cls("none")
-        if isinstance(value, cls):
+        if isinstance(value, ShortcutSchedule):
             return value
         if isinstance(value, dict):
-            value = value.get("init_args", value)  # LightningCLI's class_path/init_args form
-            return cls(**{k: v for k, v in value.items() if k != "class_path"})
+            schedule_class = schedule_class_at(value["class_path"]) if "class_path" in value else cls
+            args = value.get("init_args", value) if "class_path" in value else value
+            return schedule_class(**{k: v for k, v in (args or {}).items() if k != "class_path"})
         raise ValueError(f"shortcut must be a ShortcutSchedule or a dict of its fields, got {type(value).__name__}")
 
     @property
@@ -111,7 +143,9 @@ class ShortcutSchedule:
         """Whether a sub-layer of this type follows the schedule (``block`` always does)."""
         return sublayer_type == "block" or self.branches in ("both", sublayer_type)
 
-    def _decayed_alpha(self, k: int, num_sublayers: int) -> float:
+    def decayed_alpha(self, k: int, num_sublayers: int) -> float:
+        """``a_k``, the shortcut weight of decayed sub-layer ``k`` (0-based) of ``num_sublayers``:
+        the method a schedule of one's own overrides (a learnable schedule's initial value)."""
         if self.kind in ("none", "learnable", "scaled_branch"):
             return 1.0
         if self.kind in ("constant",):
@@ -147,7 +181,7 @@ class ShortcutSchedule:
         out = []
         for k, sublayer_type in enumerate(sublayer_types):
             if self.decays(sublayer_type):
-                out.append((self._decayed_alpha(k, num_sublayers), branch_weight))
+                out.append((self.decayed_alpha(k, num_sublayers), branch_weight))
             else:
                 out.append((1.0, 1.0))
         return out
@@ -171,6 +205,8 @@ class ShortcutSchedule:
         ``alpha_eff`` grows monotonically with ``alpha_min`` for the linear, cosine and
         constant kinds, so bisection in float64 finds it to ~1e-15.
         """
+        if "alpha_min" not in self.init_args():
+            raise ValueError(f"{self.schedule_class().__name__} takes no alpha_min to solve for")
         if self.kind not in _SOLVABLE:
             raise ValueError(
                 f"kind must be one of {', '.join(_SOLVABLE)} to solve for alpha_eff; "
@@ -181,7 +217,7 @@ class ShortcutSchedule:
             raise ValueError(f"target_alpha_eff must be a finite number in (0, 1], got {target_alpha_eff!r}")
 
         def eff(alpha_min: float) -> float:
-            return ShortcutSchedule(self.kind, alpha_min, self.branches, self.scale).alpha_eff(
+            return self.schedule_class()(**{**self.init_args(), "alpha_min": alpha_min}).alpha_eff(
                 num_sublayers, sublayer_types)
 
         if eff(0.0) >= target:  # reached even with alpha_min = 0 (e.g. a single sub-layer)
@@ -201,3 +237,20 @@ class ShortcutSchedule:
 def transformer_sublayer_types(num_blocks: int) -> list[SubLayerType]:
     """``[attn, mlp, attn, mlp, ...]`` for ``num_blocks`` pre-norm transformer blocks."""
     return ["attn", "mlp"] * num_blocks
+
+
+def schedule_class_at(class_path: str) -> type[ShortcutSchedule]:
+    """The :class:`ShortcutSchedule` subclass a checkpoint or config names, or a one-line
+    ValueError: never the built-in schedule in its place (that would be another network)."""
+    module_name, _, name = str(class_path).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name) if module_name else None
+    except ImportError as err:
+        raise ValueError(f"shortcut: cannot import {class_path!r}, the schedule the checkpoint was written with "
+                         f"({err}); put its module on PYTHONPATH") from None
+    except AttributeError:
+        found = None
+    if not (isinstance(found, type) and issubclass(found, ShortcutSchedule)):
+        raise ValueError(f"shortcut: {class_path!r} is not a ShortcutSchedule class")
+    return found
+

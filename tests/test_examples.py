@@ -1,0 +1,107 @@
+"""Each file of ``examples/`` run as a user would: copied into a folder outside the repository,
+only that folder on ``PYTHONPATH``, through ``shortcutlab fit`` with a short budget (issue 19)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_mods.backbone import shortcut_alphas
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+         "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
+TINY_MAE = ["--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2"]
+
+
+def shortcutlab(cwd: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def user_folder(tmp_path: Path, *examples: str) -> Path:
+    folder = tmp_path / "my_experiment"
+    folder.mkdir()
+    for name in examples:
+        shutil.copy(ROOT / "examples" / name, folder / name)
+    return folder
+
+
+def expected_exponential_alphas(rate: float, alpha_min: float, num_sublayers: int) -> list[float]:
+    """float64 numpy, independent of the example's code."""
+    return np.maximum(alpha_min, np.exp(-rate * np.arange(num_sublayers, dtype=np.float64))).tolist()
+
+
+@pytest.mark.slow
+def test_exponential_schedule_through_mae_and_resnet_yaml_and_linear_probe(tmp_path, monkeypatch):
+    folder = user_folder(tmp_path, "exponential_schedule.py")
+    # the MAE, the schedule chosen on the command line (digits_mae.yaml's alpha_min 0.6 carried over)
+    fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/digits_mae.yaml'}", *TINY_MAE, *SHORT,
+                      "--model.shortcut=exponential_schedule.ExponentialSchedule", "--model.shortcut.rate=0.2",
+                      f"--trainer.default_root_dir={folder / 'mae'}", pythonpath=folder)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    (mae_ckpt,) = (folder / "mae").rglob("last.ckpt")
+    written = torch.load(mae_ckpt, weights_only=True)["hyper_parameters"]["shortcut"]
+    assert written == {"class_path": "exponential_schedule.ExponentialSchedule",
+                       "init_args": {"rate": 0.2, "alpha_min": 0.6, "branches": "both"}}
+    # the ResNet classifier, the schedule chosen in a YAML file of the user's
+    (folder / "exp_resnet.yaml").write_text(
+        "model:\n  init_args:\n    backbone:\n      init_args:\n        shortcut:\n"
+        "          class_path: exponential_schedule.ExponentialSchedule\n"
+        "          init_args: {rate: 0.1, alpha_min: 0.0}\n")
+    fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/data/digits.yaml'}",
+                      f"--config={ROOT / 'configs/digits_resnet/base.yaml'}", "--config=exp_resnet.yaml",
+                      *SHORT, f"--trainer.default_root_dir={folder / 'resnet'}", pythonpath=folder)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    (resnet_ckpt,) = (folder / "resnet").rglob("latest*.ckpt")
+    # LinearProbe rebuilds each network from its checkpoint: the user's schedule, its alphas, no warning
+    monkeypatch.syspath_prepend(str(folder))
+    from lightning_mods.linear_probe import LinearProbe
+
+    for ckpt, rate, alpha_min in ((mae_ckpt, 0.2, 0.6), (resnet_ckpt, 0.1, 0.0)):
+        probe = LinearProbe(checkpoint=str(ckpt), num_classes=10)
+        assert type(probe.backbone.shortcut if hasattr(probe.backbone, "shortcut") else
+                    probe.backbone.backbone.shortcut).__name__ == "ExponentialSchedule"
+        alphas = shortcut_alphas(probe.backbone)
+        np.testing.assert_allclose(alphas, expected_exponential_alphas(rate, alpha_min, len(alphas)), rtol=0, atol=1e-15)
+        assert len(set(alphas)) > 2  # the schedule really decays here
+        probe_run = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/linear_probe_digits.yaml'}",
+                                f"--model.checkpoint={ckpt}", *SHORT,
+                                f"--trainer.default_root_dir={folder / ('probe_' + ckpt.parent.parent.parent.parent.name)}",
+                                pythonpath=folder)
+        assert probe_run.returncode == 0, probe_run.stderr[-3000:]
+        assert "shortcut" not in probe_run.stderr.lower(), probe_run.stderr[-3000:]  # no "weights not its own"
+    # without the schedule's module, the checkpoint is refused in one line, never rebuilt as another network
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    refused = shortcutlab(elsewhere, "fit", f"--config={ROOT / 'configs/linear_probe_digits.yaml'}",
+                          f"--model.checkpoint={mae_ckpt}", *SHORT, f"--trainer.default_root_dir={elsewhere}")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "shortcutlab: error: checkpoint settings: cannot import 'exponential_schedule.ExponentialSchedule', a class "
+        "the checkpoint was written with (No module named 'exponential_schedule'); put its module on PYTHONPATH")
+
+
+def test_a_schedule_subclass_solves_alpha_min_and_compares_by_class(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(user_folder(tmp_path, "exponential_schedule.py")))
+    from exponential_schedule import ExponentialSchedule
+
+    from lightning_mods.backbone import ShortcutSchedule
+
+    schedule = ExponentialSchedule(rate=0.5, alpha_min=0.2)
+    assert ShortcutSchedule.coerce(schedule.as_dict()) == schedule
+    assert schedule != ShortcutSchedule("linear", 0.2)
+    # alpha_eff of the solved alpha_min hits the target (float64 numpy reference)
+    solved = schedule.solve_alpha_min(0.05, 8)
+    assert np.prod(expected_exponential_alphas(0.5, solved, 8)) == pytest.approx(0.05, rel=1e-12)
+    with pytest.raises(ValueError, match="is not a ShortcutSchedule class"):
+        ShortcutSchedule.coerce({"class_path": "torch.nn.Linear", "init_args": {}})
