@@ -140,17 +140,58 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: str | os.
 
 
 def init_parameters(class_path: str) -> Optional[set[str]]:
-    """Names of the ``__init__`` parameters of ``class_path``; ``None`` if it takes ``**kwargs``
-    or cannot be imported."""
+    """Names of the ``__init__`` parameters of ``class_path``; a subclass's ``**kwargs`` stands
+    for its base classes' parameters (a subclass passing them on, as ``examples/mae_l1_loss.py``);
+    ``None`` if a ``**kwargs`` reaches no base class's named ones, or it cannot be imported."""
     module_name, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError):
         return None
-    params = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params} - {"self"}
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        if klass is object or klass.__module__.startswith(("torch.", "lightning.")):
+            return None  # **kwargs handed to a framework base: anything may be accepted
+        params = inspect.signature(klass.__init__).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
+
+
+def without_class_defaults(value: Any) -> Any:
+    """Nested settings without the arguments whose saved value names the very class the
+    parameter defaults to (timm's ``embed_layer=PatchEmbed``, saved as its import path or as a
+    class_path node): parsed back, jsonargparse would build an instance of it where the network
+    expects the class itself."""
+    if isinstance(value, list):
+        return [without_class_defaults(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    value = {k: without_class_defaults(v) for k, v in value.items()}
+    class_path, init = value.get("class_path"), value.get("init_args")
+    if not isinstance(class_path, str) or not isinstance(init, dict):
+        return value
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        defaults = {}
+        for klass in cls.__mro__:  # **kwargs: the base classes' defaults
+            if "__init__" in vars(klass) and klass is not object:
+                for param in inspect.signature(klass.__init__).parameters.values():
+                    defaults.setdefault(param.name, param.default)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return value
+
+    def is_class_default(key: str, saved: Any) -> bool:
+        default = defaults.get(key)
+        saved_path = saved.get("class_path") if isinstance(saved, dict) else saved
+        return isinstance(default, type) and isinstance(saved_path, str) \
+            and canonical_class_path(saved_path) == f"{default.__module__}.{default.__qualname__}"
+
+    return {**value, "init_args": {k: v for k, v in init.items() if not is_class_default(k, v)}}
 
 
 def checkpoint_model_config(ckpt: dict[str, Any], path: str | os.PathLike,
@@ -167,7 +208,7 @@ def checkpoint_model_config(ckpt: dict[str, Any], path: str | os.PathLike,
     accepted = init_parameters(written)
     if accepted is not None:
         hparams = {k: v for k, v in hparams.items() if k in accepted}
-    return {"class_path": written, "init_args": hparams}
+    return without_class_defaults({"class_path": written, "init_args": hparams})
 
 
 def flat_settings(value: Any, prefix: str = "") -> dict[str, Any]:

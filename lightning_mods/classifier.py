@@ -91,6 +91,8 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         weight_decay: on weights only; norms, biases and shortcut alphas get none.
         warmup_epochs: linear per-step warm-up, then cosine to ``min_lr_ratio * peak``.
         label_smoothing: of the training loss (validation/test losses are plain).
+
+    Extension points: :meth:`training_loss` (the loss) and :meth:`forward_head` (the head).
     """
 
     def __init__(
@@ -146,8 +148,14 @@ class ImageClassifier(ClassificationSteps, LightningModule):
 
     # --- forward ---------------------------------------------------------------------------
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Logits ``B x num_classes``."""
-        return self.backbone(images)
+        """Logits ``B x num_classes`` (timm's ``forward``: features, then the head)."""
+        return self.forward_head(self.backbone.forward_features(images))
+
+    def forward_head(self, feature_map: torch.Tensor) -> torch.Tensor:
+        """Extension point: the head, logits ``B x num_classes`` from the backbone's
+        ``forward_features`` output. Default: the backbone's own (timm's pooling and classifier
+        layer, sized by ``reset_classifier(num_classes)``)."""
+        return self.backbone.forward_head(feature_map)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Evaluation features ``B x D``: the pooled input of the classifier layer."""
@@ -187,6 +195,8 @@ class ImageClassifier(ClassificationSteps, LightningModule):
 
     # --- steps (training, validation, test: ClassificationSteps) ----------------------------
     def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Extension point: the loss training minimises, from logits ``B x num_classes`` and
+        labels ``B``. Default: cross-entropy with ``label_smoothing``."""
         return F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:

@@ -64,6 +64,9 @@ def guided_noise(eps_cond: torch.Tensor, eps_uncond: torch.Tensor, guidance_scal
 class DiffusionModule(LightningModule):
     """U-ViT noise-prediction diffusion, pixel or latent, unconditional or class-conditional.
 
+    Extension points: :meth:`corrupt` (the noise process of training), :meth:`loss_weight`
+    (the loss weighting over time) and :meth:`condition` (the conditioning input).
+
     Args:
         image_size, in_chans, num_classes: linked from the datamodule by the CLI (latent
             size and channels in latent mode).
@@ -257,25 +260,48 @@ class DiffusionModule(LightningModule):
 
     def diffusion_loss(self, x0: torch.Tensor, labels: Optional[torch.Tensor],
                        generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Noise-prediction MSE at uniform random times (``generator``: a CPU generator; draws the
-        noise, then the times)."""
+        """Noise-prediction MSE (:meth:`corrupt`, weighted over time by :meth:`loss_weight`)."""
+        x_t, t, noise = self.corrupt(x0, generator)
+        predicted = self(x_t, self.noise_process.network_time(t), labels).float()
+        weight = self.loss_weight(t)
+        if weight is None:
+            return F.mse_loss(predicted, noise.float())
+        per_sample = (predicted - noise.float()).pow(2).flatten(1).mean(dim=1)
+        return (per_sample * weight.to(per_sample)).mean()
+
+    def corrupt(self, x0: torch.Tensor, generator: Optional[torch.Generator] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Extension point: the forward noise process of training. Returns ``(x_t, t, noise)``:
+        the noised inputs, their times in the process's units (``noise_process.network_time(t)`` is
+        what the network sees) and the noise it learns to predict. Default: Gaussian noise, then
+        uniform times of ``noise_process`` (``generator``: a CPU generator, else the global RNG).
+        Sampling runs the configured ``noise_process``'s sampler: a corruption of one's own that
+        changes the marginals of ``x_t`` needs a sampler to match."""
         if generator is None:
             noise = torch.randn_like(x0)
         else:
             noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
         t = self.noise_process.draw_times(x0.shape[0], generator, x0.device)
-        x_t = self.noise_process.add_noise(x0, noise, t)
-        return F.mse_loss(self(x_t, self.noise_process.network_time(t), labels).float(), noise.float())
+        return self.noise_process.add_noise(x0, noise, t), t, noise
 
-    def _condition(self, labels: torch.Tensor, dropout: float,
-                   generator: Optional[torch.Generator] = None) -> Optional[torch.Tensor]:
+    def loss_weight(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """Extension point: the weight of each sample's loss at its time ``t`` (shape ``B``); the
+        loss is then the mean of weight x per-sample MSE. Default None: the plain MSE (every time
+        weighted 1)."""
+        return None
+
+    def condition(self, labels: torch.Tensor, dropout: float,
+                  generator: Optional[torch.Generator] = None) -> Optional[torch.Tensor]:
+        """Extension point: the network's conditioning input from a batch's labels (None: none).
+        Default: the class labels, each replaced by the null class with probability ``dropout``
+        (classifier-free guidance) for a class-conditional model; None otherwise."""
         if not self.class_conditional:
             return None
         return drop_labels(labels.long(), dropout, self.model.null_class, generator)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
-        loss = self.diffusion_loss(self.to_model_space(images), self._condition(labels, self.hparams.label_dropout))
+        loss = self.diffusion_loss(self.to_model_space(images), self.condition(labels, self.hparams.label_dropout))
         self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
@@ -283,7 +309,7 @@ class DiffusionModule(LightningModule):
         images, labels = batch[0], batch[1]
         # fixed noise, timesteps and dropped labels per batch: comparable losses between epochs
         generator = torch.Generator().manual_seed(1234 + batch_idx)
-        y = self._condition(labels, self.hparams.label_dropout, generator)
+        y = self.condition(labels, self.hparams.label_dropout, generator)
         loss = self.diffusion_loss(self.to_model_space(images), y, generator)
         self.log(metric_names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
         return loss

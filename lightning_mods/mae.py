@@ -13,6 +13,14 @@ Two layouts, parameter for parameter: with ``unet_skips=True`` the decay paper's
 branch end, fusion output and the prediction zero-initialised); with ``unet_skips=False`` and
 ``alpha_min=1`` He et al.'s MAE (``facebookresearch/mae``: final encoder LayerNorm, no zero
 starts). Both use MAE's initialisation (:mod:`lightning_mods.backbone.mae_init`) and LayerNorm eps 1e-6.
+
+Extension points (the methods a subclass overrides; ``docs/extending.md``, ``examples/``):
+
+- :meth:`MaskedAutoencoder.mask_patches`: which patches are visible.
+- :meth:`MaskedAutoencoder.reconstruction_target`: what the decoder predicts for each patch
+  (and :meth:`MaskedAutoencoder.target_to_pixels`, its inverse for the reconstruction picture).
+- :meth:`MaskedAutoencoder.reconstruction_loss`: the loss of a prediction against the target.
+- :meth:`MaskedAutoencoder.pool_features`: the evaluation features from the encoder's tokens.
 """
 from __future__ import annotations
 
@@ -178,9 +186,19 @@ class MaskedAutoencoder(LightningModule):
             outputs.append(x)
         return self.encoder.norm(x), outputs
 
+    def mask_patches(self, tokens: torch.Tensor, mask_ratio: float, generator: Optional[torch.Generator] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Extension point: which patches the encoder sees. ``tokens`` are the embedded patches
+        ``B x L x D`` in patch order; returns ``(visible B x K x D, mask B x L with 1 = hidden,
+        ids_restore B x L)``, ``ids_restore`` putting ``[visible, hidden]`` back in patch order
+        (every sample keeps the same ``K``). Default: a uniformly random ``int(L * (1 - mask_ratio))``
+        per sample, drawn from ``generator`` (the global RNG when None)."""
+        visible, mask, ids_restore, _ = random_masking(tokens, mask_ratio, generator)
+        return visible, mask, ids_restore
+
     def encode_masked(self, images: torch.Tensor, mask_ratio: float, generator: Optional[torch.Generator] = None):
         """Encoder on the visible patches: ``(latent, block outputs, mask, ids_restore)``."""
-        visible, mask, ids_restore, _ = random_masking(self._embed_patches(images), mask_ratio, generator)
+        visible, mask, ids_restore = self.mask_patches(self._embed_patches(images), mask_ratio, generator)
         x = torch.cat([self._cls(images.shape[0]), visible], dim=1)
         latent, outputs = self._run_blocks(x)
         return latent, outputs, mask, ids_restore
@@ -190,21 +208,23 @@ class MaskedAutoencoder(LightningModule):
         x = torch.cat([self._cls(images.shape[0]), self._embed_patches(images)], dim=1)
         return self._run_blocks(x)
 
-    def _pool(self, tokens: torch.Tensor) -> torch.Tensor:
+    def pool_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Extension point: evaluation features ``B x D`` from a block's tokens ``B x (1 + L) x D``
+        (cls first). Default: ``feature_pool`` (mean over all tokens, or the cls token)."""
         return tokens[:, 0] if self.hparams.feature_pool == "cls" else tokens.mean(dim=1)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Evaluation features ``B x D``: mean over all tokens (or cls) of the last block."""
-        return self._pool(self.encode(images)[0])
+        return self.pool_features(self.encode(images)[0])
 
     def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
         """Pooled output of every encoder block (the rank-over-depth profile)."""
-        return [self._pool(t) for t in self.encode(images)[1]]
+        return [self.pool_features(t) for t in self.encode(images)[1]]
 
     def forward_features_and_blocks(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(forward_features, forward_block_features)`` from one encoder pass."""
         last, outputs = self.encode(images)
-        return self._pool(last), [self._pool(t) for t in outputs]
+        return self.pool_features(last), [self.pool_features(t) for t in outputs]
 
     def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
         """Patch tokens of encoder block ``block`` (Python index; -1 the last) on their grid,
@@ -225,11 +245,32 @@ class MaskedAutoencoder(LightningModule):
         ratio = self.hparams.mask_ratio if mask_ratio is None else mask_ratio
         latent, outputs, mask, ids_restore = self.encode_masked(images, ratio, generator)
         pred = self.decoder(outputs, ids_restore) if self.hparams.unet_skips else self.decoder(latent, ids_restore)
-        target = patchify(images, self.hparams.patch_size)
-        if self.hparams.norm_pix_loss:
-            target = normalise_patches(target)
+        target = self.reconstruction_target(images)
         loss_mask = torch.ones_like(mask) if self.hparams.get("loss_on_all_patches") else mask
-        return masked_patch_loss(pred, target, loss_mask), pred, mask
+        return self.reconstruction_loss(pred, target, loss_mask), pred, mask
+
+    def reconstruction_target(self, images: torch.Tensor) -> torch.Tensor:
+        """Extension point: what the decoder predicts, ``B x L x p*p*C`` in patch order (the
+        prediction's width). Default: the patches' pixels, normalised per patch under
+        ``norm_pix_loss``."""
+        target = patchify(images, self.hparams.patch_size)
+        return normalise_patches(target) if self.hparams.norm_pix_loss else target
+
+    def target_to_pixels(self, pred: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """A prediction ``B x L x p*p*C`` back in pixel patches, for the reconstruction picture
+        (the inverse of :meth:`reconstruction_target`; ``images`` give the true statistics)."""
+        if not self.hparams.norm_pix_loss:
+            return pred
+        target = patchify(images, self.hparams.patch_size)
+        mean = target.mean(dim=-1, keepdim=True)
+        std = (target.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
+        return pred * std + mean
+
+    def reconstruction_loss(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Extension point: the training and validation loss. ``pred``, ``target``: ``B x L x D``;
+        ``mask``: ``B x L``, 1 where a patch counts (the hidden ones; all under
+        ``loss_on_all_patches``). Default: mean squared error per patch, averaged over those."""
+        return masked_patch_loss(pred, target, mask)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0]
@@ -256,10 +297,7 @@ class MaskedAutoencoder(LightningModule):
         _, pred, mask = self(images, generator=generator)
         p, c = self.hparams.patch_size, self.hparams.in_chans
         target = patchify(images, p)
-        if self.hparams.norm_pix_loss:  # undo the per-patch normalisation with the true statistics
-            mean = target.mean(dim=-1, keepdim=True)
-            std = (target.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
-            pred = pred * std + mean
+        pred = self.target_to_pixels(pred, images)
         m = mask.unsqueeze(-1)
         masked = unpatchify(target * (1 - m), p, c)
         pasted = unpatchify(target * (1 - m) + pred * m, p, c)

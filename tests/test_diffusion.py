@@ -138,7 +138,7 @@ def test_class_conditional_sampling_respects_the_label():
     for _ in range(200):
         labels = torch.randint(0, 2, (64,))
         x0 = (labels.float() * 1.6 - 0.8).view(-1, 1, 1, 1).expand(-1, 1, 4, 4)
-        loss = module.diffusion_loss(x0, module._condition(labels, 0.2))
+        loss = module.diffusion_loss(x0, module.condition(labels, 0.2))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
