@@ -1,4 +1,4 @@
-"""Every bad input of the README's "Reliability" table: exit status 2, one line on stderr naming
+"""Every bad input of docs/reliability.md's "Bad input" table: exit status 2, one line on stderr naming
 the field or file, and the run folder exactly as it was (issue 9, item 7).
 
 Most cases call ``cli.console_main`` in-process with ``sys.argv`` patched (what the console

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite (benchmarks/): the network and training groups run on tiny
 sizes and write a well-formed Markdown table and JSON; ``--device cuda`` without a GPU skips
-cleanly. (The start-up group spawns fresh interpreters and is left to ``python -m benchmarks``.)
+cleanly: the suite of docs/performance.md in its quick mode. (The start-up group spawns fresh
+interpreters and is left to ``python -m benchmarks``.)
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Each file of ``examples/`` run as a user would: copied into a folder outside the repository,
-only that folder on ``PYTHONPATH``, through ``shortcutlab fit`` with a short budget (issue 19)."""
+only that folder on ``PYTHONPATH``, through ``shortcutlab fit`` with a short budget (issue 19): the
+commands docs/extending.md shows."""
 from __future__ import annotations
 
 import os

@@ -23,11 +23,11 @@ README_CHECKPOINT = "runs/digits_mae/lightning_logs/version_0/checkpoints/last.c
 
 
 def readme_command(start: str) -> list[str]:
-    """The arguments of the README's command line that starts with ``start`` (after the program)."""
-    for line in (ROOT / "README.md").read_text().splitlines():
+    """The arguments of docs/metrics.md's command line that starts with ``start`` (after the program)."""
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
         if line.startswith(start):
             return line.split()[2:]
-    raise AssertionError(f"no README line starts with {start!r}")
+    raise AssertionError(f"no docs/metrics.md line starts with {start!r}")
 TINY_QUICKSTART = ["--config=configs/digits_mae.yaml", "--trainer.enable_progress_bar=false",
                    "--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2"]
 
@@ -89,7 +89,7 @@ def quickstart_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_features_command_on_a_split_and_on_a_folder(quickstart_checkpoint, tmp_path, capsys, monkeypatch):
-    """The README's command (its checkpoint: this fit's), then a folder of images."""
+    """docs/metrics.md's command (its checkpoint: this fit's), then a folder of images."""
     argv = readme_command(".venv/bin/shortcutlab features ")
     argv = [str(quickstart_checkpoint) if a == README_CHECKPOINT else a for a in argv]
     monkeypatch.chdir(tmp_path)  # --out pictures/ is relative
@@ -120,7 +120,7 @@ def test_features_command_bad_input_is_one_line(quickstart_checkpoint, tmp_path,
 
 @pytest.mark.slow
 def test_predict_draws_the_embedding_map(quickstart_checkpoint, tmp_path):
-    """The README's predict command on this fit's checkpoint (and its tiny architecture)."""
+    """docs/metrics.md's predict command on this fit's checkpoint (and its tiny architecture)."""
     argv = readme_command(".venv/bin/shortcutlab predict --config configs/digits_mae.yaml --ckpt_path")
     argv = [str(quickstart_checkpoint) if a == README_CHECKPOINT else a for a in argv]
     out = cli.main(["predict", *argv, *TINY_QUICKSTART[1:], f"--trainer.default_root_dir={tmp_path}"])

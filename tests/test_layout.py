@@ -1,4 +1,4 @@
-"""The import arrows of the layout (issue 11, README "Layout") run one way:
+"""The import arrows of the layout (issue 11, README.md "Layout") run one way:
 ``cli`` -> ``commands`` -> ``callbacks`` / ``datamodules`` -> ``lightning_mods`` -> ``lightning_mods.backbone``.
 
 Read from the source with ``ast`` (imports inside functions included), so a lazy import that

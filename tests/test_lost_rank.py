@@ -126,14 +126,14 @@ def test_what_counts_as_a_lost_peer():
 
 
 def test_the_documented_timeout_setting_reaches_the_strategy(tmp_path):
-    """README Reliability: ``--trainer.strategy=DDPStrategy --trainer.strategy.timeout=0:05:00``."""
+    """docs/reliability.md: ``--trainer.strategy=DDPStrategy --trainer.strategy.timeout=0:05:00``."""
     from datetime import timedelta
 
     from lightning.pytorch import LightningDataModule, LightningModule
 
     from commands.lightning_cli import ShortcutLabCLI
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "reliability.md").read_text()
     assert "`--trainer.strategy=DDPStrategy --trainer.strategy.timeout=0:05:00`" in readme
     cli = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                          run=False, save_config_callback=None,

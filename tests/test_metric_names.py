@@ -19,7 +19,7 @@ from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.spiral_classifier import SpiralClassifier
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
 
 def quiet_trainer(tmp_path, **kwargs) -> Trainer:
@@ -70,7 +70,7 @@ def test_spiral_logs_the_classifier_names(tmp_path):
 
 
 def readme_metrics_table() -> dict[str, str]:
-    """``{name: unit}`` of the README's "## Metrics" table (a row may name several metrics)."""
+    """``{name: unit}`` of docs/metrics.md's "## Metrics" table (a row may name several metrics)."""
     section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     table: dict[str, str] = {}
     for row in section.splitlines():

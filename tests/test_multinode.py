@@ -2,7 +2,7 @@
 processes on one node.
 
 Each "node" is its own ``torchrun --nnodes 2 --node_rank R --master_addr 127.0.0.1`` launcher,
-as on a cluster (README, "Multi-node"); the reference is ``torchrun --nnodes 1
+as on a cluster (docs/multi-gpu.md); the reference is ``torchrun --nnodes 1
 --nproc_per_node 2``. Both train the tiny MAE of tests/test_callbacks_ddp.py with the online
 probe and must end with the same weights, probe head and logged values.
 """

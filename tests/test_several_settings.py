@@ -161,9 +161,9 @@ def test_bad_rate_lists(lr, message):
 
 @pytest.mark.slow
 def test_a_second_knn_on_the_quickstart_through_the_cli(tmp_path):
-    """The README's command (Measuring what the shortcut does), with a short budget: a second kNN
+    """docs/metrics.md's command (Measuring what the shortcut does), with a short budget: a second kNN
     at DINO's four k beside the quickstart's own (the issue tried ``callbacks.knn.KNNEvaluator``)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "metrics.md").read_text()
     command = ("shortcutlab fit --config configs/digits_mae.yaml --trainer.callbacks+=KNNEvaluator "
                "--trainer.callbacks.k=[10,20,100,200]")
     assert command in readme

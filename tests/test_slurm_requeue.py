@@ -1,4 +1,4 @@
-"""A requeued SLURM job resumes exactly (issue 24): the README's sbatch script run with the
+"""A requeued SLURM job resumes exactly (issue 24): docs/reliability.md's sbatch script run with the
 environment ``srun`` gives each task and a stand-in ``scontrol`` that records its calls, with
 one task and with the script's two tasks (DDP over gloo). SIGUSR1 stops every task after the same
 step (whether it reached every task or one), inside a training step, a validation or a checkpoint
@@ -39,8 +39,8 @@ STOPPED = re.compile(r"shortcutlab: stopped by SIGUSR1 at step (\d+); resumable 
 
 
 def readme_script() -> list[str]:
-    """The lines of the README's SLURM job script (Reliability, "SLURM")."""
-    text = (ROOT / "README.md").read_text()
+    """The lines of docs/reliability.md's SLURM job script ("SLURM")."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
     section = text[text.index("- **SLURM.**"):]
     block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
     return [line.strip() for line in block.strip().splitlines()]

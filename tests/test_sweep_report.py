@@ -2,7 +2,8 @@
 
 The report is checked on hand-written CSVLogger files against numpy float64 (mean, ddof=1 std,
 ``np.corrcoef``); the sweep's naming and ``--print`` on their own; one slow test sweeps two tiny
-digits fits for real, reports on them, reruns (skipping the finished runs) and sweeps a failing run.
+digits fits for real, reports on them, reruns (skipping the finished runs) and sweeps a failing run: the
+commands of docs/reproducing.md on tiny runs.
 """
 from __future__ import annotations
 
