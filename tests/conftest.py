@@ -16,6 +16,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, and for their subprocesses
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 CIFAR10_BATCH_NAMES = [f"data_batch_{i}" for i in range(1, 6)]
 MNIST_RAW_NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
