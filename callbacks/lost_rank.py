@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -77,11 +78,19 @@ class LostRankReport(Callback):
             torch.distributed.all_gather_object(gathered, (socket.gethostname(), os.getpid()))
             self.peers = [tuple(peer) for peer in gathered]
 
-    def lost_ranks(self, me: int) -> tuple[list[int], list[int]]:
-        """``(ranks whose process on this host is gone, ranks on other hosts)``."""
+    def lost_ranks(self, me: int, settle_s: float = 3.0) -> tuple[list[int], list[int]]:
+        """``(ranks whose process on this host is gone, ranks on other hosts)``. A killed process
+        closes its connections before the process table shows it exited: on a loaded machine the
+        peers can see the first before the second, so a process table with every peer alive is
+        read again for up to ``settle_s`` seconds."""
         host = socket.gethostname()
-        gone = [rank for rank, (peer_host, pid) in enumerate(self.peers)
-                if rank != me and peer_host == host and process_gone(pid)]
+        local = [(rank, pid) for rank, (peer_host, pid) in enumerate(self.peers) if rank != me and peer_host == host]
+        deadline = time.monotonic() + settle_s
+        while True:
+            gone = [rank for rank, pid in local if process_gone(pid)]
+            if gone or not local or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         remote = [rank for rank, (peer_host, _) in enumerate(self.peers) if peer_host != host]
         return gone, remote
 

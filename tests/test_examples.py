@@ -37,6 +37,15 @@ def user_folder(tmp_path: Path, *examples: str) -> Path:
     return folder
 
 
+def fit_digits_mae(folder: Path, run: str, *extra: str) -> Path:
+    """A short ``configs/digits_mae.yaml`` fit from the user's folder; its ``last.ckpt``."""
+    fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/digits_mae.yaml'}", *TINY_MAE, *SHORT, *extra,
+                      f"--trainer.default_root_dir={folder / run}", pythonpath=folder)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    (ckpt,) = (folder / run).rglob("last.ckpt")
+    return ckpt
+
+
 def expected_exponential_alphas(rate: float, alpha_min: float, num_sublayers: int) -> list[float]:
     """float64 numpy, independent of the example's code."""
     return np.maximum(alpha_min, np.exp(-rate * np.arange(num_sublayers, dtype=np.float64))).tolist()
@@ -46,11 +55,8 @@ def expected_exponential_alphas(rate: float, alpha_min: float, num_sublayers: in
 def test_exponential_schedule_through_mae_and_resnet_yaml_and_linear_probe(tmp_path, monkeypatch):
     folder = user_folder(tmp_path, "exponential_schedule.py")
     # the MAE, the schedule chosen on the command line (digits_mae.yaml's alpha_min 0.6 carried over)
-    fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/digits_mae.yaml'}", *TINY_MAE, *SHORT,
-                      "--model.shortcut=exponential_schedule.ExponentialSchedule", "--model.shortcut.rate=0.2",
-                      f"--trainer.default_root_dir={folder / 'mae'}", pythonpath=folder)
-    assert fit.returncode == 0, fit.stderr[-3000:]
-    (mae_ckpt,) = (folder / "mae").rglob("last.ckpt")
+    mae_ckpt = fit_digits_mae(folder, "mae", "--model.shortcut=exponential_schedule.ExponentialSchedule",
+                              "--model.shortcut.rate=0.2")
     written = torch.load(mae_ckpt, weights_only=True)["hyper_parameters"]["shortcut"]
     assert written == {"class_path": "exponential_schedule.ExponentialSchedule",
                        "init_args": {"rate": 0.2, "alpha_min": 0.6, "branches": "both"}}
@@ -111,11 +117,7 @@ def test_a_schedule_subclass_solves_alpha_min_and_compares_by_class(tmp_path, mo
 @pytest.mark.slow
 def test_mae_l1_loss_on_gradients_trains_and_its_checkpoint_is_that_model(tmp_path, monkeypatch):
     folder = user_folder(tmp_path, "mae_l1_loss.py")
-    fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/digits_mae.yaml'}", *TINY_MAE, *SHORT,
-                      "--model=mae_l1_loss.L1MaskedAutoencoder", "--model.target=gradients",
-                      f"--trainer.default_root_dir={folder / 'run'}", pythonpath=folder)
-    assert fit.returncode == 0, fit.stderr[-3000:]
-    (ckpt,) = (folder / "run").rglob("last.ckpt")
+    ckpt = fit_digits_mae(folder, "run", "--model=mae_l1_loss.L1MaskedAutoencoder", "--model.target=gradients")
     monkeypatch.syspath_prepend(str(folder))
     from lightning_mods.checkpoint import module_from_checkpoint
 
@@ -139,13 +141,11 @@ def test_mae_l1_loss_on_gradients_trains_and_its_checkpoint_is_that_model(tmp_pa
 @pytest.mark.slow
 def test_branch_norm_ratio_callback_logs_one_value_per_block(tmp_path, monkeypatch):
     folder = user_folder(tmp_path, "branch_norm_ratio.py")
-    fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/digits_mae.yaml'}", *TINY_MAE, *SHORT,
-                      "--trainer.check_val_every_n_epoch=1", "--trainer.callbacks+=branch_norm_ratio.BranchNormRatio",
-                      "--model.zero_init_branches=false",  # the paper's zero-started branches measure 0 at first
-                      "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-                      f"--trainer.logger.init_args.save_dir={folder / 'run'}",
-                      f"--trainer.default_root_dir={folder / 'run'}", pythonpath=folder)
-    assert fit.returncode == 0, fit.stderr[-3000:]
+    fit_digits_mae(folder, "run", "--trainer.check_val_every_n_epoch=1",
+                   "--trainer.callbacks+=branch_norm_ratio.BranchNormRatio",
+                   "--model.zero_init_branches=false",  # the paper's zero-started branches measure 0 at first
+                   "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                   f"--trainer.logger.init_args.save_dir={folder / 'run'}")
     import csv
 
     (metrics,) = (folder / "run").rglob("metrics.csv")
