@@ -17,10 +17,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/shortcutlab fit --config configs/digits_mae.yaml $(ARGS)
 
-# one worker per core of the 2-core CI machine; an idle worker takes tests queued for the other
+# one worker per core of the 2-core CI machine; a test file stays on one worker (its module fixtures)
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # The benchmark suite (README, Performance): writes benchmarks/results.md and .json.
 bench: $(STAMP)

@@ -33,6 +33,8 @@ BUDGET = {
     "validate": ["--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"],
     "predict": ["--trainer.limit_predict_batches=2", "--trainer.enable_progress_bar=false"],
 }
+SMALL_MAE = ["--model.depth=2", "--model.decoder_depth=1"]  # the quickstart's MAE, 2 encoder blocks: part of the budget
+MAE_WORDS = re.compile(r"configs/digits_mae\.yaml|MaskedAutoencoder")
 
 
 def page_name(page: Path) -> str:
@@ -126,7 +128,7 @@ def test_relative_links_between_pages_resolve():
 
 def as_run_here(code: str, root_dir: Path) -> str:
     """A shell block as this test runs it: continuation lines joined, each fit/validate/predict
-    with a short budget, a sweep with ``--print`` (every run's config parsed, one line per run,
+    with a short budget (and the quickstart MAE with 2 encoder blocks), a sweep with ``--print`` (every run's config parsed, one line per run,
     nothing trained), ``report`` left out (it needs the finished sweep: tests/test_sweep_report.py),
     ``make demo`` with a short budget and ``make test`` left out (.ci/run runs it)."""
     script = []
@@ -136,13 +138,13 @@ def as_run_here(code: str, root_dir: Path) -> str:
         if len(words) >= 2 and words[0] == ".venv/bin/shortcutlab" and ".help" not in command and "--help" not in command:
             sub = words[1]
             if sub in BUDGET:
-                command += " " + " ".join(BUDGET[sub])
+                command += " " + " ".join(BUDGET[sub] + (SMALL_MAE if MAE_WORDS.search(command) else []))
             elif sub == "sweep":
                 command += " --print --runs-dir runs > /dev/null"
             elif sub == "report":
                 command = ": report needs the finished sweep"
         elif words[:2] == ["make", "demo"]:
-            budget = " ".join(BUDGET["fit"] + [f"--trainer.default_root_dir={root_dir / 'demo'}"])
+            budget = " ".join(BUDGET["fit"] + SMALL_MAE + [f"--trainer.default_root_dir={root_dir / 'demo'}"])
             command = f"make -C {ROOT} demo ARGS='{budget}'"
         elif words[:2] == ["make", "test"]:
             command = ": .ci/run runs make test"
