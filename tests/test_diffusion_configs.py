@@ -20,6 +20,9 @@ from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
 DIFFUSION_RUNS = [n for n in list(ROWS) + SINGLE_FILES if is_diffusion(n)]
+# the real-size U-ViT-Mid rows on VAE latents run from tests/test_latent_diffusion_configs.py: a
+# file of their own, so the suite's two workers share the slowest rows
+LATENT_RUNS = [n for n in DIFFUSION_RUNS if "latent" in n]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +58,12 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", DIFFUSION_RUNS)
+@pytest.mark.parametrize("name", [n for n in DIFFUSION_RUNS if n not in LATENT_RUNS])
 def test_fit_one_step_then_validate_from_checkpoint(name, tmp_path, data_root, tiny_latents):
+    fit_one_step_then_validate(name, tmp_path, data_root, tiny_latents)
+
+
+def fit_one_step_then_validate(name: str, tmp_path: Path, data_root: dict, tiny_latents: dict) -> None:
     config = point_at_test_data(resolved_config(command_args(name)), tmp_path, data_root, tiny_latents)
     test_config = tmp_path / "config.yaml"
     test_config.write_text(yaml.safe_dump(config))
