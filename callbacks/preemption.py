@@ -8,7 +8,9 @@ and the progress counters, then raises Lightning's ``SIGTERMException``; ``on_ex
 ``last.ckpt`` into the ModelCheckpoint folder (``<default_root_dir>/checkpoints`` without one),
 from which ``fit --ckpt_path <it>`` resumes exactly (``callbacks.exact_resume.ExactResume``).
 The ``shortcutlab`` command turns the exception into the exit status of :func:`received_signal`.
-A second SIGINT interrupts at once (Python's ``KeyboardInterrupt``). No checkpoint is written
+A second SIGINT interrupts at once (Python's ``KeyboardInterrupt``); a later SIGTERM or requeue
+signal is ignored once the stop is decided (SLURM answers ``scontrol requeue`` with SIGTERM: the
+checkpoint is finished and the exit status stays the first signal's). No checkpoint is written
 over non-finite weights.
 
 - **During validation** the signal lets the validation finish (its metrics logged, an averaging
@@ -57,11 +59,21 @@ from lightning_mods import checkpoint_io
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REQUEUE_SIGNAL = "SIGUSR1"  # SLURM's --signal of the papers' job scripts
 _received: Optional[int] = None  # signals are process-wide: the first one a fit received
+_ignored: dict[int, Any] = {}  # signals ignored since a pre-emption stop, and their handlers before it
 
 
 def received_signal() -> Optional[int]:
     """The signal that stopped the last fit of this process (None: none did)."""
     return _received
+
+
+def restore_stop_signals() -> None:
+    """Handle SIGTERM and the requeue signal again as before a pre-emption stop (which ignores
+    them until the process exits: ``PreemptionCheckpoint._ignore_further_stop_signals``)."""
+    global _ignored
+    for signum, handler in _ignored.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    _ignored = {}
 
 
 class PreemptionCheckpoint(Callback):
@@ -175,6 +187,7 @@ class PreemptionCheckpoint(Callback):
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
             return
         name = signal.Signals(_received or signal.SIGTERM).name
+        self._ignore_further_stop_signals(trainer)
         if trainer.state.fn != TrainerFn.FITTING:  # nothing to resume, and a last.ckpt without
             if trainer.is_global_zero:             # optimiser state must not replace the fit's
                 print(f"shortcutlab: stopped by {name} during {trainer.state.fn.value}; no checkpoint written",
@@ -196,6 +209,21 @@ class PreemptionCheckpoint(Callback):
                 message += "; " + requeue_slurm_job()
         if trainer.is_global_zero:
             print(message, file=sys.stderr)
+
+    def _ignore_further_stop_signals(self, trainer: Trainer) -> None:
+        """The stop is decided: a later SIGTERM (SLURM answers ``scontrol requeue`` with one) or
+        requeue signal must neither cut the checkpoint short nor change the exit status. They are
+        ignored from here until the process exits, through Lightning's teardown too (which puts
+        back the handlers it found: it finds these). :func:`restore_stop_signals` takes them back
+        in a process that goes on (Python, not the command)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        originals = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        for signum in (signal.SIGTERM,) + ((self.requeue_signal,) if self.requeue_signal else ()):
+            previous = signal.signal(signum, signal.SIG_IGN)
+            _ignored.setdefault(signum, originals.get(signum, previous) if isinstance(originals, dict) else previous)
+            if isinstance(originals, dict):
+                originals[signum] = signal.SIG_IGN
 
     @staticmethod
     def _directory(trainer: Trainer) -> Path:

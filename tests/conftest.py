@@ -181,3 +181,14 @@ def data_roots(data_root):
         return args
 
     return overrides
+
+
+@pytest.fixture(autouse=True)
+def _signals_handled_again_after_a_preemption_test():
+    """A pre-emption stop in this process ignores SIGTERM until exit (callbacks/preemption.py);
+    the next test gets the handlers back."""
+    yield
+    from callbacks.preemption import restore_stop_signals
+
+    restore_stop_signals()
+

@@ -69,7 +69,9 @@ def slurm_environment(tmp_path: Path, restart: int = 0, tasks: int = 1, task: in
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n")
+    # as SLURM, a requeue ends the job's tasks with SIGTERM (their pids: written by srun())
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n"
+                        f"[ -f {tmp_path / 'tasks.pids'} ] && kill -TERM $(cat {tmp_path / 'tasks.pids'})\nexit 0\n")
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1",
@@ -91,6 +93,7 @@ def srun(root: Path, tmp_path: Path, tasks: int, restart: int = 0, extra: tuple[
         env = slurm_environment(tmp_path, restart, tasks, task, port)
         procs.append(subprocess.Popen([*srun_command(root, env), *extra], cwd=ROOT, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    (tmp_path / "tasks.pids").write_text(" ".join(str(proc.pid) for proc in procs))
     return procs
 
 
@@ -145,7 +148,7 @@ def stop_requeue_and_resume(tmp_path: Path, tasks: int, at: str, step: int, sign
     for task in signalled:
         procs[task].send_signal(signal.SIGUSR1)
     done = finish(procs)
-    for status, err in done:  # every task stops, with the same status
+    for status, err in done:  # every task stops, with the same status, SLURM's SIGTERM after the requeue ignored
         assert status == 128 + signal.SIGUSR1, err[-3000:]
     said = [line for _, err in done for line in err.splitlines() if line.startswith("shortcutlab:")]
     if at == "validation" and 0 in signalled:  # said when the signal came, by the first task
