@@ -153,11 +153,18 @@ def test_diffusion_corrupt_is_the_training_noise_process():
 
 
 def test_diffusion_condition_decides_the_network_input():
-    kwargs = {**DIFFUSION, "num_classes": 3, "class_conditional": True}
+    kwargs = {**DIFFUSION, "num_classes": 3, "class_conditional": True, "label_dropout": 1.0}
     base, labelled = twin(DiffusionModule, AlwaysLabelled, **kwargs)
     labels = torch.tensor([0, 1, 2, 1])
     assert base.condition(labels, 1.0).tolist() == [base.model.null_class] * 4  # every label dropped
     assert labelled.condition(labels, 1.0).tolist() == [0, 1, 2, 1]
+    # the training step hands the network what condition() gives
+    seen = []
+    for module in (base, labelled):
+        module.model.register_forward_hook(lambda _m, args, _out: seen.append(args[2].tolist()))
+        module.log = lambda *a, **k: None
+        module.training_step((torch.rand(4, 1, 8, 8), labels), 0)
+    assert seen == [[base.model.null_class] * 4, [0, 1, 2, 1]]
 
 
 # --- classifier ---------------------------------------------------------------------------------
