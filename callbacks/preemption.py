@@ -219,11 +219,12 @@ class PreemptionCheckpoint(Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         originals = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        if not isinstance(originals, dict):
+            originals = {}
         for signum in (signal.SIGTERM,) + ((self.requeue_signal,) if self.requeue_signal else ()):
             previous = signal.signal(signum, signal.SIG_IGN)
-            _ignored.setdefault(signum, originals.get(signum, previous) if isinstance(originals, dict) else previous)
-            if isinstance(originals, dict):
-                originals[signum] = signal.SIG_IGN
+            _ignored.setdefault(signum, originals.get(signum, previous))  # what was there before the fit
+            originals[signum] = signal.SIG_IGN
 
     @staticmethod
     def _directory(trainer: Trainer) -> Path:

@@ -48,7 +48,7 @@ from callbacks.schedule import ScheduledEvaluation
 
 from lightning_mods import atomic_files
 from lightning_mods.checkpoint import (canonical_class_path, checkpoint_model_config, conflict_message, flat_settings,
-                                       init_parameters, load_checkpoint, newest_loadable, read_torch_file,
+                                       import_path, init_parameters, load_checkpoint, newest_loadable, read_torch_file,
                                        setting_conflicts, state_dict_mismatch)
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
@@ -163,8 +163,7 @@ class ShortcutLabCLI(LightningCLI):
                            f"model's own schedule is set by its settings (--model.help {class_name or 'NAME'})")
         if optimizer is None or not class_name:
             return
-        module_name = model.class_path.rpartition(".")[0]
-        model_class = getattr(importlib.import_module(module_name), class_name)
+        model_class = import_path(model.class_path)
         if model_class.configure_optimizers is LightningModule.configure_optimizers:
             return  # no recipe of its own to replace
         if not cfg.get("replace_module_optimizer"):
@@ -280,8 +279,8 @@ def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a 
 def _describe(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
     """``AdamW(lr=0.001, weight_decay=0.05)``: the class, its ``lr`` and the settings that differ
     from the class's defaults."""
-    module_name, _, class_name = str(component.class_path).rpartition(".")
-    defaults = inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters
+    class_name = str(component.class_path).rpartition(".")[2]
+    defaults = inspect.signature(import_path(str(component.class_path))).parameters
     init = component.get("init_args")
     settings = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
     shown = {k: v for k, v in settings.items()

@@ -139,26 +139,39 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: str | os.
     module.load_state_dict(state, strict=True)
 
 
-def init_parameters(class_path: str) -> Optional[set[str]]:
-    """Names of the ``__init__`` parameters of ``class_path``; a subclass's ``**kwargs`` stands
-    for its base classes' parameters (a subclass passing them on, as ``examples/mae_l1_loss.py``);
-    ``None`` if a ``**kwargs`` reaches no base class's named ones, or it cannot be imported."""
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
-    names: set[str] = set()
+def import_path(path: str) -> Any:
+    """The object ``module.name`` names (ImportError, AttributeError or ValueError when none)."""
+    module_name, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _init_parameters(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
+    """The named ``__init__`` parameters of ``cls``, a ``**kwargs`` followed into its base classes
+    (a subclass passing them on, as ``examples/mae_l1_loss.py``); and whether a ``**kwargs``
+    reaches a framework base, where anything may be accepted."""
+    found: dict[str, inspect.Parameter] = {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
         if klass is object or klass.__module__.startswith(("torch.", "lightning.")):
-            return None  # **kwargs handed to a framework base: anything may be accepted
+            return found, True
         params = inspect.signature(klass.__init__).parameters.values()
-        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return names
-    return None
+        for param in params:
+            if param.name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                found.setdefault(param.name, param)
+        if not any(param.kind is param.VAR_KEYWORD for param in params):
+            return found, False
+    return found, True
+
+
+def init_parameters(class_path: str) -> Optional[set[str]]:
+    """Names of the ``__init__`` parameters of ``class_path`` (:func:`_init_parameters`); ``None``
+    if any may be accepted, or it cannot be imported."""
+    try:
+        params, open_ended = _init_parameters(import_path(class_path))
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    return None if open_ended else set(params)
 
 
 def without_class_defaults(value: Any) -> Any:
@@ -174,19 +187,13 @@ def without_class_defaults(value: Any) -> Any:
     class_path, init = value.get("class_path"), value.get("init_args")
     if not isinstance(class_path, str) or not isinstance(init, dict):
         return value
-    module_name, _, name = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), name)
-        defaults = {}
-        for klass in cls.__mro__:  # **kwargs: the base classes' defaults
-            if "__init__" in vars(klass) and klass is not object:
-                for param in inspect.signature(klass.__init__).parameters.values():
-                    defaults.setdefault(param.name, param.default)
+        params, _ = _init_parameters(import_path(class_path))
     except (ImportError, AttributeError, ValueError, TypeError):
         return value
 
     def is_class_default(key: str, saved: Any) -> bool:
-        default = defaults.get(key)
+        default = params[key].default if key in params else None
         saved_path = saved.get("class_path") if isinstance(saved, dict) else saved
         return isinstance(default, type) and isinstance(saved_path, str) \
             and canonical_class_path(saved_path) == f"{default.__module__}.{default.__qualname__}"
@@ -265,10 +272,9 @@ def canonical_class_path(class_path: Any) -> Any:
     imports it (``lightning_mods.backbone.ShortcutSchedule``), older files the defining one."""
     if not isinstance(class_path, str) or "." not in class_path:
         return class_path
-    module_name, _, name = class_path.rpartition(".")
     try:
-        found = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError):
+        found = import_path(class_path)
+    except (ImportError, AttributeError, ValueError):
         return class_path
     return f"{found.__module__}.{found.__qualname__}" if isinstance(found, type) else class_path
 
@@ -278,21 +284,16 @@ def unimportable_class(value: Any) -> Optional[tuple[str, str]]:
     if isinstance(value, dict):
         class_path = value.get("class_path")
         if isinstance(class_path, str) and "." in class_path:
-            module_name, _, name = class_path.rpartition(".")
             try:
-                if not hasattr(importlib.import_module(module_name), name):
-                    return class_path, f"module {module_name!r} has no {name!r}"
+                import_path(class_path)
             except ImportError as err:
                 return class_path, str(err)
-        for item in value.values():
-            found = unimportable_class(item)
-            if found:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            found = unimportable_class(item)
-            if found:
-                return found
+            except AttributeError:
+                module_name, _, name = class_path.rpartition(".")
+                return class_path, f"module {module_name!r} has no {name!r}"
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return next((found for found in map(unimportable_class, value) if found), None)
     return None
 
 

@@ -156,8 +156,7 @@ def session(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """A folder as a user's checkout: configs and examples, and ``.venv`` the running one."""
     for name in ("configs", "examples"):
         (tmp_path / name).symlink_to(ROOT / name)
-    (tmp_path / ".venv").symlink_to(Path(sys.executable).resolve().parents[1] if not (ROOT / ".venv").is_dir()
-                                    else ROOT / ".venv")
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))  # the environment running the tests
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     return tmp_path, env
 

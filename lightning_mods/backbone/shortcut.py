@@ -205,8 +205,9 @@ class ShortcutSchedule:
         ``alpha_eff`` grows monotonically with ``alpha_min`` for the linear, cosine and
         constant kinds, so bisection in float64 finds it to ~1e-15.
         """
-        if "alpha_min" not in self.init_args():
-            raise ValueError(f"{self.schedule_class().__name__} takes no alpha_min to solve for")
+        args, schedule_class = self.init_args(), self.schedule_class()
+        if "alpha_min" not in args:
+            raise ValueError(f"{schedule_class.__name__} takes no alpha_min to solve for")
         if self.kind not in _SOLVABLE:
             raise ValueError(
                 f"kind must be one of {', '.join(_SOLVABLE)} to solve for alpha_eff; "
@@ -217,7 +218,7 @@ class ShortcutSchedule:
             raise ValueError(f"target_alpha_eff must be a finite number in (0, 1], got {target_alpha_eff!r}")
 
         def eff(alpha_min: float) -> float:
-            return self.schedule_class()(**{**self.init_args(), "alpha_min": alpha_min}).alpha_eff(
+            return schedule_class(**{**args, "alpha_min": alpha_min}).alpha_eff(
                 num_sublayers, sublayer_types)
 
         if eff(0.0) >= target:  # reached even with alpha_min = 0 (e.g. a single sub-layer)
