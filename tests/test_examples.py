@@ -196,3 +196,27 @@ def test_deit_style_vit_classifier_from_yaml_alone(tmp_path):
     alphas = shortcut_alphas(backbone)
     expected = [1 - k / 7 * 0.4 for k in range(8)]  # linear, alpha_min 0.6 over 2 x 4 sub-layers
     np.testing.assert_allclose(alphas, expected, rtol=0, atol=1e-12)
+
+
+def test_the_schedule_of_ones_own_in_the_diffusion_and_spiral_families(tmp_path, monkeypatch):
+    """The families built in Python here (the MAE and the ResNet classifier run through the CLI
+    above): each saves the schedule's class and settings and a checkpoint's hyper-parameters
+    rebuild it, with the float64 alphas."""
+    monkeypatch.syspath_prepend(str(user_folder(tmp_path, "exponential_schedule.py")))
+    from exponential_schedule import ExponentialSchedule
+
+    from lightning_mods.backbone import ShortcutSchedule
+    from lightning_mods.diffusion import DiffusionModule
+    from lightning_mods.spiral_classifier import SpiralClassifier
+
+    schedule = ExponentialSchedule(rate=0.3, alpha_min=0.1)
+    diffusion = DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
+                                pixel_mean=[0.5], pixel_std=[0.5], num_sampling_steps=4, shortcut=schedule)
+    spiral = SpiralClassifier(depth=4, width=6, shortcut=schedule)
+    for module in (diffusion, spiral):
+        saved = module.hparams["shortcut"]
+        assert saved == {"class_path": "exponential_schedule.ExponentialSchedule",
+                         "init_args": {"rate": 0.3, "alpha_min": 0.1, "branches": "both"}}
+        assert ShortcutSchedule.coerce(saved) == schedule
+        alphas = shortcut_alphas(module)
+        np.testing.assert_allclose(alphas, expected_exponential_alphas(0.3, 0.1, len(alphas)), rtol=0, atol=1e-15)
