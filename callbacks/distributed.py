@@ -47,6 +47,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return work.to(tensor.device)
 
 
+def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise minimum of ``tensor`` over all ranks (a new tensor on ``tensor``'s device)."""
+    if not is_distributed():
+        return tensor.clone()
+    work = tensor.detach().to(_backend_device(tensor), copy=True)
+    dist.all_reduce(work, op=dist.ReduceOp.MIN)
+    return work.to(tensor.device)
+
+
 def average_across_ranks_(tensors: Iterable[torch.Tensor]) -> None:
     """Replace every tensor by its mean over ranks, in place, with one flat all-reduce."""
     tensors = [t for t in tensors if t is not None]

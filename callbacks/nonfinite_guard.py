@@ -1,29 +1,42 @@
-"""Stop a diverged fit at the step it diverged, before anything non-finite is saved.
+"""Stop a diverged fit, naming the step it diverged at, before anything non-finite is saved
+(issue 9, item 4; issue 18, item 1: no host sync or collective per step).
 
-Three checks per optimiser step, each the same decision on every rank (any rank's failure
-stops all of them):
+Every optimiser step adds two checks to a record kept on the training device, without reading
+it back:
 
-- ``on_before_backward``: the training loss is finite;
-- ``on_before_optimizer_step``: every gradient is finite and, where gradient clipping by norm
-  is on, so is the gradient 2-norm over all parameters (clipping divides by it); not under
-  fp16 mixed precision, whose GradScaler skips such steps by design;
-- ``on_train_batch_end``: every parameter is finite after the step (a finite but huge update
-  can overflow). Checkpoint callbacks run after every other callback, so the step that made
-  the weights non-finite never reaches them.
+- ``on_before_backward``: is the training loss finite;
+- ``on_before_optimizer_step``: is every gradient finite and, where gradient clipping by norm
+  is on, the gradient 2-norm over all parameters (clipping divides by it); not under fp16 mixed
+  precision, whose GradScaler skips such steps by design.
 
-The first two stop before ``optimizer.step``: the weights in memory are still the last good
-ones. A failure raises :class:`NonFiniteTrainingError` with one line naming the step and the
-value; the ``shortcutlab`` command prints it and exits with status 3. Nothing is saved on that
-exception (``callbacks.preemption`` writes its checkpoint only for signals), so the last
-checkpoint on disk is the last good one.
+The record holds, per check, the first step that failed it and the value there. It is read (one
+host read; under DDP one ``all_reduce`` of the record, so every rank decides alike) only:
+
+- every ``check_every_n_steps`` optimiser steps (default: the trainer's ``log_every_n_steps``);
+- before every checkpoint is written (``on_save_checkpoint``, which Lightning calls for every
+  ``ModelCheckpoint`` save, ``last.ckpt`` and the pre-emption checkpoint, before the file is
+  written): a read there also checks every weight, so a finite loss and finite gradients whose
+  update overflowed are caught too;
+- before each validation of the fit and when training ends.
+
+A failed read raises :class:`NonFiniteTrainingError` with one line naming the first step that
+failed and its value; the ``shortcutlab`` command prints it and exits with status 3. The
+exception is raised inside the checkpoint save, before the file is opened, so no checkpoint of
+a diverged run is ever written and the last one on disk is the last good one. Between reads the
+weights in memory may already be non-finite; nothing is saved from them.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from .distributed import all_reduce_min
+
+NEVER = torch.iinfo(torch.int64).max  # "no step failed this check" in the record
+CHECKS = ("training loss", "gradient", "weight")
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -31,12 +44,54 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class NonFiniteGuard(Callback):
-    """Raise :class:`NonFiniteTrainingError` at the first non-finite loss, gradient norm or
-    weight of a fit (see the module docstring)."""
+    """Raise :class:`NonFiniteTrainingError` after a non-finite loss, gradient or weight, at the
+    next read of the on-device record (see the module docstring).
+
+    Args:
+        check_every_n_steps: optimiser steps between reads (``None``: the trainer's
+            ``log_every_n_steps``); reads before checkpoints, validations and the end of
+            training come on top.
+    """
+
+    def __init__(self, check_every_n_steps: Optional[int] = None) -> None:
+        if check_every_n_steps is not None and (isinstance(check_every_n_steps, bool)
+                                                or not isinstance(check_every_n_steps, int)
+                                                or check_every_n_steps < 1):
+            raise ValueError(f"NonFiniteGuard: check_every_n_steps must be an integer >= 1 or None, "
+                             f"got {check_every_n_steps!r}")
+        self.check_every_n_steps = check_every_n_steps
+        self._first_step: Optional[torch.Tensor] = None  # per check: the first step that failed it
+        self._first_value: Optional[torch.Tensor] = None  # per check: the value at that step
+        self._gradient_what = "largest gradient magnitude"
+        self._where: dict[int, tuple[int, int]] = {}  # step -> (epoch, batch) since the last read
+        self._last_read_step = -1
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(check_every_n_steps=self.check_every_n_steps)
+
+    def _every(self, trainer: Trainer) -> int:
+        return self.check_every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        device = trainer.strategy.root_device
+        self._first_step = torch.full((len(CHECKS),), NEVER, dtype=torch.int64, device=device)
+        self._first_value = torch.zeros(len(CHECKS), dtype=torch.float32, device=device)
+        self._where, self._last_read_step = {}, int(trainer.global_step)
+
+    # --- the per-step record (no host read) ------------------------------------------------------
+    def _note(self, trainer: Trainer, check: int, value: torch.Tensor) -> None:
+        if self._first_step is None:  # hooks called outside a fit's training (e.g. by hand)
+            self.on_train_start(trainer, trainer.lightning_module)
+        step = int(trainer.global_step)
+        self._where.setdefault(step, (int(trainer.current_epoch), int(trainer.fit_loop.epoch_loop.batch_idx)))
+        value = value.detach().float().reshape(())
+        newly_bad = torch.logical_not(torch.isfinite(value)) & (self._first_step[check] == NEVER)
+        self._first_step[check : check + 1].masked_fill_(newly_bad, step)
+        self._first_value[check] = torch.where(newly_bad, value, self._first_value[check])
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        value = float(loss.detach().float())
-        self._check(trainer, "training loss", value)
+        self._note(trainer, 0, loss)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
@@ -47,25 +102,56 @@ class NonFiniteGuard(Callback):
             return
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
             # clipping divides by the 2-norm: one that overflows turns every weight into NaN
-            self._check(trainer, "gradient norm", float(torch.nn.utils.get_total_norm(grads, norm_type=2.0)))
+            self._gradient_what = "gradient norm"
+            self._note(trainer, 1, torch.nn.utils.get_total_norm(grads, norm_type=2.0))
         else:
-            self._check(trainer, "largest gradient magnitude",
-                        float(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
+            self._gradient_what = "largest gradient magnitude"
+            self._note(trainer, 1, torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
 
+    # --- the reads --------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        params = [p.detach() for p in pl_module.parameters()]
-        if params:  # the largest magnitude: finite exactly when every weight is
-            largest = float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))
-            self._check(trainer, "largest weight magnitude after the step", largest, after_step=True)
+        step = int(trainer.global_step)
+        if step != self._last_read_step and step % self._every(trainer) == 0:
+            self.check(trainer, pl_module)
 
-    @staticmethod
-    def _check(trainer: Trainer, what: str, value: float, after_step: bool = False) -> None:
-        bad = not math.isfinite(value)
-        if not trainer.strategy.reduce_boolean_decision(bad, all=False):
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.training or trainer.state.fn == "fit":
+            self.check(trainer, pl_module, weights=True)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.check(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check(trainer, pl_module, weights=True)
+
+    def check(self, trainer: Trainer, pl_module: LightningModule, weights: bool = False) -> None:
+        """Read the record (and, with ``weights``, check every weight): raise if any check failed
+        on any rank. Every rank must call it at the same point (it reduces over them)."""
+        if self._first_step is None:
+            return  # no training step recorded yet
+        step = int(trainer.global_step)
+        record = self._first_step.clone()
+        if weights:
+            params = [p.detach() for p in pl_module.parameters()]
+            if params:  # the largest magnitude: finite exactly when every weight is
+                largest = torch.nn.utils.get_total_norm(params, norm_type=math.inf).to(record.device)
+                record[2:3].masked_fill_(torch.logical_not(torch.isfinite(largest)), step)
+                self._first_value[2] = largest.float()
+        first = all_reduce_min(record).tolist()  # the one host read (and collective) of a check
+        local = record.tolist()
+        self._last_read_step = step
+        failed = min(range(len(CHECKS)), key=lambda j: (first[j], j))
+        if first[failed] == NEVER:
+            self._where.clear()
             return
-        step = int(trainer.global_step) - (1 if after_step else 0)
-        where = f"step {step} (epoch {trainer.current_epoch}, batch {trainer.fit_loop.epoch_loop.batch_idx})"
-        shown = f"{value}" if bad else "finite here, non-finite on another rank"
-        raise NonFiniteTrainingError(f"non-finite {what} ({shown}) at {where}; training stopped, "
+        what = CHECKS[failed] if failed != 1 else self._gradient_what
+        if failed == 2:
+            what, at = "weight", f"the read at step {first[failed]} (loss and gradients finite until then)"
+        else:
+            epoch, batch = self._where.get(first[failed], (None, None))
+            at = f"step {first[failed]}" + (f" (epoch {epoch}, batch {batch})" if epoch is not None else "")
+        shown = f"{float(self._first_value[failed])}" if local[failed] == first[failed] else "on another rank"
+        raise NonFiniteTrainingError(f"non-finite {what} ({shown}) at {at}; training stopped, "
                                      "the last checkpoint on disk is the last good one")

@@ -55,6 +55,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mods import checkpoint_io
+from .nonfinite_guard import NonFiniteTrainingError
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REQUEUE_SIGNAL = "SIGUSR1"  # SLURM's --signal of the papers' job scripts
@@ -202,11 +203,16 @@ class PreemptionCheckpoint(Callback):
                 if isinstance(callback, ModelCheckpoint) and callback.save_last \
                         and callback.dirpath and Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}.ckpt" == self.saved_path:
                     callback.last_model_path = str(self.saved_path)  # fit in this folder replaces it, not last-v1.ckpt
-            trainer.save_checkpoint(self.saved_path, weights_only=False)  # the full resumable state, said explicitly
-            message = (f"shortcutlab: stopped by {name} at step {trainer.global_step}; resumable checkpoint "
-                       f"{self.saved_path} (resume: fit ... --ckpt_path {self.saved_path})")
-            if _received == self.requeue_signal and trainer.is_global_zero:
-                message += "; " + requeue_slurm_job()
+            try:  # the full resumable state, said explicitly
+                trainer.save_checkpoint(self.saved_path, weights_only=False)
+            except NonFiniteTrainingError as diverged:  # NonFiniteGuard's read before the file is opened
+                self.saved_path = None
+                message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint ({diverged})"
+            else:
+                message = (f"shortcutlab: stopped by {name} at step {trainer.global_step}; resumable checkpoint "
+                           f"{self.saved_path} (resume: fit ... --ckpt_path {self.saved_path})")
+                if _received == self.requeue_signal and trainer.is_global_zero:
+                    message += "; " + requeue_slurm_job()
         if trainer.is_global_zero:
             print(message, file=sys.stderr)
 

@@ -4,7 +4,9 @@ and the evaluation callbacks log NaN (with a warning) on non-finite features ins
 crashing."""
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 
 import lightning as L
@@ -46,15 +48,18 @@ def test_diverging_fit_stops_at_the_step_with_one_line_and_status_3(tmp_path, ca
 
 
 class InjectNaN(L.Callback):
-    """Poison one weight before step ``step``'s forward (the data or a bad kernel would)."""
+    """Poison one weight before step ``step``'s forward (the data or a bad kernel would), on
+    every rank or only on ``rank``; ``parameter`` picks which weight (default the first)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None, parameter: str | None = None) -> None:
+        self.step, self.rank, self.parameter = step, rank, parameter
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            weight = (dict(pl_module.named_parameters())[self.parameter] if self.parameter
+                      else next(pl_module.parameters()))
             with torch.no_grad():
-                next(pl_module.parameters()).view(-1)[0] = float("nan")
+                weight.view(-1)[0] = float("nan")
 
 
 def tiny_mae():
@@ -64,18 +69,97 @@ def tiny_mae():
                              base_lr=1e-3, warmup_epochs=0)
 
 
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor-to-Python conversions (each a host sync on a GPU) made inside it."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.__index__}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+class CountedGuard(NonFiniteGuard):
+    """The guard, counting its reads and the host reads its per-step hooks make."""
+
+    def __init__(self, **kwargs) -> None:  # noqa: ANN003
+        super().__init__(**kwargs)
+        self.read_steps, self.step_hook_host_reads = [], 0
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # noqa: ANN001
+        with HostReads() as reads:
+            super().on_before_backward(trainer, pl_module, loss)
+        self.step_hook_host_reads += reads.count
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        with HostReads() as reads:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self.step_hook_host_reads += reads.count
+
+    def check(self, trainer, pl_module, weights: bool = False) -> None:  # noqa: ANN001
+        self.read_steps.append(int(trainer.global_step))
+        super().check(trainer, pl_module, weights)
+
+
+def guarded_trainer(tmp_path, callbacks: list, max_steps: int, clip=None, **kwargs) -> L.Trainer:  # noqa: ANN001
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, limit_val_batches=0, gradient_clip_val=clip,
+                     callbacks=callbacks, default_root_dir=tmp_path, **kwargs)
+
+
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_guard_raises_before_the_optimizer_step(clip, tmp_path):
+def test_guard_reads_every_n_steps_and_names_the_step_that_went_non_finite(clip, tmp_path):
+    guard = CountedGuard(check_every_n_steps=4)
+    trainer = guarded_trainer(tmp_path, [guard, InjectNaN(5)], 20, clip, enable_checkpointing=False)
+    with pytest.raises(NonFiniteTrainingError,
+                       match=r"^non-finite training loss \(nan\) at step 5 \(epoch 0, batch 5\); training stopped"):
+        trainer.fit(tiny_mae(), Digits(batch_size=64, image_size=8))
+    assert guard.read_steps == [4, 8]  # the read after step 7 found step 5; none in between
+    assert trainer.global_step == 8
+    assert guard.step_hook_host_reads == 0  # the per-step checks never read a value back
+
+
+def test_a_clean_run_reads_at_the_cadence_and_at_the_end(tmp_path):
+    guard = CountedGuard()  # the trainer's log_every_n_steps
+    trainer = guarded_trainer(tmp_path, [guard], 7, enable_checkpointing=False, log_every_n_steps=3)
+    trainer.fit(tiny_mae(), Digits(batch_size=64, image_size=8))
+    assert guard.read_steps == [3, 6, 7] and guard.step_hook_host_reads == 0
+
+
+def test_no_checkpoint_of_a_diverged_run_between_reads(tmp_path, capsys):
+    """NaN at step 4, checkpoints every 3 steps, reads every 100: the save at step 6 reads the
+    record first and the fit stops there; the step-3 checkpoint is the last, and finite."""
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1,
+                                                save_last=True)
+    trainer = guarded_trainer(tmp_path, [NonFiniteGuard(check_every_n_steps=100), InjectNaN(4), saver], 20)
+    with pytest.raises(NonFiniteTrainingError, match=r"non-finite training loss \(nan\) at step 4 "):
+        trainer.fit(tiny_mae(), Digits(batch_size=64, image_size=8))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert all(all_finite(p) for p in (tmp_path / "ckpt").iterdir())
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_weight_the_loss_never_reads_is_caught_before_the_checkpoint(tmp_path):
+    """Loss and gradients stay finite (the weight is unused): the check of every weight that
+    precedes each save finds it, names the weight and writes nothing."""
     module = tiny_mae()
-    trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        gradient_clip_val=clip, callbacks=[NonFiniteGuard(), InjectNaN(3)],
-                        default_root_dir=tmp_path)
-    with pytest.raises(NonFiniteTrainingError, match=r"non-finite training loss \(nan\) at step 3 "):
+    module.unused = torch.nn.Parameter(torch.zeros(3))
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = guarded_trainer(tmp_path, [NonFiniteGuard(), InjectNaN(2, parameter="unused"), saver], 20)
+    with pytest.raises(NonFiniteTrainingError, match=r"non-finite weight \(nan\) at the read at step 3 "):
         trainer.fit(module, Digits(batch_size=64, image_size=8))
-    assert trainer.global_step == 3  # step 3 never reached the optimizer
-    poisoned = next(module.parameters()).detach().view(-1)
-    assert math.isnan(poisoned[0]) and bool(torch.isfinite(poisoned[1:]).all())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+
+
+def test_guard_settings_are_checked():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="check_every_n_steps"):
+            NonFiniteGuard(check_every_n_steps=bad)
 
 
 class NaNFeatures(L.LightningModule):
@@ -107,3 +191,57 @@ def test_evaluation_callbacks_log_nan_on_non_finite_features(tmp_path):
     for name in ("rank/effective_rank", "rank/entropy", "knn/top1", "knn/top5"):
         assert math.isnan(float(metrics[name])), name
     assert rank.last_profile["effective_rank"] and all(math.isnan(r) for r in rank.last_profile["effective_rank"])
+
+
+DDP_SCRIPT = """
+import json, os, sys, warnings
+sys.path.insert(0, {tests!r})
+warnings.filterwarnings("ignore")
+from commands import lightning_cli as cli
+from test_cli import DIGITS, TINY_MAE
+out = {out!r}
+rank = os.environ["RANK"]
+args = ["fit", *TINY_MAE, *DIGITS, "--trainer.max_steps=12", "--trainer.limit_val_batches=0",
+        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp",
+        "--trainer.enable_progress_bar=false", "--trainer.logger=false", "--trainer.default_root_dir=" + out,
+        "--trainer.callbacks+=test_nonfinite.InjectNaN", "--trainer.callbacks.step=4", "--trainer.callbacks.rank=1",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.save_last=true"]
+try:
+    cli.run_reporting_stops(args)
+    code = 0
+except SystemExit as stop:
+    code = stop.code
+with open(os.path.join(out, "rank" + rank + ".json"), "w") as f:
+    json.dump({{"code": code}}, f)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path):
+    """Rank 1's weights go NaN before step 4: both ranks stop at the step-6 checkpoint's read
+    with status 3 and a line naming step 4; only the finite step-3 checkpoint is on disk."""
+    import subprocess
+    import sys
+
+    from test_callbacks_ddp import REPO, TESTS, free_port
+
+    script = tmp_path / "diverge.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(TESTS), out=str(tmp_path)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                          start_new_session=True)
+    codes = [json.loads((tmp_path / f"rank{r}.json").read_text())["code"] for r in range(2)]
+    assert codes == [cli.DIVERGED_EXIT_STATUS] * 2, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("shortcutlab: error: non-finite")]
+    assert len(lines) == 2, proc.stderr[-4000:]
+    assert all("at step 4 (epoch 0, batch 4)" in line for line in lines), lines
+    assert sorted("(nan)" in line for line in lines) == [False, True]  # rank 0 names the other rank
+    checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert [p.name for p in checkpoints] == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert all(all_finite(p) for p in checkpoints)
