@@ -42,6 +42,7 @@ from lightning_mods import metric_names
 from lightning_mods.classification_steps import top_k_accuracy
 from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
 from lightning_mods.eval_mode import isolated_eval
+from lightning_mods.optim import adamw
 from lightning_mods.probe_head import ProbeHead
 from lightning_mods.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed, check_name, format_setting
@@ -207,7 +208,7 @@ class OnlineLinearProbe(SettingsKeyed):
             head = head.to(self._device)
             params = list(head.parameters())
             if self.optimizer_name == "adamw":
-                optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+                optimizer = adamw(params, lr=lr, weight_decay=0.0)
             else:
                 optimizer = torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=0.0)
             heads.append(head)

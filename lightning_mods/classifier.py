@@ -33,7 +33,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from .classification_steps import ClassificationSteps
-from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+from .optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from .backbone.residual import residual_blocks
 
@@ -216,7 +216,7 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         if hp.optimizer == "sgd":
             optimizer = torch.optim.SGD(groups, lr=peak, momentum=hp.momentum, nesterov=hp.nesterov)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(hp.betas))
+            optimizer = adamw(groups, lr=peak, betas=tuple(hp.betas))
         warmup = min(steps_from_epochs(self.trainer, hp.warmup_epochs), max(0, total - 1))
         return {"optimizer": optimizer,
                 "lr_scheduler": warmup_cosine_scheduler(optimizer, warmup, total, hp.min_lr_ratio)}

@@ -39,7 +39,7 @@ from lightning_mods.pictures import labelled_grid, log_picture
 from . import metric_names
 from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
 from .latent_vae import FrozenVAE
-from .optim import global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
+from .optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from .backbone.shortcut import ShortcutSchedule
 from .backbone.uvit import UViT
 from .vp_sde import euler_maruyama
@@ -468,7 +468,7 @@ class DiffusionModule(LightningModule):
                        "weight_decay": self.hparams.weight_decay}]
         else:
             groups = param_groups_weight_decay(self.model, self.hparams.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
+        optimizer = adamw(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(self.hparams.warmup_steps, max(0, total - 1))
         # "constant" (U-ViT): the same warm-up, then a "cosine" whose floor is the peak

@@ -36,7 +36,7 @@ from . import metric_names
 from lightning_mods.pictures import labelled_grid, log_picture
 from .backbone.mae_decoder import ClassicDecoder, UNetSkipDecoder
 from .backbone.mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
-from .optim import (global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+from .optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from .backbone.patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from .backbone.shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
@@ -327,7 +327,7 @@ class MaskedAutoencoder(LightningModule):
         # as both MAE repositories (add_weight_decay): only 1-D parameters (norms, biases) and the
         # 0-D learnable alphas go undecayed; the cls and mask tokens are decayed
         groups = param_groups_weight_decay(self, self.hparams.weight_decay, no_decay_name_parts=())
-        optimizer = torch.optim.AdamW(groups, lr=peak, betas=tuple(self.hparams.betas))
+        optimizer = adamw(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(steps_from_epochs(self.trainer, self.hparams.warmup_epochs), max(0, total - 1))
         return {"optimizer": optimizer,

@@ -3,7 +3,9 @@
 - no weight decay on norms, biases, position embeddings, tokens and shortcut alphas;
 - peak learning rate = base lr x global batch / 256, where the global batch is
   per-device batch x devices x nodes x gradient accumulation;
-- per-step linear warm-up from 0, then cosine to ``min_lr_ratio * peak``.
+- per-step linear warm-up from 0, then cosine to ``min_lr_ratio * peak``;
+- AdamW runs torch's fused kernel wherever torch has one for the parameters' device and dtype
+  (:func:`adamw`), else the ``foreach`` one.
 
 Step counting: ``LambdaLR`` applies ``multiplier(0)`` to the first optimiser step and Lightning
 steps it after every optimiser step, so step ``s`` runs at ``multiplier(s)``. The warm-up is
@@ -45,6 +47,29 @@ def param_groups_weight_decay(
     groups = timm_param_groups_weight_decay(module, weight_decay,
                                             no_weight_decay_list=no_decay_names(module, no_decay_name_parts))
     return sorted(groups, key=lambda group: group["weight_decay"] == 0.0)
+
+
+def fused_kernel_available(params: Iterable[torch.Tensor]) -> bool:
+    """Whether torch has fused optimiser kernels for every parameter's device and dtype
+    (CUDA, CPU, ... and floating point, per torch's own list)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    params = list(params)
+    return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+
+
+def adamw(params: list[dict] | Iterable[torch.Tensor], **kwargs) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(params, **kwargs)`` with ``fused=True`` where :func:`fused_kernel_available`
+    (one kernel for every parameter's update: 0.3x the ``foreach`` step's time for a ViT-S on a
+    2-core CPU, ``benchmarks``), else torch's default (``foreach`` on CUDA, a loop elsewhere).
+    Results equal ``foreach`` within float32 rounding, not bit for bit. A checkpoint's optimiser
+    state keeps the setting it was written with (``load_state_dict`` restores the groups' flags)."""
+    params = list(params)
+    tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
+    if "fused" not in kwargs and "foreach" not in kwargs and fused_kernel_available(tensors):
+        kwargs["fused"] = True
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def per_device_batch_size(trainer) -> int:  # noqa: ANN001 (Trainer)

@@ -219,3 +219,33 @@ def test_vit_depth_must_be_positive(depth):
     with pytest.raises(ValueError, match="depth must be a positive integer") as err:
         DecayedVisionTransformer(**{**VIT, "depth": depth})
     assert "\n" not in str(err.value)
+
+
+class AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten operators run inside it (one per elementwise kernel here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_decayed_sum_is_one_kernel_and_equals_float64_math(learnable):
+    """``a * x + f(x)`` at a != 1 is a single fused operator (issue 18, item 3), within float32
+    rounding of the float64 sum; a = 1 stays the plain ``x + f(x)``."""
+    block = DecayedBlock(dim=8, num_heads=2)
+    block.set_shortcut_weights([(0.6, 1.0), (1.0, 1.0)], [learnable, False])
+    x, branch = torch.randn(2, 3, 8, dtype=torch.float32), torch.randn(2, 3, 8, dtype=torch.float32)
+    with AtenOps() as decayed:
+        out = block.residual(0, x, branch)
+    with AtenOps() as standard:
+        plain = block.residual(1, x, branch)
+    assert len(decayed.ops) == 1, decayed.ops
+    assert decayed.ops == (["aten.addcmul"] if learnable else ["aten.add"])
+    want = 0.6 * x.double().numpy() + branch.double().numpy()
+    np.testing.assert_allclose(out.detach().double().numpy(), want, rtol=0, atol=4 * np.finfo(np.float32).eps * 3)
+    assert standard.ops == ["aten.add"] and torch.equal(plain, x + branch)

@@ -36,9 +36,12 @@ def reference_name(name: str) -> str:
 
 
 def assert_float32_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal to a few float32 roundings: the decayed sum is one fused ``add(f(x), x, alpha=a)``
+    here and ``a * x + f(x)`` in the reference, which may round differently in the last bit;
+    a gradient summed over every token and block (``cls_token``) gathers a few of those."""
     scale = want.detach().abs().max().clamp_min(1e-30)
     err = (got.detach() - want.detach()).abs().max()
-    assert err <= 1e-6 * scale, f"{what}: max abs error {err:.3g} at scale {scale:.3g}"
+    assert err <= 4e-6 * scale, f"{what}: max abs error {err:.3g} at scale {scale:.3g}"
 
 
 def pair(kind: str, alpha_min: float, depth: int, decoder_depth: int, seed: int = 0):

@@ -128,3 +128,65 @@ def test_param_groups_match_the_rule_written_out_by_hand():
     assert {id(x) for x in groups[0]["params"]} == {id(p[n]) for n in (
         "pos_embed", "cls_token", "label_emb.weight", "gate_alpha", "proj.weight")}
     assert {id(x) for x in groups[1]["params"]} == {id(p[n]) for n in ("proj.bias", "norm.weight", "norm.bias")}
+
+
+def family_modules():
+    """One small module of each family, with its default AdamW recipe."""
+    from lightning_mods.classifier import ImageClassifier
+    from lightning_mods.diffusion import DiffusionModule
+    from lightning_mods.backbone.resnet import ResNet18Cifar
+    from lightning_mods.backbone.shortcut import ShortcutSchedule
+    from test_diffusion import TINY
+
+    torch.manual_seed(0)
+    classifier = ImageClassifier(ResNet18Cifar(shortcut=ShortcutSchedule("linear", 0.6), channels=(8, 16, 16, 32)),
+                                 num_classes=10, in_chans=3, optimizer="adamw", base_lr=1e-3, warmup_epochs=0)
+    return {"mae": MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                                     decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, warmup_epochs=0),
+            "diffusion": DiffusionModule(**TINY, warmup_steps=0), "classifier": classifier}
+
+
+@pytest.mark.parametrize("family", ["mae", "diffusion", "classifier"])
+def test_every_family_runs_fused_adamw_and_10_steps_equal_foreach(family, monkeypatch):
+    """Issue 18, item 3: the fused kernel where torch has one (here the CPU), the same updates
+    as ``foreach`` within 1e-6 over 10 steps of the family's own groups, lr and schedule."""
+    import copy
+
+    import lightning_mods.optim as optim
+
+    fused_module = family_modules()[family]
+    foreach_module = copy.deepcopy(fused_module)
+    runs = []
+    for module, fused in ((fused_module, True), (foreach_module, False)):
+        if not fused:
+            monkeypatch.setattr(optim, "fused_kernel_available", lambda params: False)
+        module.trainer = fake_trainer(batch=64, world_size=1, accumulate=1, total_steps=10, max_epochs=1)
+        config = module.configure_optimizers()
+        optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+        assert isinstance(optimizer, torch.optim.AdamW)
+        assert bool(optimizer.defaults["fused"]) is fused and optimizer.defaults["foreach"] is None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        draws = torch.Generator().manual_seed(1)
+        for _ in range(10):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=draws)
+            optimizer.step()
+            scheduler.step()
+        runs.append([p.detach().clone() for p in params])
+    for got, want in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert any(not torch.equal(p, q) for p, q in zip(runs[0], [p.detach() for p in family_modules()[family].parameters()
+                                                                if p.requires_grad]))  # the steps moved the weights
+
+
+def test_adamw_falls_back_where_torch_has_no_fused_kernel():
+    from lightning_mods.optim import adamw
+
+    integer = torch.zeros(3, dtype=torch.int64)
+    assert adamw([torch.nn.Parameter(torch.zeros(3))], lr=1e-3).defaults["fused"] is True
+    assert not optim_fused(adamw([torch.nn.Parameter(torch.zeros(3)), integer], lr=1e-3))
+    assert adamw([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, foreach=True).defaults["foreach"] is True
+
+
+def optim_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(optimizer.defaults["fused"])

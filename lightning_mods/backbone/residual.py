@@ -77,9 +77,12 @@ class DecayedResidual:
         a, b = self.shortcut_weight(j), self._fixed_weights[j][1]
         if b != 1.0:
             branch = branch * b
-        if isinstance(a, float) and a == 1.0:
-            return shortcut + branch  # bit-identical to the standard residual network
-        return a * shortcut + branch
+        if isinstance(a, float):
+            if a == 1.0:
+                return shortcut + branch  # bit-identical to the standard residual network
+            # one elementwise kernel, not a product then a sum (rounding may differ in the last bit)
+            return torch.add(branch, shortcut, alpha=a)
+        return torch.addcmul(branch, a, shortcut)  # a learnable alpha: still one kernel
 
     def is_standard(self) -> bool:
         """Whether every sub-layer is the plain ``x + f(x)`` (fixed ``a = b = 1``)."""
