@@ -37,6 +37,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .distributed import broadcast_from_rank_zero, log_identical
 from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
+from . import shared_features as shared
+from .shared_features import shared_features
 from lightning_mods import metric_names
 from lightning_mods.atomic_files import write_text_atomically
 from lightning_mods.pictures import log_picture, run_dir
@@ -239,6 +241,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
                 "max_samples": self.max_samples}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
         write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
@@ -266,6 +269,8 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         if self.per_block and not hasattr(pl_module, "forward_block_features"):
             raise ValueError(f"EffectiveRank: per_block needs {type(pl_module).__name__}.forward_block_features "
                              "(docs/contracts.md)")
+        if self.max_samples is None:
+            shared.will_need(trainer, "val_dataset", self.per_block)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not evaluation_due(trainer, self.every_n_epochs):
@@ -297,12 +302,14 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         """``(metrics, per-block {"entropy": [...], "effective_rank": [...]})``, the same on every rank
         (empty lists without ``per_block``)."""
         dataset = datamodule_dataset(trainer, "val_dataset", "EffectiveRank")
-        if self.max_samples is not None and self.max_samples < len(dataset):
-            dataset = torch.utils.data.Subset(dataset, range(self.max_samples))
         batch_size, num_workers = loader_settings(trainer, self.batch_size, self.num_workers)
-        dataset = smoke_test_subset(trainer, dataset, batch_size)
-        collected = collect_features(pl_module, dataset, batch_size, num_workers, with_blocks=self.per_block,
-                                     forward_context=trainer.precision_plugin.forward_context)
+        if self.max_samples is not None and self.max_samples < len(dataset):
+            subset = smoke_test_subset(trainer, torch.utils.data.Subset(dataset, range(self.max_samples)), batch_size)
+            collected = collect_features(pl_module, subset, batch_size, num_workers, with_blocks=self.per_block,
+                                         forward_context=trainer.precision_plugin.forward_context)
+        else:  # the whole validation set: one pass shared with kNN and the online probe
+            collected = shared_features(trainer, pl_module, "val_dataset", "EffectiveRank", batch_size, num_workers,
+                                        with_blocks=self.per_block, dataset=dataset)
         matrices = [collected.features] + (collected.blocks or [])
         values = torch.zeros(len(matrices), 2, dtype=torch.float64, device=collected.features.device)
         if trainer.is_global_zero:

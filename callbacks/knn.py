@@ -27,7 +27,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mods import metric_names
 from .distributed import all_reduce_sum, log_identical
-from .feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
+from .feature_collection import loader_settings
+from . import shared_features as shared
+from .shared_features import shared_features
 from lightning_mods.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed, check_name
 from .schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
@@ -201,6 +203,8 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         if self.blocks is not None and not hasattr(pl_module, "forward_block_features"):
             raise ValueError(f"KNNEvaluator: blocks needs {type(pl_module).__name__}.forward_block_features "
                              "(docs/contracts.md)")
+        for name in ("bank_dataset", "val_dataset"):
+            shared.will_need(trainer, name, self.blocks is not None)
 
     @property
     def ks(self) -> list[int]:
@@ -211,6 +215,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         return {"k": self.k, "temperature": self.temperature, **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
         write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
@@ -244,17 +249,13 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         num_classes = self.num_classes or getattr(dm, "num_classes", None)
         if not num_classes:
             raise ValueError("KNNEvaluator: num_classes is not set and the datamodule has no num_classes")
-        bank_set = datamodule_dataset(trainer, "bank_dataset", "KNNEvaluator")
-        query_set = datamodule_dataset(trainer, "val_dataset", "KNNEvaluator")
         batch_size, num_workers = loader_settings(trainer, self.batch_size, self.num_workers)
-        bank_set = smoke_test_subset(trainer, bank_set, batch_size)
-        query_set = smoke_test_subset(trainer, query_set, batch_size)
-        context = trainer.precision_plugin.forward_context
         with_blocks = self.blocks is not None
-        bank = collect_features(pl_module, bank_set, batch_size, num_workers, with_blocks=with_blocks,
-                                forward_context=context)
-        queries = collect_features(pl_module, query_set, batch_size, num_workers, gather=False,
-                                   with_blocks=with_blocks, forward_context=context)
+        # one pass per dataset and evaluation, shared with the other evaluation callbacks
+        bank = shared_features(trainer, pl_module, "bank_dataset", "KNNEvaluator", batch_size, num_workers,
+                               with_blocks=with_blocks)
+        queries = shared_features(trainer, pl_module, "val_dataset", "KNNEvaluator", batch_size, num_workers,
+                                  with_blocks=with_blocks, gather=False)
         tops = (1, 5) if num_classes > 5 else (1,)
         names = [self.metric_name(k, top) for k in self.ks for top in tops]
         metrics = self._score(bank.features, bank.labels, queries.features, queries.labels, num_classes, names, tops)

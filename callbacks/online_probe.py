@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
-from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods import metric_names
 from lightning_mods.classification_steps import top_k_accuracy
@@ -46,6 +45,9 @@ from lightning_mods.optim import adamw
 from lightning_mods.probe_head import ProbeHead
 from lightning_mods.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed, check_name, format_setting
+from .feature_collection import loader_settings
+from . import shared_features as shared
+from .shared_features import shared_features
 
 DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 
@@ -133,6 +135,7 @@ class OnlineLinearProbe(SettingsKeyed):
         self.over_depth = DepthRows()  # per-block rows of fit's validations (in the state) and the last validate's
         self._pending_blocks: Optional[dict[int, list[dict[str, Any]]]] = None  # restored before they are built
         self.steps = 0  # optimiser steps of the heads (they step together)
+        self._epoch_sums: Optional[torch.Tensor] = None  # this epoch's per-head (loss x n, correct, n) sums
         self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
         self._device = torch.device("cpu")
         self._pending_state: Optional[dict[str, Any]] = None
@@ -159,6 +162,7 @@ class OnlineLinearProbe(SettingsKeyed):
                 "max_samples": self.max_samples, **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
         write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
@@ -186,6 +190,7 @@ class OnlineLinearProbe(SettingsKeyed):
             raise ValueError(f"OnlineLinearProbe: blocks needs {type(pl_module).__name__}.forward_block_features "
                              "(docs/contracts.md)")
         self._device = trainer.strategy.root_device
+        shared.will_need(trainer, "val_dataset", self.blocks is not None)
         if self.num_classes is None:
             self.num_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
             if not self.num_classes:
@@ -237,6 +242,11 @@ class OnlineLinearProbe(SettingsKeyed):
                 features, outputs = pl_module.forward_features(images), []
             else:
                 features, outputs = features_and_blocks(pl_module, images)
+        return self._chosen(features, outputs)
+
+    def _chosen(self, features: torch.Tensor,
+                outputs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The features and the chosen blocks' outputs on the heads' device (heads built if needed)."""
         features = features.float()
         if not self.heads:
             self._build_heads(features.shape[1])
@@ -265,20 +275,33 @@ class OnlineLinearProbe(SettingsKeyed):
         if _any_rank_nonfinite(features, *blocks.values()):  # a diverged backbone: no step, the same on every rank
             rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
-        logged = {}
-        losses, tops = self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_LOSS), \
-            self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_TOP1)
-        for head, optimizer, loss_name, top_name in zip(self.heads, self.optimizers, losses, tops):
+        sums = []
+        for head, optimizer in zip(self.heads, self.optimizers):
             loss, logits = self._step(head, optimizer, features, labels)
-            logged[loss_name] = loss
-            logged[top_name] = multiclass_accuracy(logits, labels, int(self.num_classes), average="micro")
+            sums.append(torch.stack([loss.double() * len(labels), (logits.argmax(1) == labels).sum().double(),
+                                     torch.tensor(float(len(labels)), dtype=torch.float64, device=loss.device)]))
         for block, block_features in blocks.items():
             for head, optimizer in zip(self.block_heads[block], self.block_optimizers[block]):
                 self._step(head, optimizer, block_features, labels)
         self.steps += 1
-        # epoch means over the probed batches: a per-step value would be repeated by Lightning at
-        # every batch of the epoch after it (stale numbers between probes, and lost on a mid-epoch resume)
-        pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=len(labels), sync_dist=True)
+        # epoch means over the probed batches of every rank, summed on the device (no host read,
+        # no logging call per step; under DDP one small all_reduce beside the heads' own) and
+        # logged at the epoch's end; the sums, the same on every rank, are in the state_dict, so
+        # a mid-epoch resume logs the uninterrupted run's means
+        added = all_reduce_sum(torch.stack(sums))
+        self._epoch_sums = added if self._epoch_sums is None else self._epoch_sums.to(added.device) + added
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._epoch_sums is None:
+            return
+        sums, self._epoch_sums = self._epoch_sums, None
+        means = (sums[:, :2] / sums[:, 2:]).tolist()
+        losses, tops = self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_LOSS), \
+            self.metric_names_of(metric_names.ONLINE_PROBE_TRAIN_TOP1)
+        metrics = {}
+        for (loss, top1), loss_name, top_name in zip(means, losses, tops):
+            metrics[loss_name], metrics[top_name] = loss, top1
+        log_identical(pl_module, metrics)
 
     @staticmethod
     def _step(head: ProbeHead, optimizer: torch.optim.Optimizer, features: torch.Tensor,
@@ -311,9 +334,14 @@ class OnlineLinearProbe(SettingsKeyed):
                                                for _ in self.lrs]
                 self._val_block_norm[block] = torch.zeros((), dtype=torch.float64, device=self._device)
 
+    def _shares_validation_features(self, trainer: Trainer) -> bool:
+        """Whether the validation accuracy comes from the shared pass over the datamodule's
+        ``val_dataset`` (:mod:`callbacks.shared_features`) rather than the validation loop's batches."""
+        return getattr(getattr(trainer, "datamodule", None), "val_dataset", None) is not None
+
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
-        if trainer.sanity_checking or dataloader_idx != 0 or self.steps == 0:
+        if trainer.sanity_checking or dataloader_idx != 0 or self.steps == 0 or self._shares_validation_features(trainer):
             return
         images, labels = batch[0], batch[1].to(self._device)
         loaders = trainer.val_dataloaders
@@ -321,12 +349,24 @@ class OnlineLinearProbe(SettingsKeyed):
         real = distributed_padding_mask(loader, self._val_seen, len(labels))
         self._val_seen += len(labels)
         features, blocks = self._features(trainer, pl_module, images)
-        self._add_block_accumulators(blocks)  # heads restored from a checkpoint are built at their first batch
-        self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
         if real is not None:
             keep = real.to(features.device)
             features, labels = features[keep], labels[real.to(labels.device)]
             blocks = {b: f[keep] for b, f in blocks.items()}
+        self._score(features, labels, blocks)
+
+    def _score_shared_features(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The heads on this rank's strided shard of the validation set, from the features kNN and
+        effective rank read too (one pass for all of them)."""
+        batch_size, num_workers = loader_settings(trainer, None, None)
+        collected = shared_features(trainer, pl_module, "val_dataset", "OnlineLinearProbe", batch_size, num_workers,
+                                    with_blocks=self.blocks is not None, gather=False)
+        features, blocks = self._chosen(collected.features, collected.blocks or [])
+        self._score(features, collected.labels.to(self._device), blocks)
+
+    def _score(self, features: torch.Tensor, labels: torch.Tensor, blocks: dict[int, torch.Tensor]) -> None:
+        self._add_block_accumulators(blocks)  # heads restored from a checkpoint are built at their first batch
+        self._val_nonfinite = self._val_nonfinite or not bool(torch.isfinite(features).all())
         if not len(labels):  # a batch of padding only: torchmetrics refuses empty updates
             return
         with torch.no_grad():
@@ -343,6 +383,8 @@ class OnlineLinearProbe(SettingsKeyed):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self.steps == 0:
             return
+        if self._shares_validation_features(trainer):
+            self._score_shared_features(trainer, pl_module)
         nonfinite = int(all_reduce_sum(torch.tensor([int(self._val_nonfinite)], device=self._device)))
         total = int(all_reduce_sum(self._val_total))
         names = self.metric_names_of(metric_names.ONLINE_PROBE_VAL_TOP1)
@@ -372,7 +414,8 @@ class OnlineLinearProbe(SettingsKeyed):
                   "optimizer": copy.deepcopy(optimizer.state_dict())}
                  for lr, head, optimizer in zip(self.lrs, self.heads, self.optimizers)]
         state = {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
-                 "batches": self.batches, "depth_history": [dict(row) for row in self.over_depth.depth_history]}
+                 "batches": self.batches, "depth_history": [dict(row) for row in self.over_depth.depth_history],
+                 "epoch_sums": None if self._epoch_sums is None else self._epoch_sums.detach().cpu().clone()}
         if self.block_heads:
             state["block_heads"] = {block: [{"lr": lr, "head": {k: v.detach().cpu().clone()
                                                               for k, v in head.state_dict().items()},
@@ -389,6 +432,7 @@ class OnlineLinearProbe(SettingsKeyed):
         if not state_dict:
             return
         self.over_depth.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
+        self._epoch_sums = state_dict.get("epoch_sums")  # the interrupted epoch's probed samples so far
         if state_dict.get("block_heads"):
             if self.block_heads:
                 self._load_block_heads(state_dict["block_heads"])

@@ -608,6 +608,7 @@ def test_online_probe_accuracies_on_a_hand_built_case():
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
 
     probe.on_train_batch_end(trainer, module, None, (features[:4], labels[:4]), 0)
+    probe.on_train_epoch_end(trainer, module)
     assert logged["online_probe/train_top1"] == 0.5  # hits on samples 0 and 1 of 4, before the step
     with torch.no_grad():  # back to the identity head the step moved
         probe.head.linear.weight.copy_(torch.eye(3))

@@ -1,0 +1,56 @@
+"""The shipped online probe's accuracy against lightly's every-batch probe on the quickstart
+(issue 18, item 2): one full quickstart pre-training (configs/digits_mae.yaml's model, data,
+seed and 100 epochs, validation every 25) with both probes in the same Trainer. The probes
+never change the pre-training (they run on detached features with forked RNG streams), so
+both heads see the same network at every step and differ only by their cadence.
+
+This is an accuracy figure, not a timing: it runs once, in full mode only (about 4 minutes
+on 2 CPU cores: the every-batch probe costs half a training step per batch).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+from lightning.pytorch import seed_everything
+
+from callbacks.online_probe import OnlineLinearProbe
+from lightning_mods import metric_names
+
+from .settings import Settings
+from .timing import Row, skipped
+from .training import SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY, quickstart_data, quickstart_model, quiet, trainer
+
+SECTION = "online probe accuracy on the quickstart"
+EVERY_BATCH = dict(every_n_steps=1, max_samples=None, lr=1e-3, name="every_batch")  # lightly's probe
+
+
+def probe_val_top1(probe: OnlineLinearProbe, metrics: dict) -> float:
+    return float(metrics[probe.metric_names_of(metric_names.ONLINE_PROBE_VAL_TOP1)[0]])
+
+
+def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[Row]:
+    if settings.quick:
+        return [skipped(SECTION, "shipped probe - every-batch probe, val top-1", "quick mode (a 100-epoch run)")]
+    shipped = OnlineLinearProbe(name="shipped")
+    reference = OnlineLinearProbe(**EVERY_BATCH)
+    others = {label: OnlineLinearProbe(name=label, **kwargs) for label, kwargs in (candidates or {}).items()}
+    with quiet(), tempfile.TemporaryDirectory() as root:
+        seed_everything(0, verbose=False)
+        model = quickstart_model(settings)
+        model.hparams.num_reconstructions = 0
+        tr = trainer(settings, os.path.join(root, "probes"), [shipped, reference, *others.values()],
+                     SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY)
+        tr.fit(model, datamodule=quickstart_data(settings))
+        metrics = dict(tr.callback_metrics)
+    ours, theirs = probe_val_top1(shipped, metrics), probe_val_top1(reference, metrics)
+    settings_text = f"every {shipped.every_n_steps} steps, {shipped.max_samples} images, lr {shipped.lr:g}"
+    rows = [Row(SECTION, "shipped probe - every-batch probe, final val top-1 (points)", 100 * (ours - theirs),
+                None, ">= -2", "points",
+                f"shipped ({settings_text}) {100 * ours:.1f} %, every batch (all images, lr 1e-3) {100 * theirs:.1f} %"
+                f" after {SHIPPED_EPOCHS} epochs")]
+    for label, probe in others.items():
+        value = probe_val_top1(probe, metrics)
+        rows.append(Row(SECTION, f"{label} - every-batch probe (points)", 100 * (value - theirs), None, None,
+                        "points", f"{label} {100 * value:.1f} %"))
+    return rows
