@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench gpu-check install clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 # The benchmark suite (README, Performance): writes benchmarks/results.md and .json.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# CUDA only: every family's quick config, the paper configs on generated data, DDP over every
+# GPU and the benchmarks on CUDA; writes docs/results/gpu/<gpu>.md (without CUDA: one line, exit 0)
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from . import models, over_depth, report, several_settings, startup, training
+from . import data_pipeline, models, over_depth, probe_accuracy, report, several_settings, startup, training
 from .settings import Settings
 from .timing import skipped
 
 GROUPS = {"models": models.run, "training": training.run, "several": several_settings.run,
-          "depth": over_depth.run, "startup": startup.run}
+          "depth": over_depth.run, "startup": startup.run, "data": data_pipeline.run,
+          "probe-accuracy": probe_accuracy.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -21,14 +21,19 @@ def environment(settings: Settings, seconds: float) -> dict:
 def _value(row: Row, value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{100 * value:.1f} %" if row.unit == "share" else f"{value:.3f}"
+    if row.unit == "share":
+        return f"{100 * value:.1f} %"
+    if row.unit in ("img/s", "workers", "points", "s"):
+        return f"{value:.1f} {row.unit}"
+    return f"{value:.3f}"
 
 
 def _goal(row: Row) -> str:
     if row.goal is None:
         return "-"
     op, bound = row.goal.split()
-    bound_text = f"{100 * float(bound):.0f} %" if row.unit == "share" else bound
+    bound_text = f"{100 * float(bound):.0f} %" if row.unit == "share" else \
+        (f"{bound} {row.unit}" if row.unit in ("img/s", "workers", "points", "s") else bound)
     return f"{op.replace('<=', '≤').replace('>=', '≥')} {bound_text}"
 
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Literal, Sequence
 
+import torch
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms.functional import pil_to_tensor
 
 from datamodules.base import ImageDataModule
 
@@ -63,16 +66,31 @@ def read_rgb_image(path: str) -> Image.Image:
                                 "set data.init_args.skip_corrupt=true to skip such files") from None
 
 
+def read_rgb_tensor(path: str) -> torch.Tensor:
+    """The RGB image at ``path`` as a ``3 x H x W`` uint8 tensor, decoded by torchvision (libjpeg-turbo
+    for JPEG: about twice PIL's rate with the train transform, ``benchmarks/data_pipeline.py``);
+    a file torchvision cannot decode goes through PIL (:func:`read_rgb_image`), which names it
+    in a :class:`CorruptImageError` if it cannot either."""
+    try:
+        return decode_image(read_file(path), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError):
+        return pil_to_tensor(read_rgb_image(path))
+
+
+DECODERS = {"torchvision": read_rgb_tensor, "pil": read_rgb_image}
+
+
 class SelectedClassFolder(ImageFolder):
     """ImageFolder over the given ``classes`` only, labelled by their position in that list.
 
     ``skip_corrupt``: an unreadable image is replaced, with a warning, by the next readable one.
     """
 
-    def __init__(self, root: str, classes: Sequence[str], skip_corrupt: bool = False) -> None:
+    def __init__(self, root: str, classes: Sequence[str], skip_corrupt: bool = False,
+                 loader: Callable[[str], Any] = read_rgb_image) -> None:
         self.selected_classes = list(classes)
         self.skip_corrupt = skip_corrupt
-        super().__init__(root, loader=read_rgb_image)
+        super().__init__(root, loader=loader)
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         for offset in range(len(self)):
@@ -105,6 +123,10 @@ class ImageNet(ImageDataModule):
             against the folders in ``setup``.
         skip_corrupt: warn about an unreadable image and use the next readable one in its place
             (default: stop with a one-line error naming the file).
+        decoder: ``"torchvision"`` (``torchvision.io.decode_image`` to a uint8 tensor, the
+            transforms run on tensors; the faster, ``benchmarks/data_pipeline.py``) or ``"pil"``.
+            The two resample slightly differently, so the pixels differ in the last few levels.
+        pin_memory: default on (page-locked batches; applied only when they go to a CUDA device).
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
         centre-crops.
     """
@@ -119,8 +141,11 @@ class ImageNet(ImageDataModule):
                  num_workers: int = 0, image_size: int = 224, train_augmentation: bool = True, horizontal_flip: bool = True,
                  crop_scale: tuple[float, float] = (0.2, 1.0), eval_crop_ratio: float = 0.875,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                 pin_memory: bool = False, drop_last_train: bool = True,
-                 persistent_workers: bool = True, skip_corrupt: bool = False) -> None:
+                 pin_memory: bool = True, drop_last_train: bool = True,
+                 persistent_workers: bool = True, skip_corrupt: bool = False,
+                 decoder: Literal["torchvision", "pil"] = "torchvision") -> None:
+        if decoder not in DECODERS:
+            raise ValueError(f"ImageNet: decoder must be one of {tuple(DECODERS)}, got {decoder!r}")
         classes = read_class_list(class_list) if class_list is not None else None
         if num_classes is not None and num_classes <= 0:
             raise ValueError(f"ImageNet: num_classes must be > 0, got {num_classes}")
@@ -135,6 +160,7 @@ class ImageNet(ImageDataModule):
                          persistent_workers=persistent_workers)
         self.class_list = class_list
         self.skip_corrupt = skip_corrupt
+        self.decoder = decoder
         self.classes: list[str] | None = classes
         self.class_names = classes  # the wnids, when a class list names them
         self.num_classes = num_classes
@@ -167,7 +193,8 @@ class ImageNet(ImageDataModule):
         classes = self.resolve_classes()
         self.class_folders(train)
         try:
-            return SelectedClassFolder(self.split_dir(train), classes, skip_corrupt=self.skip_corrupt)
+            return SelectedClassFolder(self.split_dir(train), classes, skip_corrupt=self.skip_corrupt,
+                                       loader=DECODERS[self.decoder])
         except FileNotFoundError as err:  # torchvision: "Found no valid file for the classes ..."
             first = str(err).strip().splitlines()[0][:300]
             raise FileNotFoundError(f"ImageNet: class folders without images under '{self.split_dir(train)}' "

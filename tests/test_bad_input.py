@@ -177,4 +177,11 @@ def test_imagenet_names_the_unreadable_file_or_skips_it_on_request(tmp_path, dam
     with pytest.warns(UserWarning, match=f"cannot read image '{bad}'.*skipped, using the next readable image"):
         image, label = samples[1]
     assert len(samples) == 6 and label == 0
+    assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8  # torchvision's decoder, the default
+    decoded = np.asarray(image.permute(1, 2, 0))
+    assert np.abs(decoded.astype(int) - np.asarray(Image.open(next_path).convert("RGB")).astype(int)).max() <= 1
+    with_pil = ImageNet(data_dir=str(tmp_path), num_classes=2, image_size=16, skip_corrupt=True, decoder="pil")
+    with_pil.classes = ["a", "b"]
+    with pytest.warns(UserWarning, match=f"cannot read image '{bad}'"):
+        image, _ = with_pil.load_split(train=False)[1]
     assert np.array_equal(np.asarray(image), np.asarray(Image.open(next_path).convert("RGB")))

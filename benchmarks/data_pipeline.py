@@ -1,0 +1,93 @@
+"""The ImageNet data pipeline at GPU rates (issue 18, item 5): images per second one loader
+worker decodes and augments with the MAE train transform at 224 px (RandomResizedCrop, bicubic,
+scale 0.2-1, flip, normalise), PIL against ``torchvision.io.decode_image`` + ``transforms.v2``
+on uint8 tensors, and the workers a GPU needs at the paper's step rate.
+
+The images are real JPEG files (quality 90, ImageNet's usual 500 x 375 and 333 x 500 sizes,
+about 80 KB each: smooth colour fields plus noise) in an ImageFolder tree, read through
+``datamodules.imagenet.ImageNet``'s own train dataset, one process and one thread: what each
+loader worker does per image (collation and the host-to-device copy excluded).
+
+The step rate assumed: Zhang et al. (shared/papers, section 4.1) trained the ViT-B MAE on
+ImageNet-1K (1,281,167 images) for 800 epochs in 200 hours on 4 NVIDIA A40 GPUs:
+1,423 images/s in all, 356 per GPU. A faster GPU needs proportionally more workers.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from datamodules.imagenet import ImageNet
+
+from .settings import Settings
+from .timing import Row, ratio_row
+
+SECTION = "data pipeline (ImageNet train transform, 224 px)"
+PAPER_IMAGES_PER_GPU = 1_281_167 * 800 / (200 * 3600) / 4  # 356 img/s per A40 GPU
+
+
+def write_jpeg_folder(root: str, per_class: int, seed: int = 0, names: tuple[str, ...] | list[str] = ("n0", "n1"),
+                      val_per_class: int = 1) -> None:
+    """``root/train/<class>/<i>.JPEG`` for the classes ``names`` (and ``val_per_class`` val images each)."""
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", per_class), ("val", val_per_class)):
+        for name in names:
+            folder = os.path.join(root, split, name)
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                h, w = (375, 500) if i % 2 else (500, 333)
+                field = np.kron(rng.normal(size=(h // 8 + 1, w // 8 + 1, 3)), np.ones((8, 8, 1)))[:h, :w]
+                pixels = np.clip((field + 0.3 * rng.normal(size=field.shape)) * 40 + 128, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, f"{i}.JPEG"), quality=90)
+
+
+def images_per_second(dataset: torch.utils.data.Dataset, passes: int) -> float:
+    start = time.perf_counter()
+    for _ in range(passes):
+        for i in range(len(dataset)):
+            dataset[i]
+    return passes * len(dataset) / (time.perf_counter() - start)
+
+
+def run(settings: Settings) -> list[Row]:
+    per_class, passes = settings.pick(24, 2), settings.pick(2, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one loader worker = one process, one thread
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            write_jpeg_folder(root, per_class)
+            datasets = {}
+            for decoder in ("torchvision", "pil"):
+                data = ImageNet(data_dir=root, num_classes=2, image_size=224, decoder=decoder)
+                data.setup("fit")
+                datasets[decoder] = data.train_dataset
+                datasets[decoder][0]  # warm-up: first-call costs out of the timing
+            rates: dict[str, list[float]] = {"torchvision": [], "pil": []}
+            for _ in range(settings.rounds):
+                for decoder, dataset in datasets.items():
+                    rates[decoder].append(images_per_second(dataset, passes))
+    finally:
+        torch.set_num_threads(threads)
+    tv, pil = statistics.median(rates["torchvision"]), statistics.median(rates["pil"])
+    default = inspect.signature(ImageNet).parameters["decoder"].default
+    fastest = tv if default == "torchvision" else pil
+    return [
+        ratio_row(SECTION, "images/s per worker, torchvision decode_image + v2 on uint8 tensors",
+                  rates["torchvision"], None, "one process, one thread, 224 px train transform", unit="img/s"),
+        ratio_row(SECTION, "images/s per worker, PIL decode + v2 on PIL images", rates["pil"], None,
+                  "the same images and transform", unit="img/s"),
+        ratio_row(SECTION, f"default decoder ({default}) / the other, images/s",
+                  [(a / b if default == "torchvision" else b / a) for a, b in zip(rates["torchvision"], rates["pil"])],
+                  ">= 1.00", "the faster decoder is ImageNet's default"),
+        Row(SECTION, "loader workers per GPU at the paper's ViT-B MAE step rate (356 img/s per A40)",
+            PAPER_IMAGES_PER_GPU / fastest, None, None, "workers",
+            f"{PAPER_IMAGES_PER_GPU:.0f} img/s per GPU (1.28 M images x 800 epochs in 200 h on 4 A40s) / "
+            f"{fastest:.0f} img/s per worker; an 8-GPU node: {8 * PAPER_IMAGES_PER_GPU / fastest:.0f} workers"),
+    ]

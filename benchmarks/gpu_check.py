@@ -1,0 +1,235 @@
+"""``make gpu-check``: one command that proves the package on a CUDA machine (issue 18, item 6).
+
+On a machine with CUDA it runs, each as its own ``shortcutlab fit`` process:
+
+1. every family's quick config (MAE, U-ViT diffusion, ResNet classifier, spiral) for
+   ``--quick-steps`` steps in ``32-true`` and in ``bf16-mixed``;
+2. the ImageNet-100 MAE ViT-B/16 and CIFAR-100 U-ViT-S paper configs, decayed and standard,
+   ``--paper-steps`` steps each on generated data of the real shapes (real JPEG class folders,
+   real CIFAR pickles), in bf16-mixed: images/s after the first steps, peak memory, and the
+   decayed / standard images/s ratio;
+3. a DDP run over every visible GPU (NCCL) of the quick MAE config, the same global batch as a
+   one-GPU run: its final training loss must be within ``--ddp-tolerance`` of the one-GPU run's
+   (the ranks draw their own masks and shuffles, so equal in distribution, not bit for bit);
+4. ``python -m benchmarks --device cuda --precision bf16-mixed``.
+
+It writes ``docs/results/gpu/<gpu name>.md`` (and the benchmark table beside it) and exits
+non-zero if any part failed. Without CUDA it says so in one line and exits 0. Never part of CI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
+         "diffusion": ["--config=configs/digits_diffusion_quick.yaml"],
+         "classifier": ["--config=configs/data/digits.yaml", "--config=configs/digits_resnet/base.yaml",
+                        "--config=configs/digits_resnet/decay.yaml"],
+         "spiral": ["--config=configs/spiral_quick.yaml"]}
+PAPER = {"ImageNet-100 MAE ViT-B/16": ("imagenet100_mae_vit_b16_alpha0.6", "imagenet100_mae_vit_b16_alpha1.0"),
+         "CIFAR-100 U-ViT-S": ("cifar100_uvit_s_alpha0.6", "cifar100_uvit_s_alpha1.0")}
+WARMUP_STEPS = 20  # steps before the clock starts (cuDNN autotuning, allocator growth)
+
+
+class Throughput(Callback):
+    """Writes ``{"images_per_s", "peak_memory_gib", "steps", "loss"}`` of the fit to ``path``: images
+    per second from step ``WARMUP_STEPS`` to the end (two synchronisations in all)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._start: Optional[float] = None
+        self._images = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == WARMUP_STEPS and self._start is None:
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
+        if self._start is not None:
+            self._images += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - self._start if self._start is not None else float("nan")
+        logged = trainer.callback_metrics  # the last epoch's mean where the module logs one
+        loss = next((logged[k] for k in ("train/loss_epoch", "train/loss", "train/loss_step") if k in logged), None)
+        record = {"images_per_s": self._images * trainer.world_size / seconds if self._start else None,
+                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+                  "steps": int(trainer.global_step), "loss": None if loss is None else float(loss)}
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(record))
+
+
+def fit(args: list[str], out: Path, steps: int, precision: str, devices: int = 1,
+        extra: Optional[list[str]] = None) -> dict:
+    """One ``shortcutlab fit`` process; its Throughput record plus the exit status and seconds."""
+    record_path = out / "throughput.json"
+    command = [sys.executable, "-m", "cli", "fit", *args, f"--trainer.max_steps={steps}",
+               "--trainer.max_epochs=-1", "--trainer.accelerator=gpu", f"--trainer.devices={devices}",
+               f"--trainer.precision={precision}", f"--trainer.default_root_dir={out}",
+               "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
+               "--trainer.callbacks+=benchmarks.gpu_check.Throughput", f"--trainer.callbacks.path={record_path}",
+               *(extra or [])]
+    if devices > 1:
+        command.append("--trainer.strategy=ddp")
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = {"command": " ".join(command[2:]), "status": done.returncode,
+              "seconds": round(time.perf_counter() - start, 1)}
+    if done.returncode != 0:
+        result["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    elif record_path.is_file():
+        result.update(json.loads(record_path.read_text()))
+    return result
+
+
+def composition(name: str) -> list[str]:
+    """The ``fit`` arguments of a configs/compositions.yaml row (its files, then its values)."""
+    import yaml
+
+    row = yaml.safe_load((REPO / "configs" / "compositions.yaml").read_text())[name]
+    args = [a for a in row.get("args", []) if not a.startswith("--trainer.default_root_dir")]
+    return [f"--config=configs/{c}" for c in row["configs"]] + args
+
+
+def write_imagenet100(root: Path, per_class: int = 4) -> Path:
+    """``root/{train,val}/<wnid>/*.JPEG`` for the 100 classes of configs/imagenet100_classes.txt,
+    500 x 375 real JPEGs (the benchmarks' generator)."""
+    from .data_pipeline import write_jpeg_folder
+
+    classes = (REPO / "configs" / "imagenet100_classes.txt").read_text().split()
+    write_jpeg_folder(str(root), per_class, names=classes)
+    return root
+
+
+def write_cifar100(root: Path, n_train: int = 2048, n_test: int = 256) -> Path:
+    """``root/cifar-100-python/{train, test, meta}`` pickles of random 32 x 32 images."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        fine = rng.integers(0, 100, size=n)
+        rows = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        with open(folder / split, "wb") as f:
+            pickle.dump({"batch_label": split, "fine_labels": fine.tolist(), "coarse_labels": (fine // 5).tolist(),
+                         "data": rows, "filenames": [f"{split}_{i}.png" for i in range(n)]}, f, protocol=2)
+    with open(folder / "meta", "wb") as f:
+        pickle.dump({"fine_label_names": [f"fine_{i}" for i in range(100)],
+                     "coarse_label_names": [f"coarse_{i}" for i in range(20)]}, f, protocol=2)
+    return root
+
+
+def paper_data_args(row: str, data: dict[str, Path]) -> list[str]:
+    if row.startswith("imagenet100"):
+        return [f"--data.init_args.data_dir={data['imagenet100']}", "--data.init_args.num_workers=8"]
+    return [f"--data.init_args.data_dir={data['cifar100']}", "--data.init_args.download=false",
+            "--data.init_args.num_workers=4"]
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name(0)
+
+
+def report(results: dict, out: Path, bench_file: Path) -> str:
+    lines = [f"# gpu-check on {gpu_name()}", "",
+             f"`make gpu-check` at torch {torch.__version__}, CUDA {torch.version.cuda}, "
+             f"{torch.cuda.device_count()} GPU(s); written by benchmarks/gpu_check.py.", "",
+             "## Quick configs", "", "| family | precision | status | steps | img/s | peak GiB | loss |",
+             "|---|---|---|---|---|---|---|"]
+    for (family, precision), r in results["quick"].items():
+        lines.append(f"| {family} | {precision} | {_status(r)} | {r.get('steps', '-')} | {_num(r.get('images_per_s'))} | "
+                     f"{_num(r.get('peak_memory_gib'), 2)} | {_num(r.get('loss'), 4)} |")
+    lines += ["", "## Paper configs on generated data (bf16-mixed)", "",
+              "| config | run | status | img/s | peak GiB | decayed / standard img/s |", "|---|---|---|---|---|---|"]
+    for name, pair in results["paper"].items():
+        decayed, standard = pair
+        ratio = (decayed.get("images_per_s") or 0) / standard["images_per_s"] if standard.get("images_per_s") else None
+        for label, r in (("decayed", decayed), ("standard", standard)):
+            lines.append(f"| {name} | {label} | {_status(r)} | {_num(r.get('images_per_s'))} | "
+                         f"{_num(r.get('peak_memory_gib'), 2)} | {_num(ratio, 3) if label == 'decayed' else ''} |")
+    ddp = results["ddp"]
+    lines += ["", "## DDP", "", f"{ddp['summary']}", "", "## Benchmarks", "",
+              f"`python -m benchmarks --device cuda --precision bf16-mixed`: status {results['bench']['status']}, "
+              f"table in [{bench_file.name}]({bench_file.name}).", ""]
+    failures = [line for line in lines if "FAIL" in line]
+    lines += ["## Result", "", "every part passed" if not failures and ddp["ok"] and results["bench"]["status"] == 0
+              else "FAILED: see the rows marked FAIL above", ""]
+    text = "\n".join(lines)
+    out.write_text(text)
+    return text
+
+
+def _status(r: dict) -> str:
+    return "ok" if r.get("status") == 0 else f"FAIL ({r.get('error', r.get('status'))})"
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="make gpu-check", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick-steps", type=int, default=300)
+    parser.add_argument("--paper-steps", type=int, default=200)
+    parser.add_argument("--ddp-steps", type=int, default=200)
+    parser.add_argument("--ddp-tolerance", type=float, default=0.05, help="relative, on the final training loss")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results" / "gpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here (torch.cuda.is_available() is False); nothing run", file=sys.stderr)
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name()).strip("-")
+    results: dict = {"quick": {}, "paper": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        for family, config in QUICK.items():
+            for precision in ("32-true", "bf16-mixed"):
+                out = scratch / f"{family}-{precision}"
+                results["quick"][(family, precision)] = fit(config, out, args.quick_steps, precision)
+                print(f"gpu-check: {family} {precision}: {_status(results['quick'][(family, precision)])}", file=sys.stderr)
+        data = {"imagenet100": write_imagenet100(scratch / "imagenet100"), "cifar100": write_cifar100(scratch / "cifar100")}
+        for name, rows in PAPER.items():
+            results["paper"][name] = [fit(composition(row) + paper_data_args(row, data), scratch / row, args.paper_steps,
+                                          "bf16-mixed") for row in rows]
+            print(f"gpu-check: {name}: {[_status(r) for r in results['paper'][name]]}", file=sys.stderr)
+        gpus = torch.cuda.device_count()
+        one = fit(QUICK["MAE"], scratch / "ddp-1", args.ddp_steps, "32-true", devices=1)
+        per_device = max(1, 128 // gpus)  # the quickstart's batch of 128, split over the GPUs
+        many = fit(QUICK["MAE"], scratch / "ddp-n", args.ddp_steps, "32-true", devices=gpus,
+                   extra=[f"--data.init_args.batch_size={per_device}"])
+        ok = one.get("status") == 0 and many.get("status") == 0 and one.get("loss") and many.get("loss") is not None \
+            and abs(many["loss"] - one["loss"]) <= args.ddp_tolerance * abs(one["loss"])
+        results["ddp"] = {"ok": bool(ok), "summary": (
+            f"{'ok' if ok else 'FAIL'}: {gpus} GPU(s) with DDP (NCCL, batch {per_device} per GPU) final training loss "
+            f"{_num(many.get('loss'), 4)} against {_num(one.get('loss'), 4)} on one GPU (batch 128), "
+            f"tolerance {args.ddp_tolerance:.0%} relative; {_status(many)} / {_status(one)}")}
+    bench_file = args.out_dir / f"{stem}-benchmarks.md"
+    bench = subprocess.run([sys.executable, "-m", "benchmarks", "--device", "cuda", "--precision", "bf16-mixed",
+                            "--out", str(bench_file)], cwd=REPO)
+    results["bench"] = {"status": bench.returncode}
+    text = report(results, args.out_dir / f"{stem}.md", bench_file)
+    print(text)
+    return 0 if "every part passed" in text else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

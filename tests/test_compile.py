@@ -1,0 +1,63 @@
+"""``torch.compile`` as an option (issue 18, item 4): a fit with ``CompileBlocks`` trains the
+same network as eager within 1e-5 and writes a checkpoint an eager network loads as is."""
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from callbacks.compile import CompileBlocks
+from datamodules.digits import Digits
+from lightning_mods.backbone.residual import residual_blocks
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.vit import DecayedVisionTransformer
+from lightning_mods.classifier import ImageClassifier
+
+
+def tiny_classifier() -> ImageClassifier:
+    torch.manual_seed(0)
+    backbone = DecayedVisionTransformer(shortcut=ShortcutSchedule("linear", 0.6), img_size=8, patch_size=4,
+                                        in_chans=1, num_classes=10, embed_dim=16, depth=2, num_heads=2)
+    return ImageClassifier(backbone, num_classes=10, in_chans=1, optimizer="adamw", base_lr=1e-3, warmup_epochs=0)
+
+
+def fit(callbacks: list, tmp_path) -> tuple[ImageClassifier, L.Trainer]:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    module = tiny_classifier()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+                        default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=Digits(batch_size=16, image_size=8))
+    return module, trainer
+
+
+@pytest.mark.slow
+def test_compiled_fit_equals_eager_and_its_checkpoint_loads_without_compile(tmp_path):
+    compiled, trainer = fit([CompileBlocks()], tmp_path / "compiled")
+    eager, _ = fit([], tmp_path / "eager")
+    assert all(block._compiled_call_impl is not None for block in residual_blocks(compiled))
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # no _orig_mod. prefix
+    for (name, got), want in zip(compiled.state_dict().items(), eager.state_dict().values()):
+        if got.is_floating_point():
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    checkpoint = next((tmp_path / "compiled").rglob("*.ckpt"))
+    loaded = tiny_classifier()  # an eager network of the same settings, strict load
+    loaded.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    assert all(getattr(block, "_compiled_call_impl", None) is None for block in residual_blocks(loaded))
+    images = torch.rand(4, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(images), compiled.eval()(images), rtol=0, atol=1e-5)
+
+
+def test_compile_needs_residual_blocks():
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="no residual blocks"):
+        CompileBlocks().setup(None, Plain(), "fit")
