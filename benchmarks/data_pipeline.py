@@ -87,7 +87,7 @@ def run(settings: Settings) -> list[Row]:
                   [(a / b if default == "torchvision" else b / a) for a, b in zip(rates["torchvision"], rates["pil"])],
                   ">= 1.00", "the faster decoder is ImageNet's default"),
         Row(SECTION, "loader workers per GPU at the paper's ViT-B MAE step rate (356 img/s per A40)",
-            PAPER_IMAGES_PER_GPU / fastest, None, None, "workers",
+            PAPER_IMAGES_PER_GPU / fastest, PAPER_IMAGES_PER_GPU / fastest, None, "workers",
             f"{PAPER_IMAGES_PER_GPU:.0f} img/s per GPU (1.28 M images x 800 epochs in 200 h on 4 A40s) / "
             f"{fastest:.0f} img/s per worker; an 8-GPU node: {8 * PAPER_IMAGES_PER_GPU / fastest:.0f} workers"),
     ]

@@ -22,11 +22,13 @@ from .timing import Row, skipped
 from .training import SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY, quickstart_data, quickstart_model, quiet, trainer
 
 SECTION = "online probe accuracy on the quickstart"
-EVERY_BATCH = dict(every_n_steps=1, max_samples=None, lr=1e-3, name="every_batch")  # lightly's probe
+EVERY_BATCH_RATES = [1e-2, 1e-3]  # the shipped rate, and the every-batch probe's earlier default
+EVERY_BATCH = dict(every_n_steps=1, max_samples=None, lr=EVERY_BATCH_RATES, name="every_batch")  # lightly's cadence
 
 
-def probe_val_top1(probe: OnlineLinearProbe, metrics: dict) -> float:
-    return float(metrics[probe.metric_names_of(metric_names.ONLINE_PROBE_VAL_TOP1)[0]])
+def probe_val_top1(probe: OnlineLinearProbe, metrics: dict) -> list[float]:
+    """The final ``online_probe/val_top1`` of each of the probe's heads (one per rate)."""
+    return [float(metrics[name]) for name in probe.metric_names_of(metric_names.ONLINE_PROBE_VAL_TOP1)]
 
 
 def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[Row]:
@@ -43,14 +45,17 @@ def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[R
                      SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY)
         tr.fit(model, datamodule=quickstart_data(settings))
         metrics = dict(tr.callback_metrics)
-    ours, theirs = probe_val_top1(shipped, metrics), probe_val_top1(reference, metrics)
-    settings_text = f"every {shipped.every_n_steps} steps, {shipped.max_samples} images, lr {shipped.lr:g}"
-    rows = [Row(SECTION, "shipped probe - every-batch probe, final val top-1 (points)", 100 * (ours - theirs),
-                None, ">= -2", "points",
-                f"shipped ({settings_text}) {100 * ours:.1f} %, every batch (all images, lr 1e-3) {100 * theirs:.1f} %"
-                f" after {SHIPPED_EPOCHS} epochs")]
+    ours = probe_val_top1(shipped, metrics)[0]
+    same_rate, earlier = probe_val_top1(reference, metrics)
+    cadence = f"every {shipped.every_n_steps} steps, {shipped.max_samples} images, lr {shipped.lr:g}"
+    rows = [Row(SECTION, "shipped probe - every-batch probe at the same lr (1e-2), final val top-1",
+                100 * (ours - same_rate), 100 * (ours - same_rate), ">= -2", "points",
+                f"shipped ({cadence}) {100 * ours:.1f} %, every batch (all 128 images) {100 * same_rate:.1f} % "
+                f"after {SHIPPED_EPOCHS} epochs"),
+            Row(SECTION, "shipped probe - every-batch probe at lr 1e-3 (its earlier default)", 100 * (ours - earlier),
+                100 * (ours - earlier), None, "points", f"every batch at lr 1e-3: {100 * earlier:.1f} %")]
     for label, probe in others.items():
-        value = probe_val_top1(probe, metrics)
-        rows.append(Row(SECTION, f"{label} - every-batch probe (points)", 100 * (value - theirs), None, None,
-                        "points", f"{label} {100 * value:.1f} %"))
+        value = probe_val_top1(probe, metrics)[0]
+        rows.append(Row(SECTION, f"{label} - every-batch probe at 1e-2 (points)", 100 * (value - same_rate),
+                        100 * (value - same_rate), None, "points", f"{label} {100 * value:.1f} %"))
     return rows

@@ -13,16 +13,22 @@ order, so the pre-training is the same run with and without the callback.
 Cost: the extra forward runs over ALL tokens while an MAE training step encodes a quarter of
 them, so probing every full batch costs about half a training step (+50-57 % on a quickstart
 epoch, measured side by side). The defaults (every 4th batch, its first 32 of 128 images)
-embed 1/16 of that; the head still sees a fresh, shuffled sample of the training set at every
-step it takes, and its AdamW learning rate (1e-2) makes up for the fewer steps: on fixed
-digits features its validation accuracy after 25 epochs was 84 % against 86 % for the
-every-batch probe at 1e-3 (README, Performance). ``every_n_steps=1, max_samples=None`` is
-lightly's every-batch probe.
+embed 1/16 of that: about 4 % of a quickstart epoch (the seconds inside its hooks,
+``python -m benchmarks --only training``). Accuracy is what the sparse cadence gives up: after
+the quickstart's 100 epochs the shipped probe reached 47.5 % validation top-1, the every-batch
+probe 54.7 % at the same learning rate and 43.3 % at 1e-3 (``python -m benchmarks --only
+probe-accuracy``); sparser cadences, higher rates or several head steps per forward did not
+close the gap (the head needs fresh samples, and each costs a forward). ``every_n_steps=1,
+max_samples=None`` is lightly's every-batch probe. The training loss and accuracy are summed on
+the device and logged once per epoch; the validation accuracy reads the validation features
+kNN and effective rank read (:mod:`callbacks.shared_features`) when the datamodule has a
+``val_dataset``, else it embeds the validation loop's batches itself.
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
 the same head (every rank probes the same batches: the cadence counts training batches, the
-same number on every rank). Validation accuracy counts every validation sample once (the
+same number on every rank). Validation accuracy counts every validation sample once (each rank
+scores its strided shard of the shared features; on the validation loop's batches the
 duplicates a DistributedSampler pads with are masked out) in a torchmetrics
 ``MulticlassAccuracy`` (micro), whose ``compute`` sums the counts over ranks.
 """

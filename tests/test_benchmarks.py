@@ -19,7 +19,8 @@ STATUSES = {"PASS", "MISS", "info", "SKIP"}
 @pytest.mark.slow
 def test_quick_suite_writes_markdown_and_json(tmp_path):
     out = tmp_path / "results.md"
-    assert main(["--quick", "--only", "models", "training", "several", "depth", "--threads", "1", "--out", str(out)]) == 0
+    assert main(["--quick", "--only", "models", "training", "several", "depth", "data", "probe-accuracy", "--threads", "1",
+                 "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     rows = report["rows"]
     assert report["environment"]["quick"] is True and report["environment"]["rounds"] == 1
@@ -28,7 +29,8 @@ def test_quick_suite_writes_markdown_and_json(tmp_path):
                      "MAE train step vs He et al.'s MAE (timm Blocks)", "achieved FLOP/s / matmul rate",
                      "peak memory, MAE step vs He et al.'s MAE", "Lightning overhead (quickstart, callbacks off)",
                      "evaluation callbacks' share of a quickstart run", "ResidualDroppath",
-                     "several settings in one pass", "evaluation over depth"):
+                     "several settings in one pass", "evaluation over depth",
+                     "data pipeline (ImageNet train transform, 224 px)", "online probe accuracy on the quickstart"):
         assert expected in sections, expected
     for row in rows:
         assert row["status"] in STATUSES

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import lightning as L
@@ -39,12 +40,13 @@ def test_diverging_fit_stops_at_the_step_with_one_line_and_status_3(tmp_path, ca
     assert stop.value.code == cli.DIVERGED_EXIT_STATUS
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shortcutlab:")]
     assert len(lines) == 1, lines
-    assert "non-finite" in lines[0] and "(nan)" in lines[0] and "at step 2 " in lines[0]
+    # step 0's update at lr 1e8 makes step 1's gradients so large that their squares overflow
+    assert "non-finite gradient norm (inf) at step 1 " in lines[0]
     checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
-    assert {p.name for p in checkpoints} == {"epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"}
+    assert {p.name for p in checkpoints} == {"epoch=0-step=1.ckpt", "last.ckpt"}
     assert all(all_finite(p) for p in checkpoints)  # the good ones, untouched
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert last["global_step"] == 2
+    assert last["global_step"] == 1
 
 
 class InjectNaN(L.Callback):
@@ -238,7 +240,8 @@ def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path
                           start_new_session=True)
     codes = [json.loads((tmp_path / f"rank{r}.json").read_text())["code"] for r in range(2)]
     assert codes == [cli.DIVERGED_EXIT_STATUS] * 2, proc.stderr[-4000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("shortcutlab: error: non-finite")]
+    # the ranks share one stderr pipe: their lines may run together, so they are found, not split
+    lines = re.findall(r"shortcutlab: error: non-finite [^;]*;", proc.stderr)
     assert len(lines) == 2, proc.stderr[-4000:]
     assert all("at step 4 (epoch 0, batch 4)" in line for line in lines), lines
     assert sorted("(nan)" in line for line in lines) == [False, True]  # rank 0 names the other rank
