@@ -11,6 +11,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, seed_everything
 
+from callbacks.knn import KNNEvaluator
+from callbacks.online_probe import OnlineLinearProbe
 from callbacks.effective_rank import EffectiveRank
 from callbacks.patch_features import PatchFeaturePicture
 from lightning_mods.backbone.shortcut import ShortcutSchedule
@@ -76,8 +78,9 @@ def run(settings: Settings) -> list[Row]:
         tr = trainer(settings, root, [one, every, one_head, block_heads], epochs + 1, 1, logger=False)
         tr.fit(vit_tiny_mae(settings), datamodule=quickstart_data(settings))
         picture, clock = TimedPicture(every_n_epochs=1), ValidationClock()
-        shipped = [picture, EffectiveRank(every_n_epochs=1, per_block=True), TimedKNN(every_n_epochs=1, blocks="all"),
-                   TimedProbe(blocks="all"), clock]
+        # the quickstart's evaluation as it runs: kNN, rank and probe share their feature passes
+        shipped = [picture, EffectiveRank(every_n_epochs=1, per_block=True), KNNEvaluator(every_n_epochs=1, blocks="all"),
+                   OnlineLinearProbe(blocks="all"), clock]
         seed_everything(0, verbose=False)
         tr = trainer(settings, root, shipped, epochs + 1, 1, logger=False)
         tr.fit(quickstart_model(settings), datamodule=quickstart_data(settings))

@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch import seed_everything
 
 from callbacks.knn import KNNEvaluator
+from callbacks.shared_features import unshared
 from callbacks.online_probe import OnlineLinearProbe
 
 from .settings import Settings
@@ -32,7 +33,8 @@ class TimedKNN(KNNEvaluator):
     def evaluate(self, trainer, pl_module):  # noqa: ANN001, ANN201
         synchronize(pl_module.device)
         start = time.perf_counter()
-        result = super().evaluate(trainer, pl_module)
+        with unshared(trainer):  # its own feature passes, as if it were alone
+            result = super().evaluate(trainer, pl_module)
         synchronize(pl_module.device)
         self.seconds.append(time.perf_counter() - start)
         return result

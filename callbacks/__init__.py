@@ -22,4 +22,6 @@ __all__ = [
     "fit_end_record",       # FitEndRecord
     "fresh_monitor_checkpoint",  # FreshMonitorCheckpoint
     "prediction_writer",    # PredictionWriter
+    "compile",              # CompileBlocks: torch.compile of the residual blocks
+    "shared_features",      # shared_features: one feature pass per evaluation for every callback
 ]

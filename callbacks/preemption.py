@@ -18,12 +18,13 @@ over non-finite weights.
   or of the next training step for a validation inside the epoch. Resumed from the middle of a
   validation, Lightning logs neither that validation's metrics nor the epoch's, so the resumed
   run would not be the uninterrupted one.
-- **Under DDP** every rank stops after the same step: the handler only notes the signal, and at
-  the end of each training batch and of each validation one ``all_reduce`` of the ranks' notes
-  decides for all of them, whether the signal reached every task or only one. (Lightning's own
-  handler broadcasts from inside the handler and its per-step check reads rank 0's flag alone:
-  a signal on another rank stopped that rank only, and the others hung.) The reduction replaces
-  Lightning's per-step broadcast of the flag, so a step makes no more collectives than before.
+- **Under DDP** every rank stops after the same step: the handler only notes the signal, and
+  every ``check_every_n_steps`` steps (default: the trainer's ``log_every_n_steps``), at each
+  epoch's end and after each validation one ``all_reduce`` of the ranks' notes decides for all of
+  them, whether the signal reached every task or only one. (Lightning's own handler broadcasts
+  from inside the handler and its per-step check reads rank 0's flag alone: a signal on another
+  rank stopped that rank only, and the others hung.) The reduction replaces Lightning's per-step
+  broadcast and host read of the flag, so the steps in between make no collective for it.
 
 SLURM: the requeue signal (``requeue_signal``, default ``SIGUSR1``: ``#SBATCH --signal=SIGUSR1@90``)
 is a pre-emption like SIGTERM: the step in progress finishes, the same exact ``last.ckpt`` is
@@ -84,10 +85,22 @@ class PreemptionCheckpoint(Callback):
     Args:
         filename: of the checkpoint, in the ModelCheckpoint folder.
         requeue_signal: the signal that also requeues the SLURM job (None: none does).
+        check_every_n_steps: under DDP, optimiser steps between the ranks' stop decisions
+            (``None``: the trainer's ``log_every_n_steps``); also decided at every epoch's end
+            and after every validation. One process stops after the step the signal arrived in.
+            A signal's lead time must cover that many steps (SLURM: ``--signal=SIGUSR1@90``).
     """
 
-    def __init__(self, filename: str = "last", requeue_signal: Optional[str] = REQUEUE_SIGNAL) -> None:
+    def __init__(self, filename: str = "last", requeue_signal: Optional[str] = REQUEUE_SIGNAL,
+                 check_every_n_steps: Optional[int] = None) -> None:
         super().__init__()
+        if check_every_n_steps is not None and (isinstance(check_every_n_steps, bool)
+                                                or not isinstance(check_every_n_steps, int)
+                                                or check_every_n_steps < 1):
+            raise ValueError(f"PreemptionCheckpoint: check_every_n_steps must be an integer >= 1 or None, "
+                             f"got {check_every_n_steps!r}")
+        self.check_every_n_steps = check_every_n_steps
+        self._decided_step = -1
         if requeue_signal is not None and (not isinstance(requeue_signal, str)
                                            or not isinstance(getattr(signal, requeue_signal, None), signal.Signals)):
             raise ValueError(f"PreemptionCheckpoint: requeue_signal must be a signal name such as 'SIGUSR1' or "
@@ -110,7 +123,7 @@ class PreemptionCheckpoint(Callback):
     # --- signal handlers (main thread only: Python's rule) ------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         global _received
-        _received, self.saved_path, self._noted = None, None, [0, 0, 0]
+        _received, self.saved_path, self._noted, self._decided_step = None, None, [0, 0, 0], -1
         self._trainer = trainer
         if _distributed(trainer):  # the ranks' stop decision is this callback's all_reduce (module docstring)
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
@@ -162,7 +175,15 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if _distributed(trainer):  # alone, the handler raised the flag already
+        if not _distributed(trainer):  # alone, the handler raised the flag already
+            return
+        step, every = int(trainer.global_step), self.check_every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
+        if step % every == 0 and step != self._decided_step:  # the same steps on every rank
+            self._decided_step = step
+            self._decide(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if _distributed(trainer):
             self._decide(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -24,8 +24,9 @@ Every callback still works alone: it then runs the pass itself, as before.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from torch.utils.data import Dataset
 
@@ -46,6 +47,21 @@ def will_need(trainer: Any, dataset_name: str, with_blocks: bool) -> None:
 def release(trainer: Any) -> None:
     """Drop this trainer's shared features (after the evaluation that used them)."""
     _ENTRIES.pop(trainer, None)
+
+
+@contextlib.contextmanager
+def unshared(trainer: Any) -> Iterator[None]:
+    """Inside, a request computes its own features, only what it asks for, and keeps nothing:
+    the cost of one callback as if it were alone (the benchmarks time it so)."""
+    needs, entries = _NEEDS.pop(trainer, None), _ENTRIES.pop(trainer, None)
+    try:
+        yield
+    finally:
+        _ENTRIES.pop(trainer, None)
+        if needs is not None:
+            _NEEDS[trainer] = needs
+        if entries is not None:
+            _ENTRIES[trainer] = entries
 
 
 def _stamp(trainer: Any, module: Any) -> tuple:

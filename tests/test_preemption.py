@@ -150,3 +150,31 @@ def test_a_signal_during_validate_writes_no_checkpoint(tmp_path, capsys):
         trainer.validate(StoppedInValidation(), loader)
     assert not (tmp_path / "checkpoints").exists()
     assert "stopped by SIGTERM during validate; no checkpoint written" in capsys.readouterr().err
+
+
+def test_under_ddp_the_ranks_decide_every_n_steps_not_every_step(monkeypatch):
+    """Issue 18, item 1: the stop decision's collective runs at the cadence's steps (and at
+    epoch ends), not after every batch."""
+    from types import SimpleNamespace
+
+    from callbacks import preemption
+
+    decided = []
+    callback = preemption.PreemptionCheckpoint(check_every_n_steps=3)
+    monkeypatch.setattr(preemption, "_distributed", lambda trainer: True)
+    monkeypatch.setattr(callback, "_decide", lambda trainer: decided.append(trainer.global_step))
+    trainer = SimpleNamespace(global_step=0, log_every_n_steps=50)
+    for step in range(1, 11):
+        trainer.global_step = step
+        callback.on_train_batch_end(trainer, None, None, None, step - 1)
+        callback.on_train_batch_end(trainer, None, None, None, step - 1)  # a second micro-batch: same step
+    callback.on_train_epoch_end(trainer, None)
+    assert decided == [3, 6, 9, 10]
+    default = preemption.PreemptionCheckpoint()
+    monkeypatch.setattr(default, "_decide", lambda trainer: decided.append(("default", trainer.global_step)))
+    for step in (49, 50, 51, 100):
+        trainer.global_step = step
+        default.on_train_batch_end(trainer, None, None, None, 0)
+    assert decided[4:] == [("default", 50), ("default", 100)]
+    with pytest.raises(ValueError, match="check_every_n_steps"):
+        preemption.PreemptionCheckpoint(check_every_n_steps=0)
