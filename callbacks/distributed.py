@@ -38,22 +38,22 @@ def _backend_device(tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor`` over all ranks (a new tensor on ``tensor``'s device)."""
+def _all_reduce(tensor: torch.Tensor, op: "dist.ReduceOp") -> torch.Tensor:
     if not is_distributed():
         return tensor.clone()
     work = tensor.detach().to(_backend_device(tensor), copy=True)
-    dist.all_reduce(work, op=dist.ReduceOp.SUM)
+    dist.all_reduce(work, op=op)
     return work.to(tensor.device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over all ranks (a new tensor on ``tensor``'s device)."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
 
 
 def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
     """The elementwise minimum of ``tensor`` over all ranks (a new tensor on ``tensor``'s device)."""
-    if not is_distributed():
-        return tensor.clone()
-    work = tensor.detach().to(_backend_device(tensor), copy=True)
-    dist.all_reduce(work, op=dist.ReduceOp.MIN)
-    return work.to(tensor.device)
+    return _all_reduce(tensor, dist.ReduceOp.MIN)
 
 
 def average_across_ranks_(tensors: Iterable[torch.Tensor]) -> None:

@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from .distributed import all_reduce_min
+from .schedule import check_step_cadence, every_n_steps_or_logging
 
 NEVER = torch.iinfo(torch.int64).max  # "no step failed this check" in the record
 CHECKS = ("training loss", "gradient norm", "weight")
@@ -54,12 +55,7 @@ class NonFiniteGuard(Callback):
     """
 
     def __init__(self, check_every_n_steps: Optional[int] = None) -> None:
-        if check_every_n_steps is not None and (isinstance(check_every_n_steps, bool)
-                                                or not isinstance(check_every_n_steps, int)
-                                                or check_every_n_steps < 1):
-            raise ValueError(f"NonFiniteGuard: check_every_n_steps must be an integer >= 1 or None, "
-                             f"got {check_every_n_steps!r}")
-        self.check_every_n_steps = check_every_n_steps
+        self.check_every_n_steps = check_step_cadence("NonFiniteGuard", check_every_n_steps)
         self._first_step: Optional[torch.Tensor] = None  # per check: the first step that failed it
         self._first_value: Optional[torch.Tensor] = None  # per check: the value at that step
         self._where: dict[int, tuple[int, int]] = {}  # step -> (epoch, batch) since the last read
@@ -68,9 +64,6 @@ class NonFiniteGuard(Callback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(check_every_n_steps=self.check_every_n_steps)
-
-    def _every(self, trainer: Trainer) -> int:
-        return self.check_every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -108,7 +101,7 @@ class NonFiniteGuard(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = int(trainer.global_step)
-        if step != self._last_read_step and step % self._every(trainer) == 0:
+        if step != self._last_read_step and step % every_n_steps_or_logging(trainer, self.check_every_n_steps) == 0:
             self.check(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mods import checkpoint_io
 from .nonfinite_guard import NonFiniteTrainingError
+from .schedule import check_step_cadence, every_n_steps_or_logging
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REQUEUE_SIGNAL = "SIGUSR1"  # SLURM's --signal of the papers' job scripts
@@ -94,12 +95,7 @@ class PreemptionCheckpoint(Callback):
     def __init__(self, filename: str = "last", requeue_signal: Optional[str] = REQUEUE_SIGNAL,
                  check_every_n_steps: Optional[int] = None) -> None:
         super().__init__()
-        if check_every_n_steps is not None and (isinstance(check_every_n_steps, bool)
-                                                or not isinstance(check_every_n_steps, int)
-                                                or check_every_n_steps < 1):
-            raise ValueError(f"PreemptionCheckpoint: check_every_n_steps must be an integer >= 1 or None, "
-                             f"got {check_every_n_steps!r}")
-        self.check_every_n_steps = check_every_n_steps
+        self.check_every_n_steps = check_step_cadence("PreemptionCheckpoint", check_every_n_steps)
         self._decided_step = -1
         if requeue_signal is not None and (not isinstance(requeue_signal, str)
                                            or not isinstance(getattr(signal, requeue_signal, None), signal.Signals)):
@@ -177,8 +173,8 @@ class PreemptionCheckpoint(Callback):
                            batch_idx: int) -> None:
         if not _distributed(trainer):  # alone, the handler raised the flag already
             return
-        step, every = int(trainer.global_step), self.check_every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
-        if step % every == 0 and step != self._decided_step:  # the same steps on every rank
+        step = int(trainer.global_step)
+        if step % every_n_steps_or_logging(trainer, self.check_every_n_steps) == 0 and step != self._decided_step:
             self._decided_step = step
             self._decide(trainer)
 

@@ -23,6 +23,19 @@ def check_every_n_epochs(owner: str, every_n_epochs: Optional[int]) -> Optional[
     return every_n_epochs
 
 
+def check_step_cadence(owner: str, every_n_steps: Optional[int]) -> Optional[int]:
+    """``check_every_n_steps`` as None or an int >= 1, or a one-line ValueError naming ``owner``."""
+    if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+                                      or every_n_steps < 1):
+        raise ValueError(f"{owner}: check_every_n_steps must be an integer >= 1 or None, got {every_n_steps!r}")
+    return every_n_steps
+
+
+def every_n_steps_or_logging(trainer: Trainer, every_n_steps: Optional[int]) -> int:
+    """``every_n_steps``, else the trainer's ``log_every_n_steps`` (at least 1)."""
+    return every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
+
+
 def is_last_epoch(trainer: Trainer) -> bool:
     """Whether this is the last epoch of ``max_epochs`` (False for step- or time-limited runs)."""
     return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
