@@ -105,7 +105,7 @@ class NonFiniteGuard(Callback):
             self.check(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        if trainer.training or trainer.state.fn == "fit":
+        if trainer.state.fn == "fit":
             self.check(trainer, pl_module, weights=True)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -128,8 +128,8 @@ class NonFiniteGuard(Callback):
                 largest = torch.nn.utils.get_total_norm(params, norm_type=math.inf).to(record.device)
                 record[2:3].masked_fill_(torch.logical_not(torch.isfinite(largest)), step)
                 self._first_value[2] = largest.float()
-        first = all_reduce_min(record).tolist()  # the one host read (and collective) of a check
-        local = record.tolist()
+        # the one host read (and, under DDP, the one collective) of a check: every rank's and this one's
+        first, local = torch.stack([all_reduce_min(record), record]).tolist()
         self._last_read_step = step
         failed = min(range(len(CHECKS)), key=lambda j: (first[j], j))
         if first[failed] == NEVER:
@@ -137,7 +137,7 @@ class NonFiniteGuard(Callback):
             return
         what = CHECKS[failed]
         if failed == 2:
-            what, at = "weight", f"the read at step {first[failed]} (loss and gradients finite until then)"
+            at = f"the read at step {first[failed]} (loss and gradients finite until then)"
         else:
             epoch, batch = self._where.get(first[failed], (None, None))
             at = f"step {first[failed]}" + (f" (epoch {epoch}, batch {batch})" if epoch is not None else "")

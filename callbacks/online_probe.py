@@ -281,11 +281,11 @@ class OnlineLinearProbe(SettingsKeyed):
         if _any_rank_nonfinite(features, *blocks.values()):  # a diverged backbone: no step, the same on every rank
             rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
-        sums = []
+        sums = []  # per head: (loss x n, correct, n)
         for head, optimizer in zip(self.heads, self.optimizers):
             loss, logits = self._step(head, optimizer, features, labels)
-            sums.append(torch.stack([loss.double() * len(labels), (logits.argmax(1) == labels).sum().double(),
-                                     torch.tensor(float(len(labels)), dtype=torch.float64, device=loss.device)]))
+            sums.append(torch.stack([loss.double() * len(labels), (logits.argmax(1) == labels).sum().double()]))
+        count = torch.full((len(sums), 1), float(len(labels)), dtype=torch.float64, device=features.device)
         for block, block_features in blocks.items():
             for head, optimizer in zip(self.block_heads[block], self.block_optimizers[block]):
                 self._step(head, optimizer, block_features, labels)
@@ -294,7 +294,7 @@ class OnlineLinearProbe(SettingsKeyed):
         # no logging call per step; under DDP one small all_reduce beside the heads' own) and
         # logged at the epoch's end; the sums, the same on every rank, are in the state_dict, so
         # a mid-epoch resume logs the uninterrupted run's means
-        added = all_reduce_sum(torch.stack(sums))
+        added = all_reduce_sum(torch.cat([torch.stack(sums), count], dim=1))
         self._epoch_sums = added if self._epoch_sums is None else self._epoch_sums.to(added.device) + added
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
