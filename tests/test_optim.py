@@ -142,7 +142,8 @@ def family_modules():
     classifier = ImageClassifier(ResNet18Cifar(shortcut=ShortcutSchedule("linear", 0.6), channels=(8, 16, 16, 32)),
                                  num_classes=10, in_chans=3, optimizer="adamw", base_lr=1e-3, warmup_epochs=0)
     return {"mae": MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                                     decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, warmup_epochs=0),
+                                     decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, warmup_epochs=0,
+                                     base_lr=1e-2),  # updates large enough that a 0.1 % lr error shows
             "diffusion": DiffusionModule(**TINY, warmup_steps=0), "classifier": classifier}
 
 
