@@ -23,7 +23,8 @@ from .training import SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY, quickstart_data, quick
 
 SECTION = "online probe accuracy on the quickstart"
 EVERY_BATCH_RATES = [1e-2, 1e-3]  # the shipped rate, and the every-batch probe's earlier default
-EVERY_BATCH = dict(every_n_steps=1, max_samples=None, lr=EVERY_BATCH_RATES, name="every_batch")  # lightly's cadence
+EVERY_BATCH = dict(every_n_steps=1, max_samples=None, replay_samples=None, lr=EVERY_BATCH_RATES,
+                   name="every_batch")  # lightly's cadence: one step on each fresh batch
 
 
 def probe_val_top1(probe: OnlineLinearProbe, metrics: dict) -> list[float]:

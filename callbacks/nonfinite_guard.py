@@ -1,16 +1,17 @@
 """Stop a diverged fit, naming the step it diverged at, before anything non-finite is saved
 (issue 9, item 4; issue 18, item 1: no host sync or collective per step).
 
-Every optimiser step adds two checks to a record kept on the training device, without reading
-it back:
+Every optimiser step notes two values, kept on the training device and never read back there:
 
 - ``on_before_backward``: is the training loss finite;
 - ``on_before_optimizer_step``: is the gradient 2-norm over all parameters finite (every
   gradient finite, and their squares' sum, which clipping by norm divides by, not overflowing);
   not under fp16 mixed precision, whose GradScaler skips such steps by design.
 
-The record holds, per check, the first step that failed it and the value there. It is read (one
-host read; under DDP one ``all_reduce`` of the record, so every rank decides alike) only:
+A step only keeps a reference to each value (no kernel, no host read). At a read the values
+noted since the last one are folded into a small record on the device, per check the first step
+that failed it and the value there, and the record is read (one host read; under DDP one
+``all_reduce`` of it, so every rank decides alike). Reads happen only:
 
 - every ``check_every_n_steps`` optimiser steps (default: the trainer's ``log_every_n_steps``);
 - before every checkpoint is written (``on_save_checkpoint``, which Lightning calls for every
@@ -38,6 +39,7 @@ from .schedule import check_step_cadence, every_n_steps_or_logging
 
 NEVER = torch.iinfo(torch.int64).max  # "no step failed this check" in the record
 CHECKS = ("training loss", "gradient norm", "weight")
+FOLD_AFTER = 1024  # values noted per check before they are folded without a read (a long cadence)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -58,6 +60,7 @@ class NonFiniteGuard(Callback):
         self.check_every_n_steps = check_step_cadence("NonFiniteGuard", check_every_n_steps)
         self._first_step: Optional[torch.Tensor] = None  # per check: the first step that failed it
         self._first_value: Optional[torch.Tensor] = None  # per check: the value at that step
+        self._noted: list[list[tuple[int, torch.Tensor]]] = [[] for _ in CHECKS]  # (step, value) since the last fold
         self._where: dict[int, tuple[int, int]] = {}  # step -> (epoch, batch) since the last read
         self._last_read_step = -1
 
@@ -69,18 +72,36 @@ class NonFiniteGuard(Callback):
         device = trainer.strategy.root_device
         self._first_step = torch.full((len(CHECKS),), NEVER, dtype=torch.int64, device=device)
         self._first_value = torch.zeros(len(CHECKS), dtype=torch.float32, device=device)
+        self._noted = [[] for _ in CHECKS]
         self._where, self._last_read_step = {}, int(trainer.global_step)
 
-    # --- the per-step record (no host read) ------------------------------------------------------
+    # --- the per-step record (no kernel, no host read) -------------------------------------------
     def _note(self, trainer: Trainer, check: int, value: torch.Tensor) -> None:
         if self._first_step is None:  # hooks called outside a fit's training (e.g. by hand)
             self.on_train_start(trainer, trainer.lightning_module)
         step = int(trainer.global_step)
         self._where.setdefault(step, (int(trainer.current_epoch), int(trainer.fit_loop.epoch_loop.batch_idx)))
-        value = value.detach().float().reshape(())
-        newly_bad = torch.logical_not(torch.isfinite(value)) & (self._first_step[check] == NEVER)
-        self._first_step[check : check + 1].masked_fill_(newly_bad, step)
-        self._first_value[check] = torch.where(newly_bad, value, self._first_value[check])
+        self._noted[check].append((step, value.detach()))
+        if len(self._noted[check]) >= FOLD_AFTER:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold the values noted since the last fold into the record: device work, no host read."""
+        device = self._first_step.device
+        for check, noted in enumerate(self._noted):
+            if not noted:
+                continue
+            steps = torch.tensor([step for step, _ in noted], dtype=torch.int64)
+            if device.type == "cuda":  # a pinned, asynchronous copy: no wait for the queued kernels
+                steps = steps.pin_memory()
+            steps = steps.to(device, non_blocking=True)
+            values = torch.stack([value.float().reshape(()).to(device) for _, value in noted])
+            bad = torch.logical_not(torch.isfinite(values))
+            first = torch.argmax(bad.to(torch.uint8))  # the first bad value (argmax: its first maximum)
+            newly_bad = bad.any() & (self._first_step[check] == NEVER)
+            self._first_step[check : check + 1].masked_fill_(newly_bad, steps[first])
+            self._first_value[check] = torch.where(newly_bad, values[first], self._first_value[check])
+            noted.clear()
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._note(trainer, 0, loss)
@@ -121,6 +142,7 @@ class NonFiniteGuard(Callback):
         if self._first_step is None:
             return  # no training step recorded yet
         step = int(trainer.global_step)
+        self._fold()
         record = self._first_step.clone()
         if weights:
             params = [p.detach() for p in pl_module.parameters()]

@@ -4,25 +4,26 @@
 
 Every ``every_n_steps``-th training batch the callback embeds the first ``max_samples`` images of
 the batch (augmented, full, unmasked) with an EXTRA forward pass ``pl_module.forward_features``,
-in eval mode, under ``torch.no_grad`` and with forked RNG states, then takes one optimiser step of
-its own head (BatchNorm without affine, as MAE's linear probe, then Linear) on those features.
+in eval mode, under ``torch.no_grad`` and with forked RNG states, adds those features to a
+replay of the last ``replay_samples`` probed samples (:mod:`callbacks.feature_replay`) and takes
+``every_n_steps`` optimiser steps of its own head (BatchNorm without affine, as MAE's linear
+probe, then Linear) on batches of ``replay_samples // every_n_steps`` replayed samples, newest
+first: one head step per training batch, on as many samples as the every-batch probe's.
 Nothing the pre-training sees changes: not the module's gradients, weights, batch-norm
 statistics or train/eval modes, nor the global RNG streams that draw the MAE masks and the data
 order, so the pre-training is the same run with and without the callback.
 
-Cost: the extra forward runs over ALL tokens while an MAE training step encodes a quarter of
-them, so probing every full batch costs about half a training step (+50-57 % on a quickstart
-epoch, measured side by side). The defaults (every 4th batch, its first 32 of 128 images)
-embed 1/16 of that: about 4 % of a quickstart epoch (the seconds inside its hooks,
-``python -m benchmarks --only training``). Accuracy is what the sparse cadence gives up: after
-the quickstart's 100 epochs the shipped probe reached 47.5 % validation top-1, the every-batch
-probe 54.7 % at the same learning rate and 43.3 % at 1e-3 (``python -m benchmarks --only
-probe-accuracy``); sparser cadences, higher rates or several head steps per forward did not
-close the gap (the head needs fresh samples, and each costs a forward). ``every_n_steps=1,
-max_samples=None`` is lightly's every-batch probe. The training loss and accuracy are summed on
-the device and logged once per epoch; the validation accuracy reads the validation features
-kNN and effective rank read (:mod:`callbacks.shared_features`) when the datamodule has a
-``val_dataset``, else it embeds the validation loop's batches itself.
+Cost and accuracy: the extra forward runs over ALL tokens while an MAE training step encodes a
+quarter of them, so embedding every full batch costs about half a training step (+50-57 % on a
+quickstart epoch, measured side by side). The defaults (every 4th batch, its first 32 of 128
+images) embed 1/16 of that. Without the replay (``replay_samples=None``: one head step on each
+fresh handful) that probe ended the quickstart's 100 epochs at 47.5 % validation top-1 against
+the every-batch probe's 54.7 %; with it, at 54.4 % (``python -m benchmarks --only
+probe-accuracy``, torch 2.14.1). ``every_n_steps=1, max_samples=None, replay_samples=None`` is
+lightly's every-batch probe. The training loss and accuracy, over the fresh samples before the
+head steps on them, are summed on the device and logged once per epoch; the validation accuracy
+reads the validation features kNN and effective rank read (:mod:`callbacks.shared_features`)
+when the datamodule has a ``val_dataset``, else it embeds the validation loop's batches itself.
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
@@ -52,6 +53,7 @@ from lightning_mods.probe_head import ProbeHead
 from lightning_mods.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed, check_name, format_setting
 from .feature_collection import loader_settings
+from .feature_replay import FeatureReplay
 from . import shared_features as shared
 from .shared_features import shared_features
 
@@ -61,8 +63,10 @@ DEFAULT_LR = {"adamw": 1e-2, "sgd": 0.1}
 class OnlineLinearProbe(SettingsKeyed):
     """Train a linear probe on detached features during pre-training (see module docstring).
 
-    The head takes one optimiser step every ``every_n_steps`` training batches (micro-batches
-    under gradient accumulation), on the first ``max_samples`` samples of the batch. Logs
+    Every ``every_n_steps`` training batches (micro-batches under gradient accumulation) the
+    callback embeds the first ``max_samples`` samples of the batch and takes ``every_n_steps``
+    optimiser steps on the replayed features (one, on those samples, with
+    ``replay_samples=None``). Logs
     ``online_probe/train_loss`` and ``online_probe/train_top1`` as epoch means over the probed
     batches (this rank's samples) and ``online_probe/val_top1`` after validation epochs (all validation
     samples, the same on every rank; skipped in the sanity check and while the head is
@@ -86,6 +90,10 @@ class OnlineLinearProbe(SettingsKeyed):
         every_n_steps: probe every n-th training batch (1: every batch).
         max_samples: probe at most this many samples of a batch (``None``: all of it); the
             loader shuffles, so the first ones are a random sample.
+        replay_samples: keep the features of the last this many probed samples and sweep them
+            once per probe, ``every_n_steps`` head steps of ``replay_samples // every_n_steps``
+            samples (:mod:`callbacks.feature_replay`; in the state, for exact resumes);
+            ``None``: one head step on the fresh samples alone.
         name: the tag of this instance's metric names when the Trainer has several (default:
             its settings that differ from the defaults).
         blocks: also train a head (per rate) on every chosen block's pooled output (``"all"`` or a
@@ -99,7 +107,7 @@ class OnlineLinearProbe(SettingsKeyed):
     def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
                  optimizer: Literal["adamw", "sgd"] = "adamw", lr: Union[float, list[float], None] = None,
                  momentum: float = 0.9, batch_norm: bool = True, seed: int = 0, every_n_steps: int = 4,
-                 max_samples: Optional[int] = 32, name: Optional[str] = None,
+                 max_samples: Optional[int] = 32, replay_samples: Optional[int] = 512, name: Optional[str] = None,
                  blocks: Union[None, str, list[int]] = None) -> None:
         super().__init__()
         self.blocks = check_blocks("OnlineLinearProbe", blocks)
@@ -122,6 +130,10 @@ class OnlineLinearProbe(SettingsKeyed):
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
                                         or max_samples < 2):
             raise ValueError(f"OnlineLinearProbe: max_samples must be an integer >= 2 or None, got {max_samples!r}")
+        if replay_samples is not None and (isinstance(replay_samples, bool) or not isinstance(replay_samples, int)
+                                           or replay_samples // every_n_steps < 2):
+            raise ValueError(f"OnlineLinearProbe: replay_samples must be None or an integer with at least 2 samples "
+                             f"per head step (replay_samples // every_n_steps >= 2), got {replay_samples!r}")
         self.num_classes = num_classes
         self.feature_dim = feature_dim
         self.optimizer_name = optimizer
@@ -133,11 +145,14 @@ class OnlineLinearProbe(SettingsKeyed):
         self.seed = int(seed)
         self.every_n_steps = every_n_steps
         self.max_samples = max_samples
+        self.replay_samples = replay_samples
         self.name = check_name("OnlineLinearProbe", name)
         self.heads: list[ProbeHead] = []  # one per rate of self.lrs
         self.optimizers: list[torch.optim.Optimizer] = []
         self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
         self.block_optimizers: dict[int, list[torch.optim.Optimizer]] = {}
+        self.replay: Optional[FeatureReplay] = None  # the features' replay (with replay_samples)
+        self.block_replay: dict[int, FeatureReplay] = {}  # per chosen block
         self.over_depth = DepthRows()  # per-block rows of fit's validations (in the state) and the last validate's
         self._pending_blocks: Optional[dict[int, list[dict[str, Any]]]] = None  # restored before they are built
         self.steps = 0  # optimiser steps of the heads (they step together)
@@ -165,7 +180,10 @@ class OnlineLinearProbe(SettingsKeyed):
     def identity(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer_name, "lr": self.given_lr, "momentum": self.momentum,
                 "batch_norm": self.batch_norm, "seed": self.seed, "every_n_steps": self.every_n_steps,
-                "max_samples": self.max_samples, **({"blocks": self.blocks} if self.blocks else {})}
+                "max_samples": self.max_samples,
+                # absent without replay: the key of the probes written before replay existed
+                **({"replay_samples": self.replay_samples} if self.replay_samples is not None else {}),
+                **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
@@ -208,6 +226,8 @@ class OnlineLinearProbe(SettingsKeyed):
         else:
             for head in self.heads + [h for heads in self.block_heads.values() for h in heads]:
                 head.to(self._device)
+        for replay in ([self.replay] if self.replay else []) + list(self.block_replay.values()):
+            replay.to(self._device)
 
     def _new_heads(self, feature_dim: int) -> tuple[list[ProbeHead], list[torch.optim.Optimizer]]:
         """One head per rate, each initialised from ``seed`` (every rate and block starts alike)."""
@@ -281,21 +301,55 @@ class OnlineLinearProbe(SettingsKeyed):
         if _any_rank_nonfinite(features, *blocks.values()):  # a diverged backbone: no step, the same on every rank
             rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
-        sums = []  # per head: (loss x n, correct, n)
-        for head, optimizer in zip(self.heads, self.optimizers):
-            loss, logits = self._step(head, optimizer, features, labels)
-            sums.append(torch.stack([loss.double() * len(labels), (logits.argmax(1) == labels).sum().double()]))
-        count = torch.full((len(sums), 1), float(len(labels)), dtype=torch.float64, device=features.device)
-        for block, block_features in blocks.items():
-            for head, optimizer in zip(self.block_heads[block], self.block_optimizers[block]):
-                self._step(head, optimizer, block_features, labels)
+        if self.replay_samples is None:
+            sums = self._train_heads(self.heads, self.optimizers, features, labels)
+            for block, block_features in blocks.items():
+                self._train_heads(self.block_heads[block], self.block_optimizers[block], block_features, labels)
+        else:
+            sums = self._train_on_replay(features, labels, blocks)
         self.steps += 1
-        # epoch means over the probed batches of every rank, summed on the device (no host read,
+        # epoch means over the probed samples of every rank, summed on the device (no host read,
         # no logging call per step; under DDP one small all_reduce beside the heads' own) and
         # logged at the epoch's end; the sums, the same on every rank, are in the state_dict, so
         # a mid-epoch resume logs the uninterrupted run's means
-        added = all_reduce_sum(torch.cat([torch.stack(sums), count], dim=1))
+        added = all_reduce_sum(sums)
         self._epoch_sums = added if self._epoch_sums is None else self._epoch_sums.to(added.device) + added
+
+    def _train_heads(self, heads: list[ProbeHead], optimizers: list[torch.optim.Optimizer], features: torch.Tensor,
+                     labels: torch.Tensor, scored: Optional[int] = None) -> torch.Tensor:
+        """One step of each head on ``(features, labels)``; per head ``(loss x n, correct, n)`` over
+        the first ``scored`` samples (default all), from the logits before the step."""
+        scored = len(labels) if scored is None else scored
+        sums = []
+        for head, optimizer in zip(heads, optimizers):
+            losses, logits = self._step(head, optimizer, features, labels)
+            sums.append(torch.stack([losses[:scored].double().sum(),
+                                     (logits[:scored].argmax(1) == labels[:scored]).sum().double(),
+                                     torch.full((), float(scored), dtype=torch.float64, device=logits.device)]))
+        return torch.stack(sums)
+
+    def _train_on_replay(self, features: torch.Tensor, labels: torch.Tensor,
+                         blocks: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Add the probed samples to the replay, then sweep it once: ``every_n_steps`` head steps
+        of ``replay_samples // every_n_steps`` samples, newest first (see
+        :mod:`callbacks.feature_replay`). The sums score the fresh samples, in the first step."""
+        if self.replay is None:
+            self.replay = FeatureReplay(self.replay_samples)
+        self.replay.add(features, labels)
+        for block, block_features in blocks.items():
+            self.block_replay.setdefault(block, FeatureReplay(self.replay_samples)).add(block_features, labels)
+        size = self.replay_samples // self.every_n_steps
+        sums = None
+        for i in range(self.every_n_steps):
+            rows = self.replay.rows(i * size, size)
+            step_labels = self.replay.labels.index_select(0, rows)
+            step_sums = self._train_heads(self.heads, self.optimizers, self.replay.features.index_select(0, rows),
+                                          step_labels, scored=min(len(labels), len(rows)))
+            sums = step_sums if sums is None else sums
+            for block, replay in self.block_replay.items():  # the same rows: the blocks' samples are the same
+                self._train_heads(self.block_heads[block], self.block_optimizers[block],
+                                  replay.features.index_select(0, rows), step_labels)
+        return sums
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._epoch_sums is None:
@@ -312,17 +366,18 @@ class OnlineLinearProbe(SettingsKeyed):
     @staticmethod
     def _step(head: ProbeHead, optimizer: torch.optim.Optimizer, features: torch.Tensor,
               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimiser step of ``head``, averaged over ranks; ``(loss, logits)`` before the step."""
+        """One optimiser step of ``head`` on the mean cross-entropy, averaged over ranks;
+        ``(per-sample losses, logits)`` before the step."""
         with torch.enable_grad():
             head.train()
             logits = head(features)
-            loss = F.cross_entropy(logits, labels)
+            losses = F.cross_entropy(logits, labels, reduction="none")
             optimizer.zero_grad(set_to_none=False)
-            loss.backward()
+            losses.mean().backward()
         average_across_ranks_(p.grad for p in head.parameters())
         optimizer.step()
         average_across_ranks_(b for b in head.buffers() if b.is_floating_point())
-        return loss.detach(), logits.detach()
+        return losses.detach(), logits.detach()
 
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -422,6 +477,9 @@ class OnlineLinearProbe(SettingsKeyed):
         state = {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
                  "batches": self.batches, "depth_history": [dict(row) for row in self.over_depth.depth_history],
                  "epoch_sums": None if self._epoch_sums is None else self._epoch_sums.detach().cpu().clone()}
+        if self.replay is not None:
+            state["replay"] = {"features": self.replay.state_dict(),
+                               "blocks": {block: replay.state_dict() for block, replay in self.block_replay.items()}}
         if self.block_heads:
             state["block_heads"] = {block: [{"lr": lr, "head": {k: v.detach().cpu().clone()
                                                               for k, v in head.state_dict().items()},
@@ -439,6 +497,13 @@ class OnlineLinearProbe(SettingsKeyed):
             return
         self.over_depth.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
         self._epoch_sums = state_dict.get("epoch_sums")  # the interrupted epoch's probed samples so far
+        if state_dict.get("replay") and self.replay_samples is not None:  # the state key holds replay_samples
+            self.replay = FeatureReplay(self.replay_samples)
+            self.replay.load_state_dict(state_dict["replay"]["features"], self._device)
+            self.block_replay = {}
+            for block, saved in state_dict["replay"]["blocks"].items():
+                self.block_replay[int(block)] = FeatureReplay(self.replay_samples)
+                self.block_replay[int(block)].load_state_dict(saved, self._device)
         if state_dict.get("block_heads"):
             if self.block_heads:
                 self._load_block_heads(state_dict["block_heads"])

@@ -275,8 +275,9 @@ class MaskedAutoencoder(LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0]
         loss, _, _ = self(images)
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True,
-                 batch_size=images.shape[0])
+        # no sync_dist: with on_step it would all_reduce every step; the train loss is this rank's,
+        # as in the other families
+        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
     def _val_generator(self, batch_idx: int) -> torch.Generator:

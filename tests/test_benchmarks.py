@@ -27,7 +27,7 @@ def test_quick_suite_writes_markdown_and_json(tmp_path):
     sections = {row["section"] for row in rows}
     for expected in ("backbones vs timm (fwd+bwd)", "U-ViT vs plain U-ViT from timm Blocks (fwd+bwd)",
                      "MAE train step vs He et al.'s MAE (timm Blocks)", "achieved FLOP/s / matmul rate",
-                     "peak memory, MAE step vs He et al.'s MAE", "Lightning overhead (quickstart, callbacks off)",
+                     "peak memory, MAE step vs He et al.'s MAE", "Lightning overhead (quickstart, reliability callbacks on)",
                      "evaluation callbacks' share of a quickstart run", "ResidualDroppath",
                      "several settings in one pass", "evaluation over depth",
                      "data pipeline (ImageNet train transform, 224 px)", "online probe accuracy on the quickstart"):

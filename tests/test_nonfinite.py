@@ -133,6 +133,19 @@ def test_a_clean_run_reads_at_the_cadence_and_at_the_end(tmp_path):
     assert guard.read_steps == [3, 6, 7] and guard.step_hook_host_reads == 0
 
 
+def test_values_noted_past_the_fold_limit_keep_the_first_bad_step(tmp_path, monkeypatch):
+    """Under a cadence longer than the guard keeps values for, they are folded into the record
+    on the device without a read: the read at the end still names step 3, not a later one."""
+    import callbacks.nonfinite_guard as guard_module
+    monkeypatch.setattr(guard_module, "FOLD_AFTER", 2)
+    guard = CountedGuard(check_every_n_steps=1000)
+    trainer = guarded_trainer(tmp_path, [guard, InjectNaN(3)], 9, enable_checkpointing=False)
+    with pytest.raises(NonFiniteTrainingError, match=r"^non-finite training loss \(nan\) at step 3 \(epoch 0, batch 3\)"):
+        trainer.fit(tiny_mae(), Digits(batch_size=64, image_size=8))
+    assert guard.read_steps == [9] and guard.step_hook_host_reads == 0
+    assert all(len(noted) <= 2 for noted in guard._noted)
+
+
 def test_no_checkpoint_of_a_diverged_run_between_reads(tmp_path, capsys):
     """NaN at step 4, checkpoints every 3 steps, reads every 100: the save at step 6 reads the
     record first and the fit stops there; the step-3 checkpoint is the last, and finite."""

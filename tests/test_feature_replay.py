@@ -1,0 +1,103 @@
+"""The online probe's feature replay (callbacks/feature_replay.py): the ring buffer's rows by age
+on hand-worked cases, its state round trip, and the probe's head steps on replayed rows
+against a float64 reference of the same SGD steps."""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from callbacks.feature_replay import FeatureReplay
+from callbacks.online_probe import OnlineLinearProbe
+
+
+def numbered(values: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features whose one column is the sample's number, labels the number too."""
+    tensor = torch.tensor(values)
+    return tensor.float().view(-1, 1), tensor
+
+
+def sample_numbers(replay: FeatureReplay, first_age: int, count: int) -> list[int]:
+    features, labels = replay.batch(first_age, count)
+    assert features.view(-1).long().tolist() == labels.tolist()
+    return labels.tolist()
+
+
+def test_rows_by_age_newest_first_before_and_after_the_ring_wraps():
+    replay = FeatureReplay(5)
+    replay.add(*numbered([0, 1, 2]))
+    assert sample_numbers(replay, 0, 2) == [2, 1]
+    assert sample_numbers(replay, 1, 4) == [1, 0, 2]  # only 3 filled: ages 1, 2, 0
+    replay.add(*numbered([3, 4, 5, 6]))  # 0 and 1 dropped
+    assert replay.filled == 5
+    assert sample_numbers(replay, 0, 5) == [6, 5, 4, 3, 2]
+    assert sample_numbers(replay, 3, 4) == [3, 2, 6, 5]  # ages 3, 4, 0, 1
+    replay.add(*numbered([7, 8, 9, 10, 11, 12, 13]))  # more than it holds: the last 5
+    assert sample_numbers(replay, 0, 5) == [13, 12, 11, 10, 9]
+
+
+def test_state_round_trip_and_a_capacity_mismatch():
+    replay = FeatureReplay(4)
+    replay.add(*numbered([1, 2, 3, 4, 5]))
+    restored = FeatureReplay(4)
+    restored.load_state_dict(replay.state_dict(), torch.device("cpu"))
+    assert sample_numbers(restored, 0, 4) == sample_numbers(replay, 0, 4) == [5, 4, 3, 2]
+    restored.add(*numbered([6]))
+    assert sample_numbers(restored, 0, 4) == [6, 5, 4, 3]
+    with pytest.raises(ValueError, match="replays 4 samples, this probe 3"):
+        FeatureReplay(3).load_state_dict(replay.state_dict(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="capacity"):
+        FeatureReplay(1)
+
+
+def test_probe_settings_need_two_samples_per_replayed_step():
+    with pytest.raises(ValueError, match="replay_samples"):
+        OnlineLinearProbe(every_n_steps=4, replay_samples=7)
+    OnlineLinearProbe(every_n_steps=4, replay_samples=8)
+    OnlineLinearProbe(replay_samples=None)
+
+
+def softmax_cross_entropy_step(weight: np.ndarray, bias: np.ndarray, x: np.ndarray, y: np.ndarray,
+                               lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """One plain SGD step of a linear softmax classifier on the mean cross-entropy, float64."""
+    logits = x @ weight.T + bias
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1.0
+    p /= len(y)
+    return weight - lr * p.T @ x, bias - lr * p.sum(axis=0)
+
+
+def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
+    """every_n_steps=2, max_samples=3, replay_samples=6: each probe adds 3 samples, then takes 2
+    steps of 3 samples (ages 0-2, then 3-5, wrapping over the samples held). Training batches
+    0, 2 and 4 are probed. Reference: the same SGD steps in float64 on the rows those ages name."""
+    probe = OnlineLinearProbe(num_classes=3, feature_dim=4, batch_norm=False, optimizer="sgd", momentum=0.0,
+                              lr=0.5, every_n_steps=2, max_samples=3, replay_samples=6)
+    probe._build_heads(4)
+    weight = probe.head.linear.weight.detach().double().numpy().copy()
+    bias = probe.head.linear.bias.detach().double().numpy().copy()
+    module = SimpleNamespace(training=True, train=lambda mode=True: None, forward_features=lambda x: x,
+                             parameters=lambda: iter(()), buffers=lambda: iter(()), modules=lambda: iter(()))
+    trainer = SimpleNamespace(sanity_checking=False,
+                              precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+    g = torch.Generator().manual_seed(0)
+    held: list[tuple[np.ndarray, int]] = []  # newest first
+    for batch_idx in range(6):
+        x, y = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+        probe.on_train_batch_end(trainer, module, None, (x, y), batch_idx)
+        if batch_idx % 2:
+            continue
+        held = [(x[i].double().numpy(), int(y[i])) for i in (2, 1, 0)] + held
+        held = held[:6]
+        for step in range(2):
+            ages = [(3 * step + j) % len(held) for j in range(min(3, len(held)))]
+            xs = np.stack([held[a][0] for a in ages])
+            ys = np.array([held[a][1] for a in ages])
+            weight, bias = softmax_cross_entropy_step(weight, bias, xs, ys, 0.5)
+    assert probe.steps == 3
+    np.testing.assert_allclose(probe.head.linear.weight.detach().double().numpy(), weight, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(probe.head.linear.bias.detach().double().numpy(), bias, rtol=0, atol=1e-6)
