@@ -23,7 +23,7 @@ from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 from .references import PlainUViT, ReferenceMAE
 from .settings import Settings, train_step
-from .timing import Row, interleaved, paired_ratios, ratio_row, skipped
+from .timing import Row, interleaved, interleaved_fresh, paired_ratios, ratio_row, skipped
 
 DECAY = ShortcutSchedule("linear", 0.6)
 NONE = ShortcutSchedule("none")
@@ -34,18 +34,30 @@ def classification_loss(x: torch.Tensor, labels: torch.Tensor):
 
 
 def _compare(section: str, settings: Settings, reference: nn.Module, candidates: dict[str, nn.Module],
-             loss_fn, goals: dict[str, str], label: str, calls: int = 2, optimizer: bool = False) -> list[Row]:
-    """Time every candidate against ``reference`` interleaved; one row per candidate."""
+             loss_fn, goals: dict[str, str], label: str, calls: int = 2, optimizer: bool = False,
+             fresh_copies: bool = False) -> list[Row]:
+    """Time every candidate against ``reference`` interleaved; one row per candidate. With
+    ``fresh_copies`` every round times new copies of the models, one step each
+    (:func:`~benchmarks.timing.interleaved_fresh`), over twice the rounds."""
     models = {"reference": reference, **candidates}
-    steps = {}
-    for name, model in models.items():
-        model.to(settings.torch_device).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
-        steps[name] = train_step(model, loss_fn, settings, opt)
-    times = interleaved(steps, settings.rounds, calls=settings.calls(calls), device=settings.device)
+
+    def steps() -> dict:
+        made = {}
+        for name, model in models.items():
+            model = copy.deepcopy(model) if fresh_copies else model
+            model.to(settings.torch_device).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
+            made[name] = train_step(model, loss_fn, settings, opt)
+        return made
+
+    if fresh_copies:
+        times = interleaved_fresh(steps, settings.pick(2 * settings.rounds - 1, 1), device=settings.device)
+    else:
+        times = interleaved(steps(), settings.rounds, calls=settings.calls(calls), device=settings.device)
     ref_ms = 1e3 * sorted(times["reference"])[len(times["reference"]) // 2]
     return [ratio_row(section, f"{label}: {name}", paired_ratios(times, name, "reference"), goals.get(name),
-                      f"reference {ref_ms:.0f} ms/step") for name in candidates]
+                      f"reference {ref_ms:.0f} ms/step" + (", new copies every round" if fresh_copies else ""))
+            for name in candidates]
 
 
 def _same_weights(source: nn.Module, *targets: nn.Module) -> None:
@@ -62,7 +74,7 @@ def _decayed_vs_timm(settings: Settings, label: str, stock: nn.Module, none: nn.
     return _compare("backbones vs timm (fwd+bwd)", settings, stock,
                     {"decayed none / timm": none, "decayed alpha 0.6 / timm": decay},
                     classification_loss(x, y), {"decayed none / timm": "<= 1.00",
-                                                "decayed alpha 0.6 / timm": "<= 1.02"}, label)
+                                                "decayed alpha 0.6 / timm": "<= 1.02"}, label, fresh_copies=True)
 
 
 def vit_vs_timm(settings: Settings) -> list[Row]:

@@ -23,20 +23,50 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: i
     """Seconds per call of each variant, one entry per round.
 
     Every variant is called ``warmup`` times first (allocator, caches, lazy inits), then in each
-    round every variant in turn runs ``calls`` times back to back and its mean is recorded.
+    round every variant in turn runs ``calls`` times back to back and its mean is recorded. The
+    order rotates from round to round (A B C, B C A, C A B, ...), so that no variant always runs
+    first, or always after the same other one.
     """
     for fn in variants.values():
         for _ in range(warmup):
             fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    names = list(variants)
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = variants[name]
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
             synchronize(device)
             times[name].append((time.perf_counter() - start) / calls)
+    return times
+
+
+def interleaved_fresh(make_variants: Callable[[], dict[str, Callable[[], object]]], rounds: int, warmup: int = 1,
+                      device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Seconds of one call of each variant per round, as :func:`interleaved` (order rotating),
+    but with the variants built anew by ``make_variants`` every round and warmed up ``warmup``
+    times: a model keeps the memory it was given for its life, and on this machine two copies of
+    the same network have run 3-4 % apart for as long as they lived, so a figure over one set
+    of copies measures their memory placement as much as the code. Over fresh copies the
+    placement averages out in the median."""
+    times: dict[str, list[float]] = {}
+    for round_ in range(rounds):
+        variants = make_variants()
+        for fn in variants.values():
+            for _ in range(warmup):
+                fn()
+        synchronize(device)
+        names = list(variants)
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            variants[name]()
+            synchronize(device)
+            times.setdefault(name, []).append(time.perf_counter() - start)
     return times
 
 

@@ -291,8 +291,10 @@ def callback_shares(settings: Settings) -> list[Row]:
                                     + end / (SHIPPED_EPOCHS * per_epoch))
             every_epoch.append(evaluated / train_only - 1)
             epoch_seconds.append(per_epoch)
-    cadences = {"online probe": f"training hooks every {OnlineLinearProbe().every_n_steps} steps, validation every "
-                                f"{SHIPPED_EVAL_EVERY} epochs",
+    shipped = OnlineLinearProbe()
+    cadences = {"online probe": f"{shipped.max_samples} images embedded every {shipped.every_n_steps} steps, "
+                                f"{shipped.every_n_steps} head steps on its {shipped.replay_samples}-sample replay; "
+                                f"validation every {SHIPPED_EVAL_EVERY} epochs",
                 "run summary": f"once per {SHIPPED_EPOCHS}-epoch run"}
     rows = []
     for name in EVALUATIONS:
