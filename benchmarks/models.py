@@ -38,7 +38,7 @@ def _compare(section: str, settings: Settings, reference: nn.Module, candidates:
              fresh_copies: bool = False) -> list[Row]:
     """Time every candidate against ``reference`` interleaved; one row per candidate. With
     ``fresh_copies`` every round times new copies of the models, one step each
-    (:func:`~benchmarks.timing.interleaved_fresh`), over twice the rounds."""
+    (:func:`~benchmarks.timing.interleaved_fresh`), over at least twice the rounds."""
     models = {"reference": reference, **candidates}
 
     def steps() -> dict:
@@ -51,12 +51,15 @@ def _compare(section: str, settings: Settings, reference: nn.Module, candidates:
         return made
 
     if fresh_copies:
-        times = interleaved_fresh(steps, settings.pick(2 * settings.rounds - 1, 1), device=settings.device)
+        # about a minute per pair of rows: 9 rounds of the ViTs' 1 s steps, up to 41 of a ResNet's 0.3 s
+        times = interleaved_fresh(steps, settings.pick(2 * settings.rounds - 1, 1), device=settings.device,
+                                  budget_s=settings.pick(60.0, 0.0), max_rounds=settings.pick(8 * settings.rounds + 1, 1))
     else:
         times = interleaved(steps(), settings.rounds, calls=settings.calls(calls), device=settings.device)
     ref_ms = 1e3 * sorted(times["reference"])[len(times["reference"]) // 2]
     return [ratio_row(section, f"{label}: {name}", paired_ratios(times, name, "reference"), goals.get(name),
-                      f"reference {ref_ms:.0f} ms/step" + (", new copies every round" if fresh_copies else ""))
+                      f"reference {ref_ms:.0f} ms/step" + (f", new copies in each of {len(times['reference'])} rounds"
+                                                           if fresh_copies else ""))
             for name in candidates]
 
 

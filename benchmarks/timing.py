@@ -46,15 +46,19 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: i
 
 
 def interleaved_fresh(make_variants: Callable[[], dict[str, Callable[[], object]]], rounds: int, warmup: int = 1,
-                      device: torch.device | str = "cpu") -> dict[str, list[float]]:
+                      device: torch.device | str = "cpu", budget_s: float = 0.0,
+                      max_rounds: int = 0) -> dict[str, list[float]]:
     """Seconds of one call of each variant per round, as :func:`interleaved` (order rotating),
     but with the variants built anew by ``make_variants`` every round and warmed up ``warmup``
     times: a model keeps the memory it was given for its life, and on this machine two copies of
     the same network have run 3-4 % apart for as long as they lived, so a figure over one set
     of copies measures their memory placement as much as the code. Over fresh copies the
-    placement averages out in the median."""
+    placement averages out in the median. After ``rounds`` rounds it goes on while less than
+    ``budget_s`` seconds have passed, up to ``max_rounds``: short steps get more rounds."""
     times: dict[str, list[float]] = {}
-    for round_ in range(rounds):
+    start_all = time.perf_counter()
+    round_ = 0
+    while round_ < rounds or (time.perf_counter() - start_all < budget_s and round_ < max_rounds):
         variants = make_variants()
         for fn in variants.values():
             for _ in range(warmup):
@@ -67,6 +71,7 @@ def interleaved_fresh(make_variants: Callable[[], dict[str, Callable[[], object]
             variants[name]()
             synchronize(device)
             times.setdefault(name, []).append(time.perf_counter() - start)
+        round_ += 1
     return times
 
 

@@ -249,3 +249,52 @@ def test_decayed_sum_is_one_kernel_and_equals_float64_math(learnable):
     want = 0.6 * x.double().numpy() + branch.double().numpy()
     np.testing.assert_allclose(out.detach().double().numpy(), want, rtol=0, atol=4 * np.finfo(np.float32).eps * 3)
     assert standard.ops == ["aten.add"] and torch.equal(plain, x + branch)
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_inplace_sum_writes_into_the_branch_with_the_same_values(learnable):
+    """``inplace=True`` (the ResNet blocks, as timm's ``x += shortcut``) is one in-place kernel
+    into the branch, bit-identical to the out-of-place sum."""
+    block = DecayedBlock(dim=8, num_heads=2)
+    block.set_shortcut_weights([(0.6, 1.0), (1.0, 1.0)], [learnable, False])
+    x, branch = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    want_decayed, want_plain = block.residual(0, x, branch.clone()), block.residual(1, x, branch.clone())
+    for j, want, op in ((0, want_decayed, "aten.addcmul_" if learnable else "aten.add_"), (1, want_plain, "aten.add_")):
+        target = branch.clone()
+        with AtenOps() as ops:
+            out = block.residual(j, x, target, inplace=True)
+        assert ops.ops == [op] and out.data_ptr() == target.data_ptr()
+        assert torch.equal(out, want)
+
+
+def test_inplace_sum_stays_out_of_place_where_the_branch_is_not_ours_alone():
+    """A branch hook may keep the branch, and a bf16 branch plus a float32 shortcut is float32:
+    both keep the out-of-place sum."""
+    block = DecayedBlock(dim=8, num_heads=2)
+    block.set_shortcut_weights([(0.6, 1.0), (1.0, 1.0)], [False, False])
+    x, branch = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    kept = []
+    block.branch_hook = lambda blk, j, b: kept.append(b) or b
+    before = branch.clone()
+    out = block.residual(0, x, branch, inplace=True)
+    assert torch.equal(kept[0], before) and out.data_ptr() != branch.data_ptr()
+    block.branch_hook = None
+    low = branch.bfloat16()
+    mixed = block.residual(0, x, low, inplace=True)
+    assert mixed.dtype == torch.float32 and torch.equal(low, branch.bfloat16())
+
+
+def test_resnet_training_step_equals_timm_at_alpha_one():
+    """Train mode, forward and backward: with the in-place sum every gradient equals timm's bit
+    for bit (batch statistics, ReLU after the sum, the downsampling shortcuts)."""
+    torch.manual_seed(0)
+    ours = ResNet18Cifar(shortcut=ShortcutSchedule("linear", 1.0), zero_init_branches=False, num_classes=5)
+    ref = stock_resnet(BasicBlock, (2, 2, 2, 2), cifar=True, num_classes=5)
+    ref.load_state_dict(timm_state_dict(ours))
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    for model in (ours, ref):
+        model.train()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads = {name: p.grad for name, p in ref.named_parameters()}
+    for name, p in ours.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name

@@ -70,19 +70,27 @@ class DecayedResidual:
         """The current ``a_j``: a parameter when learnable, else a Python float."""
         return getattr(self, self.alpha_names[j]) if self._learnable[j] else self._fixed_weights[j][0]
 
-    def residual(self, j: int, shortcut: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        """Sub-layer ``j``: ``a_j * shortcut + b_j * branch``."""
+    def residual(self, j: int, shortcut: torch.Tensor, branch: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """Sub-layer ``j``: ``a_j * shortcut + b_j * branch``.
+
+        ``inplace``: the sum may be written into ``branch``, as timm's ResNet blocks do
+        (``x += shortcut``), saving an activation-sized allocation; only where nothing else
+        holds the branch (no ``branch_hook``) and the sum keeps its dtype (under autocast a
+        bf16 branch plus a float32 shortcut is float32, out of place).
+        """
         if self.branch_hook is not None:
-            branch = self.branch_hook(self, j, branch)
+            branch, inplace = self.branch_hook(self, j, branch), False
         a, b = self.shortcut_weight(j), self._fixed_weights[j][1]
         if b != 1.0:
-            branch = branch * b
+            branch, inplace = branch * b, True  # a new tensor, ours
+        inplace = inplace and torch.result_type(branch, shortcut) == branch.dtype and branch.shape == shortcut.shape
         if isinstance(a, float):
-            if a == 1.0:
-                return shortcut + branch  # bit-identical to the standard residual network
+            if a == 1.0:  # bit-identical to the standard residual network (either order, either place)
+                return branch.add_(shortcut) if inplace else shortcut + branch
             # one elementwise kernel, not a product then a sum (rounding may differ in the last bit)
-            return torch.add(branch, shortcut, alpha=a)
-        return torch.addcmul(branch, a, shortcut)  # a learnable alpha: still one kernel
+            return branch.add_(shortcut, alpha=a) if inplace else torch.add(branch, shortcut, alpha=a)
+        # a learnable alpha: still one kernel
+        return branch.addcmul_(a, shortcut) if inplace else torch.addcmul(branch, a, shortcut)
 
     def is_standard(self) -> bool:
         """Whether every sub-layer is the plain ``x + f(x)`` (fixed ``a = b = 1``)."""

@@ -37,7 +37,7 @@ class DecayedBasicBlock(DecayedResidual, BasicBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shortcut = x if self.downsample is None else self.downsample(x)
-        return self.act2(self.residual(0, shortcut, self.branch(x)))
+        return self.act2(self.residual(0, shortcut, self.branch(x), inplace=True))  # timm: x += shortcut
 
     def extra_repr(self) -> str:
         return self.shortcut_extra_repr()
@@ -62,7 +62,7 @@ class DecayedBottleneck(DecayedResidual, Bottleneck):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shortcut = x if self.downsample is None else self.downsample(x)
-        return self.act3(self.residual(0, shortcut, self.branch(x)))
+        return self.act3(self.residual(0, shortcut, self.branch(x), inplace=True))  # timm: x += shortcut
 
     def extra_repr(self) -> str:
         return self.shortcut_extra_repr()
