@@ -79,6 +79,17 @@ def broadcast_from_rank_zero(tensor: torch.Tensor) -> torch.Tensor:
     return work.to(tensor.device)
 
 
+def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of ``local`` (the same shape on every rank), concatenated in rank order,
+    on every rank."""
+    if not is_distributed():
+        return local
+    work = local.detach().to(_backend_device(local))
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, work.contiguous())
+    return torch.cat(parts).to(local.device)
+
+
 def strided_shard(total: int, rank: int, world_size: int) -> range:
     """The indices ``rank, rank + world_size, ...`` below ``total``: no padding, no duplicates."""
     return range(rank, total, world_size)

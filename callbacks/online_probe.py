@@ -27,7 +27,8 @@ when the datamodule has a ``val_dataset``, else it embeds the validation loop's 
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
-the same head (every rank probes the same batches: the cadence counts training batches, the
+the same head; the replay holds every rank's probed samples (one all_gather per probe), the
+same on every rank, so rank 0's checkpoint resumes every rank exactly (every rank probes the same batches: the cadence counts training batches, the
 same number on every rank). Validation accuracy counts every validation sample once (each rank
 scores its strided shard of the shared features; on the validation loop's batches the
 duplicates a DistributedSampler pads with are masked out) in a torchmetrics
@@ -46,7 +47,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mods import metric_names
 from lightning_mods.classification_steps import top_k_accuracy
-from .distributed import all_reduce_sum, average_across_ranks_, distributed_padding_mask, log_identical
+from .distributed import (all_gather_rows, all_reduce_sum, average_across_ranks_, distributed_padding_mask,
+                          is_distributed, log_identical)
 from lightning_mods.eval_mode import isolated_eval
 from lightning_mods.optim import adamw
 from lightning_mods.probe_head import ProbeHead
@@ -333,6 +335,9 @@ class OnlineLinearProbe(SettingsKeyed):
         """Add the probed samples to the replay, then sweep it once: ``every_n_steps`` head steps
         of ``replay_samples // every_n_steps`` samples, newest first (see
         :mod:`callbacks.feature_replay`). The sums score the fresh samples, in the first step."""
+        if is_distributed():  # one replay of every rank's samples, the same on every rank: the
+            # checkpoint holds rank 0's state, which then resumes every rank exactly
+            features, labels, blocks = _gather_probed(features, labels, blocks)
         if self.replay is None:
             self.replay = FeatureReplay(self.replay_samples)
         self.replay.add(features, labels)
@@ -540,6 +545,17 @@ class OnlineLinearProbe(SettingsKeyed):
             optimizer.load_state_dict(entry["optimizer"])
         self.steps = int(state_dict.get("steps", 0))
         self.batches = int(state_dict.get("batches", self.steps))  # older checkpoints: probed every batch
+
+
+def _gather_probed(features: torch.Tensor, labels: torch.Tensor,
+                   blocks: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Every rank's probed samples (features, labels, block features) on every rank, rank
+    order, in one all_gather (labels ride as float columns: exact below 2**24)."""
+    parts = [features, *blocks.values(), labels.to(features.device, features.dtype).unsqueeze(1)]
+    gathered = all_gather_rows(torch.cat(parts, dim=1))
+    columns = gathered.split([p.shape[1] for p in parts], dim=1)
+    return (columns[0], columns[-1].squeeze(1).round().to(labels.dtype).to(labels.device),
+            dict(zip(blocks, columns[1:-1])))
 
 
 def _any_rank_nonfinite(*features: torch.Tensor) -> bool:
