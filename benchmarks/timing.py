@@ -18,6 +18,12 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+def rotated(names: list[str], round_: int) -> list[str]:
+    """``names`` started ``round_`` places on (A B C, B C A, C A B, ...)."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: int = 1, warmup: int = 1,
                 device: torch.device | str = "cpu") -> dict[str, list[float]]:
     """Seconds per call of each variant, one entry per round.
@@ -32,10 +38,8 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: i
             fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
     for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(list(variants), round_):
             fn = variants[name]
             start = time.perf_counter()
             for _ in range(calls):
@@ -64,9 +68,7 @@ def interleaved_fresh(make_variants: Callable[[], dict[str, Callable[[], object]
             for _ in range(warmup):
                 fn()
         synchronize(device)
-        names = list(variants)
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(list(variants), round_):
             start = time.perf_counter()
             variants[name]()
             synchronize(device)

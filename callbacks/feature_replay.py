@@ -58,11 +58,6 @@ class FeatureReplay:
         ages = (first_age + torch.arange(min(count, self.filled), device=self.features.device)) % self.filled
         return (self.end - 1 - ages) % self.capacity
 
-    def batch(self, first_age: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(features, labels)`` of :meth:`rows`."""
-        rows = self.rows(first_age, count)
-        return self.features.index_select(0, rows), self.labels.index_select(0, rows)
-
     def state_dict(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "end": self.end, "filled": self.filled,
                 "features": None if self.features is None else self.features.detach().cpu().clone(),

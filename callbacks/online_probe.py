@@ -27,9 +27,9 @@ when the datamodule has a ``val_dataset``, else it embeds the validation loop's 
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
-the same head; the replay holds every rank's probed samples (one all_gather per probe), the
-same on every rank, so rank 0's checkpoint resumes every rank exactly (every rank probes the same batches: the cadence counts training batches, the
-same number on every rank). Validation accuracy counts every validation sample once (each rank
+the same head (every rank probes the same batches: the cadence counts training batches, the
+same number on every rank); the replay holds every rank's probed samples (one all_gather per
+probe), the same on every rank, so rank 0's checkpoint resumes every rank exactly. Validation accuracy counts every validation sample once (each rank
 scores its strided shard of the shared features; on the validation loop's batches the
 duplicates a DistributedSampler pads with are masked out) in a torchmetrics
 ``MulticlassAccuracy`` (micro), whose ``compute`` sums the counts over ranks.
@@ -304,7 +304,7 @@ class OnlineLinearProbe(SettingsKeyed):
             rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
         if self.replay_samples is None:
-            sums = self._train_heads(self.heads, self.optimizers, features, labels)
+            sums = self._train_heads(self.heads, self.optimizers, features, labels, scored=len(labels))
             for block, block_features in blocks.items():
                 self._train_heads(self.block_heads[block], self.block_optimizers[block], block_features, labels)
         else:
@@ -318,17 +318,17 @@ class OnlineLinearProbe(SettingsKeyed):
         self._epoch_sums = added if self._epoch_sums is None else self._epoch_sums.to(added.device) + added
 
     def _train_heads(self, heads: list[ProbeHead], optimizers: list[torch.optim.Optimizer], features: torch.Tensor,
-                     labels: torch.Tensor, scored: Optional[int] = None) -> torch.Tensor:
-        """One step of each head on ``(features, labels)``; per head ``(loss x n, correct, n)`` over
-        the first ``scored`` samples (default all), from the logits before the step."""
-        scored = len(labels) if scored is None else scored
+                     labels: torch.Tensor, scored: Optional[int] = None) -> Optional[torch.Tensor]:
+        """One step of each head on ``(features, labels)``; with ``scored``, per head ``(loss x n,
+        correct, n)`` over the first ``scored`` samples, from the logits before the step."""
         sums = []
         for head, optimizer in zip(heads, optimizers):
             losses, logits = self._step(head, optimizer, features, labels)
-            sums.append(torch.stack([losses[:scored].double().sum(),
-                                     (logits[:scored].argmax(1) == labels[:scored]).sum().double(),
-                                     torch.full((), float(scored), dtype=torch.float64, device=logits.device)]))
-        return torch.stack(sums)
+            if scored is not None:
+                sums.append(torch.stack([losses[:scored].double().sum(),
+                                         (logits[:scored].argmax(1) == labels[:scored]).sum().double(),
+                                         torch.full((), float(scored), dtype=torch.float64, device=logits.device)]))
+        return torch.stack(sums) if sums else None
 
     def _train_on_replay(self, features: torch.Tensor, labels: torch.Tensor,
                          blocks: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -344,13 +344,13 @@ class OnlineLinearProbe(SettingsKeyed):
         for block, block_features in blocks.items():
             self.block_replay.setdefault(block, FeatureReplay(self.replay_samples)).add(block_features, labels)
         size = self.replay_samples // self.every_n_steps
-        sums = None
         for i in range(self.every_n_steps):
             rows = self.replay.rows(i * size, size)
             step_labels = self.replay.labels.index_select(0, rows)
-            step_sums = self._train_heads(self.heads, self.optimizers, self.replay.features.index_select(0, rows),
-                                          step_labels, scored=min(len(labels), len(rows)))
-            sums = step_sums if sums is None else sums
+            scored = self._train_heads(self.heads, self.optimizers, self.replay.features.index_select(0, rows),
+                                       step_labels, scored=min(len(labels), len(rows)) if i == 0 else None)
+            if i == 0:
+                sums = scored
             for block, replay in self.block_replay.items():  # the same rows: the blocks' samples are the same
                 self._train_heads(self.block_heads[block], self.block_optimizers[block],
                                   replay.features.index_select(0, rows), step_labels)

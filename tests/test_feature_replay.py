@@ -21,7 +21,8 @@ def numbered(values: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample_numbers(replay: FeatureReplay, first_age: int, count: int) -> list[int]:
-    features, labels = replay.batch(first_age, count)
+    rows = replay.rows(first_age, count)
+    features, labels = replay.features.index_select(0, rows), replay.labels.index_select(0, rows)
     assert features.view(-1).long().tolist() == labels.tolist()
     return labels.tolist()
 
