@@ -176,6 +176,12 @@ def _status(r: dict) -> str:
     return "ok" if r.get("status") == 0 else f"FAIL ({r.get('error', r.get('status'))})"
 
 
+def _progress(r: dict) -> str:
+    """A fit's status with its figures, printed as each fit ends: a run cut short keeps them."""
+    return (f"{_status(r)}, {_num(r.get('images_per_s'))} img/s, {_num(r.get('peak_memory_gib'), 2)} GiB peak, "
+            f"loss {_num(r.get('loss'), 4)}")
+
+
 def _num(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -204,12 +210,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             for precision in ("32-true", "bf16-mixed"):
                 out = scratch / f"{family}-{precision}"
                 results["quick"][(family, precision)] = fit(config, out, args.quick_steps, precision)
-                print(f"gpu-check: {family} {precision}: {_status(results['quick'][(family, precision)])}", file=sys.stderr)
+                print(f"gpu-check: {family} {precision}: {_progress(results['quick'][(family, precision)])}", file=sys.stderr)
         data = {"imagenet100": write_imagenet100(scratch / "imagenet100"), "cifar100": write_cifar100(scratch / "cifar100")}
         for name, rows in PAPER.items():
             results["paper"][name] = [fit(composition(row) + paper_data_args(row, data), scratch / row, args.paper_steps,
                                           "bf16-mixed") for row in rows]
-            print(f"gpu-check: {name}: {[_status(r) for r in results['paper'][name]]}", file=sys.stderr)
+            print(f"gpu-check: {name}: {[_progress(r) for r in results['paper'][name]]}", file=sys.stderr)
         gpus = torch.cuda.device_count()
         one = fit(QUICK["MAE"], scratch / "ddp-1", args.ddp_steps, "32-true", devices=1)
         per_device = max(1, 128 // gpus)  # the quickstart's batch of 128, split over the GPUs
