@@ -208,10 +208,11 @@ def lightning_overhead(settings: Settings) -> list[Row]:
 EVALUATIONS = ("online probe", "kNN", "effective rank", "pictures", "run summary")
 
 
-class HookClock:
-    """Seconds spent inside some callbacks' hooks, per callback and per kind: ``"train"`` (hooks
-    of training batches and epochs) and ``"validation"`` (``on_validation_*``) and ``"end"``
-    (``on_train_end``, ``on_fit_end``). On CUDA each hook is synchronised before and after."""
+class HookClock(Callback):
+    """Seconds spent inside some callbacks' hooks, per callback, per kind and per epoch: ``"train"``
+    (hooks of training batches and epochs), ``"validation"`` (``on_validation_*``) and ``"end"``
+    (``on_train_end``, ``on_fit_end``). On CUDA each hook is synchronised before and after. Pass
+    the clock to the Trainer too: it keeps the epoch count."""
 
     HOOKS = {"train": ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
                        "on_before_optimizer_step", "on_train_epoch_start", "on_train_epoch_end"),
@@ -221,7 +222,11 @@ class HookClock:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.seconds: dict[tuple[str, str], float] = {}
+        self.epoch = 0
+        self.seconds: dict[tuple[str, str, int], float] = {}
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: object) -> None:
+        self.epoch = int(trainer.current_epoch)
 
     def watch(self, name: str, target: object) -> None:
         """Time ``target``'s hooks (a callback, or the LightningModule: its picture hook) under ``name``."""
@@ -241,12 +246,39 @@ class HookClock:
             finally:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                key = (name, kind)
+                key = (name, kind, self.epoch)
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
         return timed
 
     def get(self, name: str, kind: str) -> float:
-        return self.seconds.get((name, kind), 0.0)
+        return sum(v for (n, k, _), v in self.seconds.items() if (n, k) == (name, kind))
+
+    def per_epoch(self, name: str, kind: str, epochs: int) -> list[float]:
+        return [self.seconds.get((name, kind, e), 0.0) for e in range(epochs)]
+
+
+class EpochClock(Callback):
+    """Seconds of each training epoch (its batches, from the epoch's start to its end)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: object) -> None:
+        synchronize(trainer.strategy.root_device)
+        self._start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: object) -> None:
+        synchronize(trainer.strategy.root_device)
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def over_a_run(per_epoch: list[float], times: int) -> float:
+    """Seconds per occurrence over a run of ``times`` occurrences, from the measured ones: the
+    later ones are the steady cost, the first one's excess over them (allocations, heads and
+    buffers built) is paid once and spread over the run."""
+    steady = statistics.mean(per_epoch[1:])
+    return steady + max(per_epoch[0] - steady, 0.0) / times
 
 
 def quickstart_evaluations() -> dict[str, object]:
@@ -257,39 +289,46 @@ def quickstart_evaluations() -> dict[str, object]:
 
 
 def callback_shares(settings: Settings) -> list[Row]:
-    """Each evaluation's share of a quickstart run at the SHIPPED cadence, from the seconds spent
-    inside its own hooks in a run that validates every epoch, over the seconds of the same
-    epochs trained without any evaluation (a separate fit, same rounds).
+    """Each evaluation's share of a quickstart run at the SHIPPED cadence (100 epochs, validation
+    every 25), from the seconds spent inside its own hooks in a run that validates every epoch,
+    over the seconds of the same epochs trained without any evaluation (a separate fit, same
+    rounds).
 
-    The online probe trains on its own step cadence (every ``every_n_steps`` batches): its
-    training hooks count every epoch, its validation once per 25 epochs (the quickstart's
-    validation cadence); kNN, effective rank and the pictures once per 25 epochs; the run summary
-    once per 100-epoch run. kNN, effective rank and the probe's validation read one shared
+    Both are taken per epoch: the first epoch's one-time costs (the heads and the replay built,
+    the first forwards' allocations; on the training side the same) count once per run, the
+    later epochs give the steady cost (:func:`over_a_run`). The online probe trains on its own
+    step cadence (every ``every_n_steps`` batches): its training hooks count every epoch, its
+    validation once per 25 epochs; kNN, effective rank and the pictures once per 25 epochs; the
+    run summary once per run. kNN, effective rank and the probe's validation read one shared
     feature pass per dataset (``callbacks/shared_features.py``): it is charged to the first of
     them that asks, the probe (the quickstart's callback order).
     """
-    epochs = settings.pick(2, 1)
+    epochs = settings.pick(4, 2)  # 4 epochs of 11 batches: the probe's every-4th-batch cadence comes round
+    validations = SHIPPED_EPOCHS // SHIPPED_EVAL_EVERY
     shares: dict[str, list[float]] = {name: [] for name in EVALUATIONS}
     every_epoch, epoch_seconds = [], []
     with quiet(), tempfile.TemporaryDirectory() as root:
         for _ in range(max(2, settings.rounds // 2) if not settings.quick else 1):
-            train_only = timed_fit(lambda: (trainer(settings, os.path.join(root, "train"), [], epochs, None),
-                                            _quickstart_model_without_pictures(settings), quickstart_data(settings)))
+            bare = EpochClock()
+            timed_fit(lambda: (trainer(settings, os.path.join(root, "train"), [bare], epochs, None),
+                               _quickstart_model_without_pictures(settings), quickstart_data(settings)))
             clock = HookClock(settings.torch_device)
             callbacks = quickstart_evaluations()
             for name, callback in callbacks.items():
                 clock.watch(name, callback)
             model = quickstart_model(settings)
             clock.watch("pictures", model)
-            evaluated = timed_fit(lambda: (trainer(settings, os.path.join(root, "all"), list(callbacks.values()),
-                                                   epochs, 1), model, quickstart_data(settings)))
-            per_epoch = train_only / epochs
+            evaluated = EpochClock()
+            timed_fit(lambda: (trainer(settings, os.path.join(root, "all"), [clock, *callbacks.values(), evaluated],
+                                       epochs, 1), model, quickstart_data(settings)))
+            per_epoch = over_a_run(bare.seconds, SHIPPED_EPOCHS)
             for name in EVALUATIONS:
-                training, validation = clock.get(name, "train"), clock.get(name, "validation") / epochs
+                training = over_a_run(clock.per_epoch(name, "train", epochs), SHIPPED_EPOCHS)
+                validation = over_a_run(clock.per_epoch(name, "validation", epochs), validations)
                 end = clock.get(name, "end")
-                shares[name].append(training / train_only + validation / (SHIPPED_EVAL_EVERY * per_epoch)
+                shares[name].append(training / per_epoch + validation / (SHIPPED_EVAL_EVERY * per_epoch)
                                     + end / (SHIPPED_EPOCHS * per_epoch))
-            every_epoch.append(evaluated / train_only - 1)
+            every_epoch.append(statistics.mean(evaluated.seconds[1:]) / statistics.mean(bare.seconds[1:]) - 1)
             epoch_seconds.append(per_epoch)
     shipped = OnlineLinearProbe()
     cadences = {"online probe": f"{shipped.max_samples} images embedded every {shipped.every_n_steps} steps, "

@@ -59,8 +59,23 @@ def fused_kernel_available(params: Iterable[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, less the CUDA-graph capture check of each step while no CUDA or XPU context
+    exists (none can then be capturing; the check would find nothing).
+
+    Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so that check's
+    ``torch.cuda.is_available()`` asks NVML at every step, and on a CUDA build of torch without a
+    GPU nothing caches the answer: about 0.25 ms per step on the 2-core reference machine, a
+    quarter of an online-probe head step. With a context the check runs as in torch."""
+
+    def _accelerator_graph_capture_health_check(self) -> None:
+        xpu = getattr(torch, "xpu", None)
+        if torch.cuda.is_initialized() or (xpu is not None and xpu.is_initialized()):
+            super()._accelerator_graph_capture_health_check()
+
+
 def adamw(params: list[dict] | Iterable[torch.Tensor], **kwargs) -> torch.optim.AdamW:
-    """``torch.optim.AdamW(params, **kwargs)`` with ``fused=True`` where :func:`fused_kernel_available`
+    """:class:`AdamW` (torch's) ``(params, **kwargs)`` with ``fused=True`` where :func:`fused_kernel_available`
     (one kernel for every parameter's update: 0.3x the ``foreach`` step's time for a ViT-S on a
     2-core CPU, ``benchmarks``), else torch's default (``foreach`` on CUDA, a loop elsewhere).
     Results equal ``foreach`` within float32 rounding, not bit for bit. A checkpoint's optimiser
@@ -69,7 +84,7 @@ def adamw(params: list[dict] | Iterable[torch.Tensor], **kwargs) -> torch.optim.
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     if "fused" not in kwargs and "foreach" not in kwargs and fused_kernel_available(tensors):
         kwargs["fused"] = True
-    return torch.optim.AdamW(params, **kwargs)
+    return AdamW(params, **kwargs)
 
 
 def per_device_batch_size(trainer) -> int:  # noqa: ANN001 (Trainer)

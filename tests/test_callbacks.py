@@ -375,6 +375,25 @@ def test_online_probe_state_dict_round_trip():
         OnlineLinearProbe(optimizer="lamb")
 
 
+def test_online_probe_refuses_a_head_trained_at_another_default_rate():
+    """A single head's rate is in its state: when the default rate moves (1e-2 -> 2e-2), a
+    checkpoint of the old default does not go on silently at the new one."""
+    probe = OnlineLinearProbe(num_classes=3, feature_dim=4, lr=0.01)
+    probe._build_heads(4)
+    state = probe.state_dict()
+    assert state["lr"] == 0.01
+    default = OnlineLinearProbe(num_classes=3, feature_dim=4)
+    assert default.lr == 0.02
+    default.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"trained at lr \[0.01\], this probe's are \[0.02\]"):
+        default._build_heads(4)
+    older = {k: v for k, v in state.items() if k != "lr"}  # written before the rate was saved
+    continued = OnlineLinearProbe(num_classes=3, feature_dim=4)
+    continued.load_state_dict(older)
+    continued._build_heads(4)  # no rate saved: taken to be this probe's
+    assert torch.equal(continued.head.linear.weight, probe.head.linear.weight)
+
+
 def test_resume_continues_exactly(tmp_path):
     def run(max_epochs, ckpt_path=None, root="run"):
         seed_everything(0)

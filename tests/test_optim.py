@@ -191,3 +191,29 @@ def test_adamw_falls_back_where_torch_has_no_fused_kernel():
 
 def optim_fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(optimizer.defaults["fused"])
+
+
+def test_adamw_skips_the_capture_check_only_without_a_cuda_or_xpu_context(monkeypatch):
+    """The capture check asks NVML whether CUDA is available under Lightning (no cache on a CUDA
+    build without a GPU); it is skipped only while no context exists, and runs as torch's otherwise."""
+    from lightning_mods.optim import adamw
+
+    checks = []
+    monkeypatch.setattr(torch.optim.AdamW, "_accelerator_graph_capture_health_check", lambda self: checks.append(1))
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = adamw([w], lr=0.1, weight_decay=0.0)
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, weight_decay=0.0)
+    for opt in (optimizer, reference):
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.tensor([1.0, -2.0, 0.5])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    if getattr(torch, "xpu", None) is not None:
+        monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False)
+    optimizer.step()
+    assert checks == []
+    reference.step()  # torch's own class always checks
+    assert checks == [1]
+    torch.testing.assert_close(w.detach(), reference.param_groups[0]["params"][0].detach(), rtol=0, atol=1e-7)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    optimizer.step()
+    assert checks == [1, 1]
