@@ -5,8 +5,9 @@ each handful leaves the head short of steps: after the quickstart's 100 epochs s
 (32 images every 4th batch) was 7 points below the probe that embeds every full batch. Keeping
 the last ``capacity`` probed samples' features and sweeping them once per probe (one head step
 per training batch, as the every-batch probe takes) gives the head the every-batch probe's
-number of steps and batch size while the backbone embeds 1/16 of the images. The features
-replayed are at most ``capacity / samples per probe`` probes old.
+number of steps and batch size while the backbone embeds a fraction of the images (the
+probe's defaults: 16 of 128 every 4th batch, 1/32). The features replayed are at most
+``capacity / samples per probe`` probes old.
 
 The buffer lives on the heads' device and never reads back to the host: adding and choosing
 rows are index kernels, the row counts are known on the host.
