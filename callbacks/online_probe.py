@@ -25,10 +25,11 @@ batch gave 51.9-53.6 %, 12 gave 49.2-51.9 %, probing 32 images every 8th batch 4
 rates 2e-2 to 4e-2 (one 100-epoch run each; docs/performance.md). Without the replay
 (``replay_samples=None``: one head step on each fresh handful) the earlier 32-image probe ended
 at 47.5 % against 54.4 % with it (both at 1e-2). ``every_n_steps=1, max_samples=None,
-replay_samples=None`` is lightly's every-batch probe. The training loss and accuracy, over the fresh samples before the
-head steps on them, are summed on the device and logged once per epoch; the validation accuracy
-reads the validation features kNN and effective rank read (:mod:`callbacks.shared_features`)
-when the datamodule has a ``val_dataset``, else it embeds the validation loop's batches itself.
+replay_samples=None`` is lightly's every-batch probe. The training loss and accuracy, over the
+fresh samples before the head steps on them, are summed on the device and logged once per
+epoch; the validation accuracy reads the validation features kNN and effective rank read
+(:mod:`callbacks.shared_features`) when the datamodule has a ``val_dataset``, else it embeds
+the validation loop's batches itself.
 
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
@@ -383,7 +384,7 @@ class OnlineLinearProbe(SettingsKeyed):
         head step's time on the quickstart): the head's batch norm has no affine parameters, so
         only the linear layer learns, and the mean cross-entropy's gradient at the logits is
         ``(softmax - onehot) / N``; ``tests/test_feature_replay.py`` checks the steps against
-        float64 numpy."""
+        torch autograd (with batch norm) and float64 numpy (without)."""
         if not head.training:  # after a validation
             head.train()
         with torch.no_grad():

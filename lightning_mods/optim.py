@@ -59,9 +59,11 @@ def fused_kernel_available(params: Iterable[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-class AdamW(torch.optim.AdamW):
+class _AdamW(torch.optim.AdamW):
     """torch's AdamW, less the CUDA-graph capture check of each step while no CUDA or XPU context
-    exists (none can then be capturing; the check would find nothing).
+    exists (none can then be capturing; the check would find nothing). Private: LightningCLI
+    resolves ``--optimizer AdamW`` by class name among the subclasses it can import, and a public
+    second ``AdamW`` would make that name ambiguous.
 
     Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so that check's
     ``torch.cuda.is_available()`` asks NVML at every step, and on a CUDA build of torch without a
@@ -75,16 +77,17 @@ class AdamW(torch.optim.AdamW):
 
 
 def adamw(params: list[dict] | Iterable[torch.Tensor], **kwargs) -> torch.optim.AdamW:
-    """:class:`AdamW` (torch's) ``(params, **kwargs)`` with ``fused=True`` where :func:`fused_kernel_available`
-    (one kernel for every parameter's update: 0.3x the ``foreach`` step's time for a ViT-S on a
-    2-core CPU, ``benchmarks``), else torch's default (``foreach`` on CUDA, a loop elsewhere).
+    """torch's AdamW (:class:`_AdamW`) ``(params, **kwargs)`` with ``fused=True`` where
+    :func:`fused_kernel_available` (one kernel for every parameter's update: 0.3x the ``foreach``
+    step's time for a ViT-S on a 2-core CPU, ``benchmarks``), else torch's default (``foreach``
+    on CUDA, a loop elsewhere).
     Results equal ``foreach`` within float32 rounding, not bit for bit. A checkpoint's optimiser
     state keeps the setting it was written with (``load_state_dict`` restores the groups' flags)."""
     params = list(params)
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     if "fused" not in kwargs and "foreach" not in kwargs and fused_kernel_available(tensors):
         kwargs["fused"] = True
-    return AdamW(params, **kwargs)
+    return _AdamW(params, **kwargs)
 
 
 def per_device_batch_size(trainer) -> int:  # noqa: ANN001 (Trainer)
