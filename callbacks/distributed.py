@@ -108,16 +108,13 @@ def gather_strided(local: torch.Tensor, total: int) -> torch.Tensor:
                          f"{len(strided_shard(total, rank, world_size))}")
     if world_size == 1:
         return local
-    device = _backend_device(local)
     largest = math.ceil(total / world_size)
-    padded = local.new_zeros((largest, *local.shape[1:]), device=device)
-    padded[:len(local)] = local.to(device)
-    parts = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(parts, padded)
-    out = local.new_empty((total, *local.shape[1:]), device=device)
-    for r, part in enumerate(parts):
+    padded = local.new_zeros((largest, *local.shape[1:]))
+    padded[:len(local)] = local
+    out = local.new_empty((total, *local.shape[1:]))
+    for r, part in enumerate(all_gather_rows(padded).split(largest)):
         out[r::world_size] = part[:len(strided_shard(total, r, world_size))]
-    return out.to(local.device)
+    return out
 
 
 def distributed_padding_mask(dataloader: object, start: int, batch_size: int) -> Optional[torch.Tensor]:

@@ -35,10 +35,11 @@ Under DDP the head is not part of the DDP-wrapped module: its gradients are aver
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
 the same head (every rank probes the same batches: the cadence counts training batches, the
 same number on every rank); the replay holds every rank's probed samples (one all_gather per
-probe), the same on every rank, so rank 0's checkpoint resumes every rank exactly. Validation accuracy counts every validation sample once (each rank
-scores its strided shard of the shared features; on the validation loop's batches the
-duplicates a DistributedSampler pads with are masked out) in a torchmetrics
-``MulticlassAccuracy`` (micro), whose ``compute`` sums the counts over ranks.
+probe), the same on every rank, so rank 0's checkpoint resumes every rank exactly. Validation
+accuracy counts every validation sample once (each rank scores its strided shard of the shared
+features; on the validation loop's batches the duplicates a DistributedSampler pads with are
+masked out) in a torchmetrics ``MulticlassAccuracy`` (micro), whose ``compute`` sums the counts
+over ranks.
 """
 from __future__ import annotations
 
@@ -353,10 +354,10 @@ class OnlineLinearProbe(SettingsKeyed):
         for i in range(self.every_n_steps):
             rows = self.replay.rows(i * size, size)
             step_labels = self.replay.labels.index_select(0, rows)
-            scored = self._train_heads(self.heads, self.optimizers, self.replay.features.index_select(0, rows),
-                                       step_labels, scored=min(len(labels), len(rows)) if i == 0 else None)
+            step_sums = self._train_heads(self.heads, self.optimizers, self.replay.features.index_select(0, rows),
+                                          step_labels, scored=min(len(labels), len(rows)) if i == 0 else None)
             if i == 0:
-                sums = scored
+                sums = step_sums
             for block, replay in self.block_replay.items():  # the same rows: the blocks' samples are the same
                 self._train_heads(self.block_heads[block], self.block_optimizers[block],
                                   replay.features.index_select(0, rows), step_labels)
@@ -387,14 +388,14 @@ class OnlineLinearProbe(SettingsKeyed):
         torch autograd (with batch norm) and float64 numpy (without)."""
         if not head.training:  # after a validation
             head.train()
+        weight, bias = head.linear.weight, head.linear.bias
         with torch.no_grad():
             normed = head.norm(features.detach())  # batch statistics; updates the running ones
-            logits = F.linear(normed, head.linear.weight, head.linear.bias)
+            logits = F.linear(normed, weight, bias)
             log_probs = F.log_softmax(logits, dim=1)
             losses = -log_probs.gather(1, labels.view(-1, 1)).squeeze(1)
             slope = log_probs.exp_()  # d(mean loss)/d(logits), built in place of the probabilities
             slope.scatter_add_(1, labels.view(-1, 1), torch.full_like(losses.view(-1, 1), -1.0)).div_(len(labels))
-            weight, bias = head.linear.weight, head.linear.bias
             weight.grad = slope.t().mm(normed)
             bias.grad = slope.sum(0)
         average_across_ranks_(p.grad for p in head.parameters())
