@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,8 +43,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_groups(groups: list[str], settings: Settings) -> tuple[list, float]:
-    """Rows of the chosen groups, in order, and the seconds they took."""
+def run_groups(groups: list[str], settings: Settings,
+               after_group: Callable[[list, float], None] = lambda rows, seconds: None) -> tuple[list, float]:
+    """Rows of the chosen groups, in order, and the seconds they took; ``after_group(rows, seconds)``
+    after each group (the report is written there, so a run stopped part-way keeps what it measured)."""
     torch.manual_seed(0)
     start = time.perf_counter()
     rows = []
@@ -53,6 +56,7 @@ def run_groups(groups: list[str], settings: Settings) -> tuple[list, float]:
             group_start = time.perf_counter()
             rows += GROUPS[name](settings)
             print(f"[{name}: {time.perf_counter() - group_start:.0f} s]", file=sys.stderr)
+            after_group(rows, time.perf_counter() - start)
     return rows, time.perf_counter() - start
 
 
@@ -71,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    def write(rows: list, seconds: float) -> None:
+        env = report.environment(settings, seconds)
+        env["threads"] = args.threads or threads
+        report.write(rows, env, command, args.out, args.out.with_suffix(".json"))
+
     try:
-        rows, seconds = run_groups(args.only, settings)
+        rows, seconds = run_groups(args.only, settings, after_group=write)
     finally:  # the caller's (e.g. the test session's) threads as they were
         torch.set_num_threads(threads)
         if omp is None:
@@ -81,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["OMP_NUM_THREADS"] = omp
     env = report.environment(settings, seconds)
     env["threads"] = args.threads or threads
-    report.write(rows, env, command, args.out, args.out.with_suffix(".json"))
     print(report.markdown(rows, env, command))
     print(f"written: {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
     return 0

@@ -3,18 +3,25 @@
 On a machine with CUDA it runs, each as its own ``shortcutlab fit`` process:
 
 1. every family's quick config (MAE, U-ViT diffusion, ResNet classifier, spiral) for
-   ``--quick-steps`` steps in ``32-true`` and in ``bf16-mixed``;
+   ``--quick-steps`` steps in ``32-true`` and in ``bf16-mixed`` (``--jobs`` of them at a time,
+   with the DDP pair of 3: these check that each runs, so their img/s is a figure only at
+   ``--jobs 1``);
 2. the ImageNet-100 MAE ViT-B/16 and CIFAR-100 U-ViT-S paper configs, decayed and standard,
    ``--paper-steps`` steps each on generated data of the real shapes (real JPEG class folders,
    real CIFAR pickles), in bf16-mixed: images/s after the first steps, peak memory, and the
    decayed / standard images/s ratio;
-3. a DDP run over every visible GPU (NCCL) of the quick MAE config, the same global batch as a
-   one-GPU run: its final training loss must be within ``--ddp-tolerance`` of the one-GPU run's
-   (the ranks draw their own masks and shuffles, so equal in distribution, not bit for bit);
-4. ``python -m benchmarks --device cuda --precision bf16-mixed``.
+3. a DDP run (``strategy=ddp``, NCCL, also on a single GPU) over every visible GPU of the quick
+   MAE config, the same global batch as a one-GPU run without DDP: its final training loss must
+   be within ``--ddp-tolerance`` of the one-GPU run's (the ranks draw their own masks and
+   shuffles, so equal in distribution, not bit for bit);
+4. ``python -m benchmarks --device cuda --precision bf16-mixed`` (plus ``--bench-args``), given
+   what is left of ``--time-limit-s`` if one is set; the suite writes its table after each group,
+   so a benchmark run cut off there keeps the groups it finished.
 
-It writes ``docs/results/gpu/<gpu name>.md`` (and the benchmark table beside it) and exits
-non-zero if any part failed. Without CUDA it says so in one line and exits 0. Never part of CI.
+It writes ``docs/results/gpu/<gpu name>.md`` (and the benchmark table beside it) after every
+part, so a run stopped part-way leaves the parts it finished and marks the rest "not run", and
+exits non-zero if any part failed or did not run. Without CUDA it says so in one line and exits
+0. Never part of CI.
 """
 from __future__ import annotations
 
@@ -22,15 +29,19 @@ import argparse
 import json
 import pickle
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_mods.atomic_files import write_atomically
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
@@ -40,7 +51,10 @@ QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
          "spiral": ["--config=configs/spiral_quick.yaml"]}
 PAPER = {"ImageNet-100 MAE ViT-B/16": ("imagenet100_mae_vit_b16_alpha0.6", "imagenet100_mae_vit_b16_alpha1.0"),
          "CIFAR-100 U-ViT-S": ("cifar100_uvit_s_alpha0.6", "cifar100_uvit_s_alpha1.0")}
+PRECISIONS = ("32-true", "bf16-mixed")
+PARTS = ("quick", "ddp", "paper", "bench")
 WARMUP_STEPS = 20  # steps before the clock starts (cuDNN autotuning, allocator growth)
+NOT_RUN = {"status": None, "error": "not run"}
 
 
 class Throughput(Callback):
@@ -72,8 +86,9 @@ class Throughput(Callback):
 
 
 def fit(args: list[str], out: Path, steps: int, precision: str, devices: int = 1,
-        extra: Optional[list[str]] = None) -> dict:
-    """One ``shortcutlab fit`` process; its Throughput record plus the exit status and seconds."""
+        extra: Optional[list[str]] = None, ddp: bool = False) -> dict:
+    """One ``shortcutlab fit`` process (under ``strategy=ddp`` if ``ddp``); its Throughput record
+    plus the exit status and seconds."""
     record_path = out / "throughput.json"
     command = [sys.executable, "-m", "cli", "fit", *args, f"--trainer.max_steps={steps}",
                "--trainer.max_epochs=-1", "--trainer.accelerator=gpu", f"--trainer.devices={devices}",
@@ -81,7 +96,7 @@ def fit(args: list[str], out: Path, steps: int, precision: str, devices: int = 1
                "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
                "--trainer.callbacks+=benchmarks.gpu_check.Throughput", f"--trainer.callbacks.path={record_path}",
                *(extra or [])]
-    if devices > 1:
+    if ddp:
         command.append("--trainer.strategy=ddp")
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -103,13 +118,17 @@ def composition(name: str) -> list[str]:
     return [f"--config=configs/{c}" for c in row["configs"]] + args
 
 
-def write_imagenet100(root: Path, per_class: int = 4) -> Path:
+def write_imagenet100(root: Path, per_class: int = 256) -> Path:
     """``root/{train,val}/<wnid>/*.JPEG`` for the 100 classes of configs/imagenet100_classes.txt,
-    500 x 375 real JPEGs (the benchmarks' generator)."""
+    500 x 375 real JPEGs (the benchmarks' generator), one process per core. 256 a class: the 200
+    steps at batch 128 stay inside one epoch, so the timed steps hold no epoch-end checkpoint of
+    the 1.3 GB that ViT-B with AdamW writes (at 4 a class, one every 3 steps, the run took minutes)."""
     from .data_pipeline import write_jpeg_folder
 
     classes = (REPO / "configs" / "imagenet100_classes.txt").read_text().split()
-    write_jpeg_folder(str(root), per_class, names=classes)
+    with ProcessPoolExecutor() as pool:
+        list(pool.map(write_jpeg_folder, [str(root)] * len(classes), [per_class] * len(classes),
+                      range(len(classes)), [[name] for name in classes]))
     return root
 
 
@@ -133,8 +152,8 @@ def write_cifar100(root: Path, n_train: int = 2048, n_test: int = 256) -> Path:
 
 
 def paper_data_args(row: str, data: dict[str, Path]) -> list[str]:
-    if row.startswith("imagenet100"):
-        return [f"--data.init_args.data_dir={data['imagenet100']}", "--data.init_args.num_workers=8"]
+    if row.startswith("imagenet100"):  # the config's own 10 workers
+        return [f"--data.init_args.data_dir={data['imagenet100']}"]
     return [f"--data.init_args.data_dir={data['cifar100']}", "--data.init_args.download=false",
             "--data.init_args.num_workers=4"]
 
@@ -143,37 +162,50 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def report(results: dict, out: Path, bench_file: Path) -> str:
+def report(results: dict, out: Path, bench_file: Path, jobs: int) -> str:
+    """The results file from what ``results`` holds so far: a part not yet run reads "not run"."""
+    together = (f" Run {jobs} at a time (with the DDP pair) on one GPU: these rows check that each config "
+                "runs, and their img/s is shared, not a throughput figure." if jobs > 1 else "")
     lines = [f"# gpu-check on {gpu_name()}", "",
              f"`make gpu-check` at torch {torch.__version__}, CUDA {torch.version.cuda}, "
-             f"{torch.cuda.device_count()} GPU(s); written by benchmarks/gpu_check.py.", "",
-             "## Quick configs", "", "| family | precision | status | steps | img/s | peak GiB | loss |",
-             "|---|---|---|---|---|---|---|"]
-    for (family, precision), r in results["quick"].items():
-        lines.append(f"| {family} | {precision} | {_status(r)} | {r.get('steps', '-')} | {_num(r.get('images_per_s'))} | "
-                     f"{_num(r.get('peak_memory_gib'), 2)} | {_num(r.get('loss'), 4)} |")
+             f"{torch.cuda.device_count()} GPU(s); written by benchmarks/gpu_check.py with "
+             f"`{results['command']}`.", "",
+             "## Quick configs", "", f"{results['quick_steps']} steps each.{together}", "",
+             "| family | precision | status | steps | img/s | peak GiB | loss |", "|---|---|---|---|---|---|---|"]
+    for family in QUICK:
+        for precision in PRECISIONS:
+            r = results["quick"].get(f"{family} {precision}", NOT_RUN)
+            lines.append(f"| {family} | {precision} | {_status(r)} | {r.get('steps', '-')} | "
+                         f"{_num(r.get('images_per_s'))} | {_num(r.get('peak_memory_gib'), 2)} | "
+                         f"{_num(r.get('loss'), 4)} |")
     lines += ["", "## Paper configs on generated data (bf16-mixed)", "",
+              f"{results['paper_steps']} steps each, one at a time; img/s from step {WARMUP_STEPS} on.", "",
               "| config | run | status | img/s | peak GiB | decayed / standard img/s |", "|---|---|---|---|---|---|"]
-    for name, pair in results["paper"].items():
-        decayed, standard = pair
+    for name in PAPER:
+        decayed, standard = results["paper"].get(name, (NOT_RUN, NOT_RUN))
         ratio = (decayed.get("images_per_s") or 0) / standard["images_per_s"] if standard.get("images_per_s") else None
         for label, r in (("decayed", decayed), ("standard", standard)):
             lines.append(f"| {name} | {label} | {_status(r)} | {_num(r.get('images_per_s'))} | "
                          f"{_num(r.get('peak_memory_gib'), 2)} | {_num(ratio, 3) if label == 'decayed' else ''} |")
-    ddp = results["ddp"]
-    lines += ["", "## DDP", "", f"{ddp['summary']}", "", "## Benchmarks", "",
-              f"`python -m benchmarks --device cuda --precision bf16-mixed`: status {results['bench']['status']}, "
-              f"table in [{bench_file.name}]({bench_file.name}).", ""]
+    ddp = results.get("ddp", {"ok": False, "summary": "FAIL: not run"})
+    bench = results.get("bench", {"status": None, "summary": "not run"})
+    lines += ["", "## DDP", "", ddp["summary"], "", "## Benchmarks", "",
+              f"`{bench.get('command', 'python -m benchmarks --device cuda --precision bf16-mixed')}`: "
+              f"{bench['summary']}" + (f"; table in [{bench_file.name}]({bench_file.name})." if bench_file.is_file()
+                                       else "."), ""]
     failures = [line for line in lines if "FAIL" in line]
-    lines += ["## Result", "", "every part passed" if not failures and ddp["ok"] and results["bench"]["status"] == 0
-              else "FAILED: see the rows marked FAIL above", ""]
+    passed = not failures and ddp["ok"] and bench["status"] == 0
+    lines += ["## Result", "", "every part passed" if passed else
+              "FAILED or not finished: see the rows marked FAIL and the parts not run above", ""]
     text = "\n".join(lines)
-    out.write_text(text)
+    write_atomically(out, lambda f: f.write(text.encode()))
     return text
 
 
 def _status(r: dict) -> str:
-    return "ok" if r.get("status") == 0 else f"FAIL ({r.get('error', r.get('status'))})"
+    if r.get("status") == 0:
+        return "ok"
+    return f"FAIL ({r.get('error', r.get('status'))})"
 
 
 def _progress(r: dict) -> str:
@@ -193,47 +225,101 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--ddp-steps", type=int, default=200)
     parser.add_argument("--ddp-tolerance", type=float, default=0.05, help="relative, on the final training loss")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results" / "gpu")
-    return parser.parse_args(argv)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="quick-config fits run at a time (their img/s is a figure only at 1); paper configs "
+                             "and the benchmarks always run alone")
+    parser.add_argument("--bench-args", default="", help="more arguments for python -m benchmarks, e.g. '--rounds 2'")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="seconds for the whole check: the benchmark part gets what is left (less 30 s to "
+                             "write the results)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the parts to run (a subset writes <gpu name>-<parts>.md, so split runs keep both files)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    start = time.perf_counter()
     args = parse(argv)
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here (torch.cuda.is_available() is False); nothing run", file=sys.stderr)
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name()).strip("-")
-    results: dict = {"quick": {}, "paper": {}}
+    if list(args.parts) != list(PARTS):
+        stem += "-" + "-".join(part for part in PARTS if part in args.parts)
+    out, bench_file = args.out_dir / f"{stem}.md", args.out_dir / f"{stem}-benchmarks.md"
+    given = sys.argv[1:] if argv is None else argv
+    results: dict = {"command": "make gpu-check" + (f" ARGS={shlex.quote(shlex.join(given))}" if given else ""),
+                     "quick_steps": args.quick_steps, "paper_steps": args.paper_steps, "quick": {}, "paper": {}}
+    written = lambda: report(results, out, bench_file, args.jobs)  # noqa: E731 (after every part)
+    written()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        for family, config in QUICK.items():
-            for precision in ("32-true", "bf16-mixed"):
-                out = scratch / f"{family}-{precision}"
-                results["quick"][(family, precision)] = fit(config, out, args.quick_steps, precision)
-                print(f"gpu-check: {family} {precision}: {_progress(results['quick'][(family, precision)])}", file=sys.stderr)
-        data = {"imagenet100": write_imagenet100(scratch / "imagenet100"), "cifar100": write_cifar100(scratch / "cifar100")}
-        for name, rows in PAPER.items():
-            results["paper"][name] = [fit(composition(row) + paper_data_args(row, data), scratch / row, args.paper_steps,
-                                          "bf16-mixed") for row in rows]
-            print(f"gpu-check: {name}: {[_progress(r) for r in results['paper'][name]]}", file=sys.stderr)
-        gpus = torch.cuda.device_count()
-        one = fit(QUICK["MAE"], scratch / "ddp-1", args.ddp_steps, "32-true", devices=1)
-        per_device = max(1, 128 // gpus)  # the quickstart's batch of 128, split over the GPUs
-        many = fit(QUICK["MAE"], scratch / "ddp-n", args.ddp_steps, "32-true", devices=gpus,
-                   extra=[f"--data.init_args.batch_size={per_device}"])
-        ok = one.get("status") == 0 and many.get("status") == 0 and one.get("loss") and many.get("loss") is not None \
-            and abs(many["loss"] - one["loss"]) <= args.ddp_tolerance * abs(one["loss"])
-        results["ddp"] = {"ok": bool(ok), "summary": (
-            f"{'ok' if ok else 'FAIL'}: {gpus} GPU(s) with DDP (NCCL, batch {per_device} per GPU) final training loss "
-            f"{_num(many.get('loss'), 4)} against {_num(one.get('loss'), 4)} on one GPU (batch 128), "
-            f"tolerance {args.ddp_tolerance:.0%} relative; {_status(many)} / {_status(one)}")}
-    bench_file = args.out_dir / f"{stem}-benchmarks.md"
-    bench = subprocess.run([sys.executable, "-m", "benchmarks", "--device", "cuda", "--precision", "bf16-mixed",
-                            "--out", str(bench_file)], cwd=REPO)
-    results["bench"] = {"status": bench.returncode}
-    text = report(results, args.out_dir / f"{stem}.md", bench_file)
+        if "quick" in args.parts or "ddp" in args.parts:
+            quick_and_ddp(args, scratch, results)
+            written()
+        if "paper" in args.parts:
+            data = {"imagenet100": write_imagenet100(scratch / "imagenet100"),
+                    "cifar100": write_cifar100(scratch / "cifar100")}
+            for name, rows in PAPER.items():
+                results["paper"][name] = [fit(composition(row) + paper_data_args(row, data), scratch / row,
+                                              args.paper_steps, "bf16-mixed") for row in rows]
+                print(f"gpu-check: {name}: {[_progress(r) for r in results['paper'][name]]}", file=sys.stderr)
+                written()
+    if "bench" in args.parts:
+        results["bench"] = benchmarks(args, bench_file, None if args.time_limit_s is None
+                                      else args.time_limit_s - (time.perf_counter() - start) - 30)
+    text = written()
     print(text)
     return 0 if "every part passed" in text else 1
+
+
+def quick_and_ddp(args: argparse.Namespace, scratch: Path, results: dict) -> None:
+    """The quick configs and the DDP pair, ``--jobs`` at a time (none of them is a timing)."""
+    gpus = torch.cuda.device_count()
+    per_device = max(1, 128 // gpus)  # the quickstart's batch of 128, split over the GPUs
+    runs = {}
+    if "quick" in args.parts:
+        runs = {f"{family} {precision}": (config, scratch / f"{family}-{precision}", args.quick_steps, precision)
+                for family, config in QUICK.items() for precision in PRECISIONS}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        if "ddp" in args.parts:
+            ddp_run = pool.submit(fit, QUICK["MAE"], scratch / "ddp-n", args.ddp_steps, "32-true", devices=gpus,
+                                  extra=[f"--data.init_args.batch_size={per_device}"], ddp=True)
+            runs["ddp-1"] = (QUICK["MAE"], scratch / "ddp-1", args.ddp_steps, "32-true")
+        pending = {name: pool.submit(fit, *run) for name, run in runs.items()}
+        for name, future in pending.items():
+            if name != "ddp-1":
+                results["quick"][name] = future.result()
+                print(f"gpu-check: {name}: {_progress(results['quick'][name])}", file=sys.stderr)
+        if "ddp" not in args.parts:
+            return
+        one, many = pending["ddp-1"].result(), ddp_run.result()
+    ok = one.get("status") == 0 and many.get("status") == 0 and one.get("loss") and many.get("loss") is not None \
+        and abs(many["loss"] - one["loss"]) <= args.ddp_tolerance * abs(one["loss"])
+    results["ddp"] = {"ok": bool(ok), "summary": (
+        f"{'ok' if ok else 'FAIL'}: {gpus} GPU(s) under DDP (NCCL, batch {per_device} per GPU) final training "
+        f"loss {_num(many.get('loss'), 4)} against {_num(one.get('loss'), 4)} on one GPU without DDP (batch "
+        f"128), tolerance {args.ddp_tolerance:.0%} relative; {_status(many)} / {_status(one)}")}
+    print(f"gpu-check: {results['ddp']['summary']}", file=sys.stderr)
+
+
+def benchmarks(args: argparse.Namespace, bench_file: Path, seconds: Optional[float]) -> dict:
+    """``python -m benchmarks`` on CUDA in bf16-mixed, stopped after ``seconds`` if given."""
+    command = [sys.executable, "-m", "benchmarks", "--device", "cuda", "--precision", "bf16-mixed",
+               *shlex.split(args.bench_args), "--out", str(bench_file)]
+    shown = "python " + shlex.join(command[1:-2])
+    if seconds is not None and seconds < 60:
+        return {"status": None, "command": shown, "summary": f"FAIL: not run ({seconds:.0f} s of the time limit left)"}
+    try:
+        status = subprocess.run(command, cwd=REPO, timeout=seconds).returncode
+    except subprocess.TimeoutExpired:
+        return {"status": None, "command": shown,
+                "summary": f"FAIL: stopped at the time limit after {seconds:.0f} s, the table holds the groups it finished"}
+    return {"status": status, "command": shown, "summary": "ok" if status == 0 else f"FAIL (exit status {status})"}
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_mods.atomic_files import write_atomically
+
 from .settings import Settings
 from .timing import Row
 
@@ -56,7 +58,8 @@ def markdown(rows: list[Row], env: dict, command: str) -> str:
 
 
 def write(rows: list[Row], env: dict, command: str, markdown_path: Path, json_path: Path) -> None:
-    markdown_path.parent.mkdir(parents=True, exist_ok=True)
-    markdown_path.write_text(markdown(rows, env, command))
-    json_path.write_text(json.dumps({"command": command, "environment": env,
-                                     "rows": [row.as_dict() for row in rows]}, indent=1) + "\n")
+    """Both files whole or not at all (a run stopped while writing leaves the previous ones)."""
+    text = markdown(rows, env, command)
+    data = json.dumps({"command": command, "environment": env, "rows": [row.as_dict() for row in rows]}, indent=1)
+    write_atomically(markdown_path, lambda f: f.write(text.encode()))
+    write_atomically(json_path, lambda f: f.write((data + "\n").encode()))

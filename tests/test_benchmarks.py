@@ -61,3 +61,18 @@ def test_cuda_without_a_gpu_skips_cleanly(tmp_path):
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [row["status"] for row in rows] == ["SKIP"]
     assert "no CUDA device" in out.read_text()
+
+
+def test_a_suite_stopped_part_way_keeps_the_groups_it_finished(tmp_path, monkeypatch):
+    """gpu-check stops the suite at its time limit: the table is written after each group."""
+    import benchmarks.__main__ as suite
+
+    def stopped(settings):
+        raise KeyboardInterrupt  # as a time limit's kill would end it
+    monkeypatch.setattr(suite, "GROUPS", {"first": lambda settings: [Row("first group", "a figure", 1.5)],
+                                          "second": stopped})
+    out = tmp_path / "results.md"
+    with pytest.raises(KeyboardInterrupt):
+        suite.main(["--only", "first", "second", "--out", str(out)])
+    assert [row["name"] for row in json.loads(out.with_suffix(".json").read_text())["rows"]] == ["a figure"]
+    assert "| a figure |" in out.read_text()

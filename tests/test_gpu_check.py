@@ -48,3 +48,105 @@ def test_generated_paper_data_loads_in_the_real_datamodules(tmp_path):
     cifar = CIFAR100(data_dir=str(tmp_path / "c100"), download=False)
     cifar.setup("fit")
     assert cifar.train_dataset[0][0].shape == (3, 32, 32)
+
+
+class StandInGPU:
+    """The CUDA path without a GPU: ``fit`` and the benchmark subprocess are recorded stand-ins."""
+
+    def __init__(self, monkeypatch, bench=lambda command, timeout: 0):
+        self.fits: list[dict] = []
+        self.bench_timeouts: list = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(gpu_check, "gpu_name", lambda: "Stand-in GPU 80GB")
+        monkeypatch.setattr(gpu_check, "write_imagenet100", lambda root: root)
+        monkeypatch.setattr(gpu_check, "write_cifar100", lambda root: root)
+        monkeypatch.setattr(gpu_check, "fit", self.fit)
+
+        def run(command, cwd, timeout=None):
+            self.bench_timeouts.append(timeout)
+            return subprocess.CompletedProcess(command, bench(command, timeout))
+        monkeypatch.setattr(gpu_check.subprocess, "run", run)
+
+    def fit(self, args, out, steps, precision, devices=1, extra=None, ddp=False):
+        self.fits.append({"args": args, "out": out, "steps": steps, "precision": precision, "ddp": ddp})
+        decayed = "alpha0.6" in str(out)
+        return {"status": 0, "steps": steps, "images_per_s": 90.0 if decayed else 100.0, "peak_memory_gib": 2.0,
+                "loss": 0.5 if ddp else 0.51}
+
+
+def test_every_part_run_writes_one_file_that_says_passed(tmp_path, monkeypatch):
+    gpu = StandInGPU(monkeypatch)
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--jobs", "3"]) == 0
+    text = (tmp_path / "Stand-in-GPU-80GB.md").read_text()
+    assert text.rstrip().endswith("every part passed")
+    assert "| ImageNet-100 MAE ViT-B/16 | decayed | ok | 90.0 | 2.00 | 0.900 |" in text
+    assert "Run 3 at a time" in text
+    # 8 quick fits, the DDP pair, 4 paper fits; the DDP run is under strategy=ddp also on one GPU
+    assert len(gpu.fits) == 14 and [f["out"].name for f in gpu.fits if f["ddp"]] == ["ddp-n"]
+    assert "ok: 1 GPU(s) under DDP" in text and "0.5000 against 0.5100" in text
+
+
+def test_a_run_stopped_part_way_leaves_the_parts_it_finished(tmp_path, monkeypatch):
+    gpu = StandInGPU(monkeypatch)
+    seen = []
+
+    def stop_in_the_paper_part(args, out, *rest, **kwargs):
+        if "alpha" in str(out):
+            seen.append((tmp_path / "Stand-in-GPU-80GB.md").read_text())
+            raise KeyboardInterrupt  # as a time limit's kill would end it
+        return StandInGPU.fit(gpu, args, out, *rest, **kwargs)
+    monkeypatch.setattr(gpu_check, "fit", stop_in_the_paper_part)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--out-dir", str(tmp_path)])
+    text = (tmp_path / "Stand-in-GPU-80GB.md").read_text()
+    assert seen == [text]
+    assert "| MAE | bf16-mixed | ok | 300 |" in text and "ok: 1 GPU(s) under DDP" in text
+    assert "| ImageNet-100 MAE ViT-B/16 | decayed | FAIL (not run) |" in text
+    assert "every part passed" not in text
+
+
+def test_a_subset_of_parts_writes_its_own_file_and_does_not_pass(tmp_path, monkeypatch):
+    gpu = StandInGPU(monkeypatch)
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--parts", "paper"]) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["Stand-in-GPU-80GB-paper.md"]
+    assert {f["out"].name for f in gpu.fits} == {row for rows in gpu_check.PAPER.values() for row in rows}
+    assert gpu.bench_timeouts == []
+
+
+@pytest.mark.parametrize("limit, bench, expected", [
+    (None, lambda command, timeout: 0, "`python -m benchmarks --device cuda --precision bf16-mixed --rounds 2`: ok"),
+    (50.0, lambda command, timeout: 0, "FAIL: not run ("),
+    (1000.0, lambda command, timeout: (_ for _ in ()).throw(subprocess.TimeoutExpired(command, timeout)),
+     "FAIL: stopped at the time limit after"),
+    (None, lambda command, timeout: 2, "FAIL (exit status 2)")])
+def test_the_benchmark_part_keeps_to_the_time_limit(limit, bench, expected, tmp_path, monkeypatch):
+    gpu = StandInGPU(monkeypatch, bench=bench)
+    args = ["--out-dir", str(tmp_path), "--parts", "bench", "--bench-args", "--rounds 2"]
+    status = gpu_check.main(args + ([] if limit is None else ["--time-limit-s", str(limit)]))
+    text = (tmp_path / "Stand-in-GPU-80GB-bench.md").read_text()
+    assert expected in text and status == 1  # a subset never passes the whole check
+    if limit == 1000.0:
+        assert 960 < gpu.bench_timeouts[0] <= 970  # the limit less the 30 s kept to write the results
+    if limit == 50.0:
+        assert gpu.bench_timeouts == []
+
+
+def test_fit_puts_only_the_ddp_run_under_ddp(tmp_path, monkeypatch):
+    commands = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda command, **kw: commands.append(command) or
+                        subprocess.CompletedProcess(command, 0, "", ""))
+    gpu_check.fit(["--config=x.yaml"], tmp_path, 10, "32-true")
+    gpu_check.fit(["--config=x.yaml"], tmp_path, 10, "32-true", devices=1, ddp=True)
+    assert ["--trainer.strategy=ddp" in c for c in commands] == [False, True]
+    assert "--trainer.devices=1" in commands[1]
+
+
+def test_the_results_file_links_the_benchmark_table_only_once_it_exists(tmp_path, monkeypatch):
+    StandInGPU(monkeypatch)
+    gpu_check.main(["--out-dir", str(tmp_path), "--parts", "quick"])
+    assert "benchmarks.md" not in (tmp_path / "Stand-in-GPU-80GB-quick.md").read_text()
+    (tmp_path / "Stand-in-GPU-80GB-bench-benchmarks.md").write_text("| table |")
+    gpu_check.main(["--out-dir", str(tmp_path), "--parts", "bench"])
+    assert "[Stand-in-GPU-80GB-bench-benchmarks.md](Stand-in-GPU-80GB-bench-benchmarks.md)" in \
+        (tmp_path / "Stand-in-GPU-80GB-bench.md").read_text()
