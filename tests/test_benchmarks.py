@@ -29,6 +29,7 @@ def test_quick_suite_writes_markdown_and_json(tmp_path):
                      "MAE train step vs He et al.'s MAE (timm Blocks)", "achieved FLOP/s / matmul rate",
                      "peak memory, MAE step vs He et al.'s MAE", "Lightning overhead (quickstart, reliability callbacks on)",
                      "evaluation callbacks' share of a quickstart run", "ResidualDroppath",
+                     "evaluation callbacks' share, per-block heads and kNN (configs/digits_mae.yaml, blocks: all)",
                      "several settings in one pass", "evaluation over depth",
                      "data pipeline (ImageNet train transform, 224 px)", "online probe accuracy on the quickstart"):
         assert expected in sections, expected
