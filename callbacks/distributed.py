@@ -58,8 +58,10 @@ def all_reduce_min(tensor: torch.Tensor) -> torch.Tensor:
 
 def average_across_ranks_(tensors: Iterable[torch.Tensor]) -> None:
     """Replace every tensor by its mean over ranks, in place, with one flat all-reduce."""
+    if not is_distributed():  # first: the probes call it every head step, on one process too
+        return
     tensors = [t for t in tensors if t is not None]
-    if not tensors or not is_distributed():
+    if not tensors:
         return
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
     flat = all_reduce_sum(flat) / dist.get_world_size()

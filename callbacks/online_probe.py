@@ -63,6 +63,7 @@ from lightning_mods.over_depth import DepthRows, check_blocks, features_and_bloc
 from .settings_key import SettingsKeyed, check_name, format_setting
 from .feature_collection import loader_settings
 from .feature_replay import FeatureReplay
+from .probe_heads_together import JointStep, step_heads_together
 from . import shared_features as shared
 from .shared_features import shared_features
 
@@ -160,6 +161,7 @@ class OnlineLinearProbe(SettingsKeyed):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
         self.block_optimizers: dict[int, list[torch.optim.Optimizer]] = {}
+        self._joint_steps: dict[tuple[int, ...], JointStep] = {}  # the block heads' optimisers stepped as one
         self.replay: Optional[FeatureReplay] = None  # the features' replay (with replay_samples)
         self.block_replay: dict[int, FeatureReplay] = {}  # per chosen block
         self.over_depth = DepthRows()  # per-block rows of fit's validations (in the state) and the last validate's
@@ -263,6 +265,7 @@ class OnlineLinearProbe(SettingsKeyed):
             self._load_head_state(state)
 
     def _build_block_heads(self, dims: dict[int, int]) -> None:
+        self._joint_steps.clear()
         for block, dim in dims.items():
             self.block_heads[block], self.block_optimizers[block] = self._new_heads(dim)
         if self._pending_blocks is not None:
@@ -312,8 +315,7 @@ class OnlineLinearProbe(SettingsKeyed):
             return
         if self.replay_samples is None:
             sums = self._train_heads(self.heads, self.optimizers, features, labels, scored=len(labels))
-            for block, block_features in blocks.items():
-                self._train_heads(self.block_heads[block], self.block_optimizers[block], block_features, labels)
+            self._train_block_heads(blocks, labels)
         else:
             sums = self._train_on_replay(features, labels, blocks)
         self.steps += 1
@@ -358,10 +360,33 @@ class OnlineLinearProbe(SettingsKeyed):
                                           step_labels, scored=min(len(labels), len(rows)) if i == 0 else None)
             if i == 0:
                 sums = step_sums
-            for block, replay in self.block_replay.items():  # the same rows: the blocks' samples are the same
-                self._train_heads(self.block_heads[block], self.block_optimizers[block],
-                                  replay.features.index_select(0, rows), step_labels)
+            # the same rows: the blocks' samples are the same
+            self._train_block_heads({block: replay.features.index_select(0, rows)
+                                     for block, replay in self.block_replay.items()}, step_labels)
         return sums
+
+    def _train_block_heads(self, features: dict[int, torch.Tensor], labels: torch.Tensor) -> None:
+        """One step of every block's heads on that block's features: the heads of one rate and
+        one width step together (:mod:`callbacks.probe_heads_together`)."""
+        if not features:
+            return
+        by_width: dict[int, list[int]] = {}
+        for block, block_features in features.items():
+            by_width.setdefault(block_features.shape[1], []).append(block)
+        for rate in range(len(self.lrs)):
+            for blocks in by_width.values():
+                heads = [self.block_heads[b][rate] for b in blocks]
+                optimizers = [self.block_optimizers[b][rate] for b in blocks]
+                step_heads_together(heads, self._joint_step(optimizers), [features[b] for b in blocks], labels)
+
+    def _joint_step(self, optimizers: list[torch.optim.Optimizer]) -> JointStep:
+        """The :class:`JointStep` of these optimisers, made once and checked by identity (a copy
+        of this callback carries steps keyed by the original optimisers' ids)."""
+        key = tuple(id(opt) for opt in optimizers)
+        joint = self._joint_steps.get(key)
+        if joint is None or any(a is not b for a, b in zip(joint.optimizers, optimizers)):
+            joint = self._joint_steps[key] = JointStep(optimizers)
+        return joint
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._epoch_sums is None:

@@ -42,7 +42,8 @@ def make_model():
 
 
 def make_callbacks() -> list:
-    return [OnlineLinearProbe(lr=1e-2, every_n_steps=2, max_samples=3), KNNEvaluator(k=5), EffectiveRank(per_block=True)]
+    return [OnlineLinearProbe(lr=1e-2, every_n_steps=2, max_samples=3, blocks="all"), KNNEvaluator(k=5),
+            EffectiveRank(per_block=True)]
 
 
 def class_images(n: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +95,8 @@ SCRIPT = textwrap.dedent("""
         "probe_steps": probe.steps,
         "rank_profile": callbacks[2].last_profile["effective_rank"],
         "probe_head": {{k: v.tolist() for k, v in probe.head.state_dict().items()}},
+        "block_heads": {{str(b): {{k: v.tolist() for k, v in heads[0].state_dict().items()}}
+                        for b, heads in probe.block_heads.items()}},
     }}
     (out / f"rank{{trainer.global_rank}}.json").write_text(json.dumps(seen))
     if trainer.is_global_zero:
@@ -138,6 +141,8 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     assert len(ranks[0]["rank_profile"]) == 2 and ranks[0]["rank_profile"] == ranks[1]["rank_profile"]
     assert ranks[0]["probe_head"] == ranks[1]["probe_head"]
+    # the per-block heads, stepped together (callbacks/probe_heads_together.py), alike on every rank too
+    assert sorted(ranks[0]["block_heads"]) == ["1", "2"] and ranks[0]["block_heads"] == ranks[1]["block_heads"]
     assert ranks[0]["probe_steps"] == ranks[1]["probe_steps"] == 2  # batches 0 and 2 of 4
 
     # one process, the same final weights and probe head
