@@ -3,9 +3,9 @@
 On a machine with CUDA it runs, each as its own ``shortcutlab fit`` process:
 
 1. every family's quick config (MAE, U-ViT diffusion, ResNet classifier, spiral) for
-   ``--quick-steps`` steps in ``32-true`` and in ``bf16-mixed`` (``--jobs`` of them at a time,
-   with the DDP pair of 3: these check that each runs, so their img/s is a figure only at
-   ``--jobs 1``);
+   ``--quick-steps`` steps in ``32-true`` and in ``bf16-mixed`` (``--jobs`` fits at a time, the
+   DDP pair of item 3 among them: they check that each config runs, so their img/s is a
+   throughput figure only at ``--jobs 1``);
 2. the ImageNet-100 MAE ViT-B/16 and CIFAR-100 U-ViT-S paper configs, decayed and standard,
    ``--paper-steps`` steps each on generated data of the real shapes (real JPEG class folders,
    real CIFAR pickles), in bf16-mixed: images/s after the first steps, peak memory, and the
