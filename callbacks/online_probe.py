@@ -58,7 +58,7 @@ from .distributed import (all_gather_rows, all_reduce_sum, average_across_ranks_
                           is_distributed, log_identical)
 from lightning_mods.eval_mode import isolated_eval
 from lightning_mods.optim import adamw
-from lightning_mods.probe_head import ProbeHead
+from lightning_mods.probe_head import ProbeHead, cross_entropy_slope_
 from lightning_mods.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
 from .settings_key import SettingsKeyed, check_name, format_setting
 from .feature_collection import loader_settings
@@ -161,7 +161,8 @@ class OnlineLinearProbe(SettingsKeyed):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
         self.block_optimizers: dict[int, list[torch.optim.Optimizer]] = {}
-        self._joint_steps: dict[tuple[int, ...], JointStep] = {}  # the block heads' optimisers stepped as one
+        # per rate and feature width: the blocks whose heads step together, and their JointStep
+        self._block_groups: list[tuple[int, list[int], JointStep]] = []
         self.replay: Optional[FeatureReplay] = None  # the features' replay (with replay_samples)
         self.block_replay: dict[int, FeatureReplay] = {}  # per chosen block
         self.over_depth = DepthRows()  # per-block rows of fit's validations (in the state) and the last validate's
@@ -265,9 +266,13 @@ class OnlineLinearProbe(SettingsKeyed):
             self._load_head_state(state)
 
     def _build_block_heads(self, dims: dict[int, int]) -> None:
-        self._joint_steps.clear()
         for block, dim in dims.items():
             self.block_heads[block], self.block_optimizers[block] = self._new_heads(dim)
+        by_width: dict[int, list[int]] = {}
+        for block, dim in dims.items():
+            by_width.setdefault(dim, []).append(block)
+        self._block_groups = [(rate, blocks, JointStep([self.block_optimizers[b][rate] for b in blocks]))
+                              for rate in range(len(self.lrs)) for blocks in by_width.values()]
         if self._pending_blocks is not None:
             saved, self._pending_blocks = self._pending_blocks, None
             self._load_block_heads(saved)
@@ -368,25 +373,9 @@ class OnlineLinearProbe(SettingsKeyed):
     def _train_block_heads(self, features: dict[int, torch.Tensor], labels: torch.Tensor) -> None:
         """One step of every block's heads on that block's features: the heads of one rate and
         one width step together (:mod:`callbacks.probe_heads_together`)."""
-        if not features:
-            return
-        by_width: dict[int, list[int]] = {}
-        for block, block_features in features.items():
-            by_width.setdefault(block_features.shape[1], []).append(block)
-        for rate in range(len(self.lrs)):
-            for blocks in by_width.values():
-                heads = [self.block_heads[b][rate] for b in blocks]
-                optimizers = [self.block_optimizers[b][rate] for b in blocks]
-                step_heads_together(heads, self._joint_step(optimizers), [features[b] for b in blocks], labels)
-
-    def _joint_step(self, optimizers: list[torch.optim.Optimizer]) -> JointStep:
-        """The :class:`JointStep` of these optimisers, made once and checked by identity (a copy
-        of this callback carries steps keyed by the original optimisers' ids)."""
-        key = tuple(id(opt) for opt in optimizers)
-        joint = self._joint_steps.get(key)
-        if joint is None or any(a is not b for a, b in zip(joint.optimizers, optimizers)):
-            joint = self._joint_steps[key] = JointStep(optimizers)
-        return joint
+        for rate, blocks, joint in self._block_groups:
+            step_heads_together([self.block_heads[b][rate] for b in blocks], joint, [features[b] for b in blocks],
+                                labels)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._epoch_sums is None:
@@ -419,8 +408,7 @@ class OnlineLinearProbe(SettingsKeyed):
             logits = F.linear(normed, weight, bias)
             log_probs = F.log_softmax(logits, dim=1)
             losses = -log_probs.gather(1, labels.view(-1, 1)).squeeze(1)
-            slope = log_probs.exp_()  # d(mean loss)/d(logits), built in place of the probabilities
-            slope.scatter_add_(1, labels.view(-1, 1), torch.full_like(losses.view(-1, 1), -1.0)).div_(len(labels))
+            slope = cross_entropy_slope_(log_probs, labels)  # in place of log_probs, read above
             weight.grad = slope.t().mm(normed)
             bias.grad = slope.sum(0)
         average_across_ranks_(p.grad for p in head.parameters())

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from lightning_mods.probe_head import ProbeHead
+from lightning_mods.probe_head import ProbeHead, cross_entropy_slope_
 
 from .distributed import average_across_ranks_
 
@@ -76,10 +76,7 @@ def step_heads_together(heads: Sequence[ProbeHead], stepper: JointStep, features
         weights = torch.stack([head.linear.weight for head in heads])  # heads x C x D
         biases = torch.stack([head.linear.bias for head in heads]).unsqueeze(1)  # heads x 1 x C
         logits = torch.baddbmm(biases, normed, weights.transpose(1, 2))
-        slope = F.log_softmax(logits, dim=2).exp_()  # d(mean loss)/d(logits), as in OnlineLinearProbe._step
-        targets = labels.view(1, -1, 1).expand(len(heads), -1, 1)
-        slope.scatter_add_(2, targets, torch.full(targets.shape, -1.0, dtype=slope.dtype, device=slope.device))
-        slope.div_(count)
+        slope = cross_entropy_slope_(F.log_softmax(logits, dim=2), labels)
         weight_grads = slope.transpose(1, 2).bmm(normed)
         bias_grads = slope.sum(1)
     for head, weight_grad, bias_grad in zip(heads, weight_grads, bias_grads):
