@@ -77,3 +77,17 @@ def test_a_suite_stopped_part_way_keeps_the_groups_it_finished(tmp_path, monkeyp
         suite.main(["--only", "first", "second", "--out", str(out)])
     assert [row["name"] for row in json.loads(out.with_suffix(".json").read_text())["rows"]] == ["a figure"]
     assert "| a figure |" in out.read_text()
+
+
+def test_overhead_accounting_splits_set_up_from_epochs():
+    """A hand-computed case of the fit / plain loop accounting (benchmarks/training.py): each fit
+    epoch runs from its start to the next one's, less the plain steps taken in it; one measured
+    epoch is its own steady cost; later epochs' mean plus the first one's excess make a run."""
+    from benchmarks.training import PlainStepAfterEach, over_a_run
+
+    clock = PlainStepAfterEach(iter(()), torch.device("cpu"))
+    clock.marks, clock.epoch_seconds = [10.0, 11.0, 12.1, 13.0], [0.5, 0.5, 0.45]
+    assert clock.fit_epoch_seconds() == pytest.approx([0.5, 0.6, 0.45])
+    assert over_a_run([0.5, 0.6, 0.45], 100) == pytest.approx(0.525)  # no excess: the first is below the mean
+    assert over_a_run([0.8, 0.6, 0.4], 100) == pytest.approx(0.5 + 0.3 / 100)
+    assert over_a_run([0.7], 100) == pytest.approx(0.7)

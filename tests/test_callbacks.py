@@ -19,6 +19,7 @@ from callbacks.distributed import distributed_padding_mask
 from callbacks.effective_rank import (EffectiveRank, effective_rank, entropy, rank_measures, read_profiles,
                                      singular_values)
 from callbacks.feature_collection import collect_features, isolated_eval
+from lightning_mods.eval_mode import submodules
 from callbacks.knn import KNNEvaluator, knn_classify, knn_predict, topk_correct
 from callbacks.online_probe import OnlineLinearProbe
 from callbacks.run_summary import RunSummary, format_value
@@ -268,6 +269,21 @@ def test_feature_collection_leaves_module_untouched():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert 0.0 <= metric(trainer, "knn/top1") <= 1.0
+
+
+def test_isolated_eval_walks_every_submodule_once_as_torch_does():
+    shared = nn.Linear(2, 2)
+    inner = nn.Sequential(shared, nn.Dropout(0.5), nn.Sequential(nn.BatchNorm1d(2)))
+    model = nn.Sequential(inner, shared, nn.Sequential(inner))
+    model.register_module("absent", None)
+    assert [id(m) for m in submodules(model)] == [id(m) for m in model.modules()]
+    model.train()
+    inner[1].eval()  # a sub-module deliberately in eval stays so
+    before = [m.training for m in model.modules()]
+    with isolated_eval(model):
+        assert not any(m.training for m in model.modules())
+        assert not torch.is_grad_enabled()
+    assert [m.training for m in model.modules()] == before
 
 
 def test_distributed_padding_mask_keeps_each_sample_once():
