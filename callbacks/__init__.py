@@ -17,6 +17,7 @@ __all__ = [
     "exact_resume",         # ExactResume
     "nonfinite_guard",      # NonFiniteGuard
     "preemption",           # PreemptionCheckpoint
+    "progress_bar",         # TrainingLossProgressBar: the shipped configs' bar
     "lost_rank",            # LostRankReport
     "run_summary",          # RunSummary
     "fit_end_record",       # FitEndRecord

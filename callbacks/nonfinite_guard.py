@@ -116,7 +116,7 @@ class NonFiniteGuard(Callback):
         # the 2-norm over all parameters: finite exactly when every gradient is finite and their
         # squares' sum does not overflow (which clipping by norm and Adam's second moment would),
         # and torch's CPU kernel for it is several times faster than the max-norm's
-        self._note(trainer, 1, torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        self._note(trainer, 1, total_norm(grads))
 
     # --- the reads --------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -166,3 +166,16 @@ class NonFiniteGuard(Callback):
         shown = f"{float(self._first_value[failed])}" if local[failed] == first[failed] else "on another rank"
         raise NonFiniteTrainingError(f"non-finite {what} ({shown}) at {at}; training stopped, "
                                      "the last checkpoint on disk is the last good one")
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm over all ``grads``, as ``torch.nn.utils.get_total_norm``, without its grouping
+    by device and dtype (a fifth of the check's time on the quickstart): the per-tensor norms are
+    stacked, dtypes promoted as that function's stack promotes them; gradients on several
+    devices go through that function."""
+    norms = torch._foreach_norm(grads, 2.0)
+    try:
+        stacked = torch.stack(norms)
+    except RuntimeError:  # norms on several devices
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return torch.linalg.vector_norm(stacked)

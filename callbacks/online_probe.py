@@ -31,6 +31,13 @@ epoch; the validation accuracy reads the validation features kNN and effective r
 (:mod:`callbacks.shared_features`) when the datamodule has a ``val_dataset``, else it embeds
 the validation loop's batches itself.
 
+No host read per probe: a probe whose features are non-finite on any rank (a diverged backbone)
+must not step the heads, and that check's flag is copied to the host asynchronously; the heads
+step on a probe's samples when the next probe comes (or the epoch ends, a validation starts,
+training ends), by which time the flag is there. They step on the same samples in the same
+order as if each probe had stepped at once; a checkpoint taken in between holds the waiting
+samples, so a resumed run goes on exactly.
+
 Under DDP the head is not part of the DDP-wrapped module: its gradients are averaged over
 ranks before each step, and its batch-norm running statistics after it, so every rank holds
 the same head (every rank probes the same batches: the cadence counts training batches, the
@@ -44,6 +51,7 @@ over ranks.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -169,6 +177,7 @@ class OnlineLinearProbe(SettingsKeyed):
         self._pending_blocks: Optional[dict[int, list[dict[str, Any]]]] = None  # restored before they are built
         self.steps = 0  # optimiser steps of the heads (they step together)
         self._epoch_sums: Optional[torch.Tensor] = None  # this epoch's per-head (loss x n, correct, n) sums
+        self._probed: Optional[Probed] = None  # the last probe's samples, until its check reaches the host
         self.batches = 0  # training batches seen (the cadence; in the state_dict for resumes)
         self._device = torch.device("cpu")
         self._pending_state: Optional[dict[str, Any]] = None
@@ -315,9 +324,31 @@ class OnlineLinearProbe(SettingsKeyed):
         if self.batch_norm and len(labels) < 2:
             return  # batch norm cannot train on one sample (DistributedSampler: same size on every rank)
         features, blocks = self._features(trainer, pl_module, images)
-        if _any_rank_nonfinite(features, *blocks.values()):  # a diverged backbone: no step, the same on every rank
+        if self.replay_samples is not None and is_distributed():  # one replay of every rank's samples, the
+            # same on every rank: the checkpoint holds rank 0's state, which then resumes every rank exactly
+            features, labels, blocks = _gather_probed(features, labels, blocks)
+        self._learn_probed()  # the previous probe's samples: their check reached the host long ago
+        self._probed = Probed(features, blocks, labels, *_nonfinite_flag_to_host(features, *blocks.values()))
+
+    def _learn_probed(self) -> None:
+        """The heads' steps on the probed samples waiting, if any: skipped (with a warning) when a
+        feature was non-finite on any rank (a diverged backbone; the same decision on every rank).
+
+        The steps wait for the next probe (or the epoch's end, a validation, the end of training)
+        so that the check's flag, copied to the host asynchronously when the features were made,
+        is read without stalling the device: no host sync per probe. The heads see the same
+        samples in the same order, so they end up exactly as if each probe had stepped at once;
+        a checkpoint in between keeps the waiting samples (``state_dict``)."""
+        if self._probed is None:
+            return
+        probed, self._probed = self._probed, None
+        if probed.copied is not None:
+            probed.copied.synchronize()  # the flag's copy only, queued with the features
+        if probed.nonfinite.numpy().any():  # a host buffer: no device read
             rank_zero_warn("OnlineLinearProbe: non-finite features, the heads skip this step")
             return
+        features, labels = probed.features.to(self._device), probed.labels.to(self._device)
+        blocks = {block: f.to(self._device) for block, f in probed.blocks.items()}
         if self.replay_samples is None:
             sums = self._train_heads(self.heads, self.optimizers, features, labels, scored=len(labels))
             self._train_block_heads(blocks, labels)
@@ -348,10 +379,8 @@ class OnlineLinearProbe(SettingsKeyed):
                          blocks: dict[int, torch.Tensor]) -> torch.Tensor:
         """Add the probed samples to the replay, then sweep it once: ``every_n_steps`` head steps
         of ``replay_samples // every_n_steps`` samples, newest first (see
-        :mod:`callbacks.feature_replay`). The sums score the fresh samples, in the first step."""
-        if is_distributed():  # one replay of every rank's samples, the same on every rank: the
-            # checkpoint holds rank 0's state, which then resumes every rank exactly
-            features, labels, blocks = _gather_probed(features, labels, blocks)
+        :mod:`callbacks.feature_replay`); under DDP every rank's samples (gathered at the probe).
+        The sums score the fresh samples, in the first step."""
         if self.replay is None:
             self.replay = FeatureReplay(self.replay_samples)
         self.replay.add(features, labels)
@@ -377,7 +406,11 @@ class OnlineLinearProbe(SettingsKeyed):
             step_heads_together([self.block_heads[b][rate] for b in blocks], joint, [features[b] for b in blocks],
                                 labels)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._learn_probed()  # the fitted heads have stepped on every probe
+
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._learn_probed()  # the epoch's last probe counts in its means
         if self._epoch_sums is None:
             return
         sums, self._epoch_sums = self._epoch_sums, None
@@ -418,6 +451,7 @@ class OnlineLinearProbe(SettingsKeyed):
 
     # --- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._learn_probed()  # the heads scored are those of every probe so far
         self._val_top1 = [top_k_accuracy(int(self.num_classes), 1).to(self._device) for _ in self.lrs]
         self._val_block_top1, self._val_block_norm = {}, {}
         self._add_block_accumulators(self.block_heads)
@@ -514,7 +548,8 @@ class OnlineLinearProbe(SettingsKeyed):
                  for lr, head, optimizer in zip(self.lrs, self.heads, self.optimizers)]
         state = {"feature_dim": self.feature_dim, "num_classes": self.num_classes, "steps": self.steps,
                  "batches": self.batches, "depth_history": [dict(row) for row in self.over_depth.depth_history],
-                 "epoch_sums": None if self._epoch_sums is None else self._epoch_sums.detach().cpu().clone()}
+                 "epoch_sums": None if self._epoch_sums is None else self._epoch_sums.detach().cpu().clone(),
+                 "probed": None if self._probed is None else self._probed.state_dict()}
         if self.replay is not None:
             state["replay"] = {"features": self.replay.state_dict(),
                                "blocks": {block: replay.state_dict() for block, replay in self.block_replay.items()}}
@@ -535,6 +570,8 @@ class OnlineLinearProbe(SettingsKeyed):
             return
         self.over_depth.depth_history = [dict(row) for row in state_dict.get("depth_history", [])]
         self._epoch_sums = state_dict.get("epoch_sums")  # the interrupted epoch's probed samples so far
+        saved = state_dict.get("probed")  # the samples the heads had not stepped on yet
+        self._probed = None if saved is None else Probed.from_state(saved)
         if state_dict.get("replay") and self.replay_samples is not None:  # the state key holds replay_samples
             self.replay = FeatureReplay(self.replay_samples)
             self.replay.load_state_dict(state_dict["replay"]["features"], self._device)
@@ -592,6 +629,40 @@ def _gather_probed(features: torch.Tensor, labels: torch.Tensor,
             dict(zip(blocks, columns[1:-1])))
 
 
-def _any_rank_nonfinite(*features: torch.Tensor) -> bool:
+@dataclass
+class Probed:
+    """One probe's samples waiting for the heads, and whether any feature was non-finite on any
+    rank: ``nonfinite``, a host tensor that ``copied`` (a CUDA event, ``None`` elsewhere) says
+    is filled."""
+
+    features: torch.Tensor
+    blocks: dict[int, torch.Tensor]
+    labels: torch.Tensor
+    nonfinite: torch.Tensor
+    copied: Optional[Any] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return {"features": self.features.detach().cpu().clone(), "labels": self.labels.detach().cpu().clone(),
+                "blocks": {block: f.detach().cpu().clone() for block, f in self.blocks.items()},
+                "nonfinite": self.nonfinite.clone()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Probed":
+        return cls(state["features"], {int(b): f for b, f in state["blocks"].items()}, state["labels"],
+                   state["nonfinite"])
+
+
+def _nonfinite_flag_to_host(*features: torch.Tensor) -> tuple[torch.Tensor, Optional[Any]]:
+    """Whether any of ``features`` is non-finite on any rank (one all_reduce under DDP), copied to
+    a host tensor without waiting (on CUDA: pinned memory and an event recorded after the copy)."""
     flag = torch.logical_not(torch.stack([torch.isfinite(f).all() for f in features]).all()).to(torch.int64).view(1)
-    return bool(int(all_reduce_sum(flag)))
+    flag = all_reduce_sum(flag)
+    if flag.device.type != "cuda":
+        return flag.cpu(), None
+    host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied

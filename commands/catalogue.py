@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {
     "model": ("lightning_mods", ("LightningModule",)),
     "data": ("datamodules", ("LightningDataModule",)),
-    "callback": ("callbacks", ("Callback", "BasePredictionWriter", "RichModelSummary", "ModelCheckpoint")),
+    "callback": ("callbacks", ("Callback", "BasePredictionWriter", "RichModelSummary", "ModelCheckpoint",
+                              "RichProgressBar", "EMAWeightAveraging")),
 }
 
 

@@ -53,7 +53,7 @@ from lightning_mods.checkpoint import (canonical_class_path, checkpoint_model_co
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
-    {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+    {"class_path": "callbacks.progress_bar.TrainingLossProgressBar"},
     {"class_path": "callbacks.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
     # reliability (README "Reliability"); a config's callback list replaces these, so each
     # shipped config names them too

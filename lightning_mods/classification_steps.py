@@ -43,7 +43,9 @@ class ClassificationSteps:
         """The training loss of ``logits`` for ``labels``, logged with the training top-1."""
         loss = self.training_loss(logits, labels)
         self.train_top1(logits, labels)
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+        # no prog_bar: Lightning reads prog_bar values to the host after every step (a GPU sync);
+        # callbacks/progress_bar.py shows the loss at the logging cadence
+        self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=labels.shape[0])
         self.log(metric_names.TRAIN_TOP1, self.train_top1, on_step=False, on_epoch=True, batch_size=labels.shape[0])
         return loss
 

@@ -12,7 +12,7 @@ Pixel mode: the datamodule's normalised images are mapped back to ``[-1, 1]``. L
 (``vae_path``): the batches are VAE latents already (``datamodules.latents.Latents``) and
 samples are decoded by the frozen VAE for pictures and FID.
 
-EMA weights come from Lightning's ``EMAWeightAveraging`` callback, which swaps them in for the
+EMA weights come from ``callbacks.ema.EMA`` (Lightning's ``EMAWeightAveraging``), which swaps them in for the
 whole validation epoch. The sample grid is therefore drawn in ``on_validation_epoch_start``:
 the module's hook runs after every callback's, so after the swap (its ``on_validation_epoch_end``
 would run after the callbacks swap the training weights back).
@@ -302,7 +302,9 @@ class DiffusionModule(LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
         loss = self.diffusion_loss(self.to_model_space(images), self.condition(labels, self.hparams.label_dropout))
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        # no prog_bar: Lightning reads prog_bar values to the host after every step (a GPU sync);
+        # callbacks/progress_bar.py shows the loss at the logging cadence
+        self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:

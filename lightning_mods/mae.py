@@ -277,7 +277,9 @@ class MaskedAutoencoder(LightningModule):
         loss, _, _ = self(images)
         # no sync_dist: with on_step it would all_reduce every step; the train loss is this rank's,
         # as in the other families
-        self.log(metric_names.TRAIN_LOSS, loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=images.shape[0])
+        # no prog_bar: Lightning reads prog_bar values to the host after every step (a GPU sync);
+        # callbacks/progress_bar.py shows the loss at the logging cadence
+        self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
     def _val_generator(self, batch_idx: int) -> torch.Generator:

@@ -56,8 +56,9 @@ class SpiralClassifier(LightningModule):
         loss = F.cross_entropy(logits, labels)
         accuracy(logits, labels)
         training = stage == "train"
-        # the classifier's way: the loss per step and as epoch mean, accuracies per epoch
-        self.log(metric_names.LOSS[stage], loss, prog_bar=training, on_step=training, on_epoch=True,
+        # the classifier's way: the loss per step and as epoch mean, accuracies per epoch; no prog_bar for
+        # the training loss (callbacks/progress_bar.py shows it without a host read per step)
+        self.log(metric_names.LOSS[stage], loss, on_step=training, on_epoch=True,
                  sync_dist=not training, batch_size=labels.shape[0])
         self.log(metric_names.TOP1[stage], accuracy, prog_bar=not training, on_step=False, on_epoch=True,
                  batch_size=labels.shape[0])

@@ -72,6 +72,13 @@ def softmax_cross_entropy_step(weight: np.ndarray, bias: np.ndarray, x: np.ndarr
     return weight - lr * p.T @ x, bias - lr * p.sum(axis=0)
 
 
+class FeaturesAsGiven(torch.nn.Module):
+    """A module whose features are its inputs."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     """every_n_steps=2, max_samples=3, replay_samples=6: each probe adds 3 samples, then takes 2
     steps of 3 samples (ages 0-2, then 3-5, wrapping over the samples held). Training batches
@@ -81,8 +88,7 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     probe._build_heads(4)
     weight = probe.head.linear.weight.detach().double().numpy().copy()
     bias = probe.head.linear.bias.detach().double().numpy().copy()
-    module = SimpleNamespace(training=True, train=lambda mode=True: None, forward_features=lambda x: x,
-                             parameters=lambda: iter(()), buffers=lambda: iter(()), modules=lambda: iter(()))
+    module = FeaturesAsGiven()
     trainer = SimpleNamespace(sanity_checking=False,
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
     g = torch.Generator().manual_seed(0)
@@ -90,6 +96,8 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     for batch_idx in range(6):
         x, y = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
         probe.on_train_batch_end(trainer, module, None, (x, y), batch_idx)
+        if batch_idx == 5:
+            probe.on_train_end(trainer, module)  # the last probe's steps wait for its check (or the end)
         if batch_idx % 2:
             continue
         held = [(x[i].double().numpy(), int(y[i])) for i in (2, 1, 0)] + held

@@ -11,13 +11,14 @@ import re
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
 from commands import lightning_cli as cli
 from callbacks.effective_rank import EffectiveRank
 from callbacks.knn import KNNEvaluator
-from callbacks.nonfinite_guard import NonFiniteGuard, NonFiniteTrainingError
+from callbacks.nonfinite_guard import NonFiniteGuard, NonFiniteTrainingError, total_norm
 from datamodules.digits import Digits
 from test_cli import DIGITS, TINY_MAE
 
@@ -261,3 +262,16 @@ def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path
     checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in checkpoints] == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert all(all_finite(p) for p in checkpoints)
+
+
+def test_total_norm_is_the_2_norm_over_every_gradient():
+    """float64 numpy as the reference; mixed dtypes promote; a NaN, an inf, or squares whose sum
+    overflows float32 while every gradient is finite, all give a non-finite norm."""
+    grads = [torch.tensor([3.0, -4.0]), torch.tensor([[1.5]], dtype=torch.bfloat16), torch.tensor([2.0, 0.5])]
+    expected = np.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    assert float(total_norm(grads)) == pytest.approx(expected, rel=1e-6)
+    assert float(total_norm(grads[:1])) == 5.0
+    for bad in (float("nan"), float("inf")):
+        assert not torch.isfinite(total_norm([grads[0], torch.tensor([1.0, bad])]))
+    huge = torch.full((4,), 3e38)  # finite, the sum of squares is not
+    assert torch.isfinite(huge).all() and not torch.isfinite(total_norm([huge]))

@@ -1,0 +1,41 @@
+"""callbacks/progress_bar.py: the shipped configs' bar shows the training loss, read from the
+trainer once every ``log_every_n_steps`` steps, and nothing of it outside training."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from callbacks.progress_bar import TrainingLossProgressBar
+from test_ema import CountReads
+
+
+def stand_in_trainer(training: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(training=training, sanity_checking=False, global_step=0, log_every_n_steps=4, loggers=[],
+                           progress_bar_metrics={"val/loss": 0.5}, callback_metrics={})
+
+
+def test_the_loss_shown_is_read_every_log_every_n_steps():
+    bar, trainer, shown, reads = TrainingLossProgressBar(), stand_in_trainer(), [], CountReads()
+    for step in range(10):
+        trainer.global_step = step
+        trainer.callback_metrics = {"train/loss": torch.tensor(float(step))}
+        with reads:
+            items = bar.get_metrics(trainer, None)
+        shown.append(items["train/loss"])
+        assert items["val/loss"] == 0.5  # Lightning's own items stay
+    assert shown == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
+    assert reads.count == 3
+    trainer.global_step = 0  # a new fit (or a step count that went back): read at once
+    trainer.callback_metrics = {"train/loss": torch.tensor(7.0)}
+    assert bar.get_metrics(trainer, None)["train/loss"] == 7.0
+
+
+def test_nothing_is_read_outside_training_or_before_a_loss_exists():
+    bar, reads = TrainingLossProgressBar(), CountReads()
+    validating = stand_in_trainer(training=False)
+    validating.callback_metrics = {"train/loss": torch.tensor(1.0)}
+    with reads:
+        assert "train/loss" not in bar.get_metrics(validating, None)
+        assert "train/loss" not in bar.get_metrics(stand_in_trainer(), None)  # no loss logged yet
+    assert reads.count == 0
