@@ -349,6 +349,10 @@ class OnlineLinearProbe(SettingsKeyed):
             return
         features, labels = probed.features.to(self._device), probed.labels.to(self._device)
         blocks = {block: f.to(self._device) for block, f in probed.blocks.items()}
+        if not self.heads:  # samples restored from a checkpoint before this run's first probe
+            self._build_heads(features.shape[1])
+        if blocks and not self.block_heads:
+            self._build_block_heads({block: f.shape[1] for block, f in blocks.items()})
         if self.replay_samples is None:
             sums = self._train_heads(self.heads, self.optimizers, features, labels, scored=len(labels))
             self._train_block_heads(blocks, labels)

@@ -143,3 +143,30 @@ def test_hand_written_head_step_equals_autograd_with_batch_norm(optimizer):
     for (name, got), want in zip(head.state_dict().items(), twin.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
     assert not torch.equal(head.linear.weight, copy.deepcopy(probe)._new_heads(6)[0][0].linear.weight)  # it moved
+
+
+def test_samples_waiting_for_their_check_survive_a_checkpoint():
+    """A probe's samples wait for its non-finite check until the next probe: a checkpoint taken
+    in between holds them, and the restored probe (its head not built yet: sized from the
+    features) steps on them as the uninterrupted probe does, to the last bit."""
+    import copy
+
+    trainer = SimpleNamespace(sanity_checking=False,
+                              precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+    settings = dict(num_classes=3, optimizer="sgd", every_n_steps=2, max_samples=4, replay_samples=8)
+    probe, module = OnlineLinearProbe(**settings), FeaturesAsGiven()
+    g = torch.Generator().manual_seed(0)
+    for batch_idx in range(3):  # probes at batches 0 and 2: batch 0's samples stepped on, batch 2's wait
+        batch = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+        probe.on_train_batch_end(trainer, module, None, batch, batch_idx)
+    assert probe.steps == 1
+    state = copy.deepcopy(probe.state_dict())
+    restored = OnlineLinearProbe(**settings)
+    restored.load_state_dict(state)
+    assert not restored.heads
+    for p in (probe, restored):
+        p.on_train_end(trainer, module)
+    assert probe.steps == restored.steps == 2
+    for a, b in zip(probe.head.state_dict().values(), restored.head.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(probe.replay.features, restored.replay.features)
