@@ -208,7 +208,7 @@ def lightning_overhead(settings: Settings) -> list[Row]:
     speed changes within seconds.
 
     The goal is the quickstart's run, 100 epochs: each side's one-time set-up and tear-down
-    (the fit's before its first epoch and after training, about 40 ms; the plain loop's data,
+    (the fit's before its first epoch and after training, about 25 ms; the plain loop's data,
     loader and optimiser) counts once, its epochs as :func:`over_a_run` spreads them (the
     first epoch's excess once, the later ones' mean per epoch), as the shares below. The ratio
     of the short fits themselves, whose set-up weighs 33 times as much, is information."""

@@ -12,17 +12,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.ema import EMA, HostCountedEMAModel
-from test_host_reads import READS
-
-
-class CountReads(torch.overrides.TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.count += func in READS
-        return func(*args, **(kwargs or {}))
+from test_nonfinite import HostReads
 
 
 def net() -> nn.Module:
@@ -45,7 +35,7 @@ def test_updates_equal_torchs_ema_bit_for_bit_without_host_reads(use_buffers):
     model = net()
     ours = HostCountedEMAModel(model, decay=0.9, use_buffers=use_buffers)
     reference = AveragedModel(model, avg_fn=get_ema_avg_fn(0.9), use_buffers=use_buffers)
-    reads = CountReads()
+    reads = HostReads()
     for seed in range(5):
         perturb(model, seed)
         with reads:

@@ -16,9 +16,8 @@ import torch
 
 from benchmarks.gpu_check import QUICK
 from commands import lightning_cli as cli
+from test_nonfinite import HostReads
 
-READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-         torch.Tensor.__int__, torch.Tensor.__index__}
 NOT_DEVICE_READS = ("torch/utils/data/", "torchvision/", "torch/optim/")
 SMALLER = {"MAE": ["--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
                    "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=1",
@@ -28,7 +27,7 @@ SMALLER = {"MAE": ["--model.init_args.embed_dim=32", "--model.init_args.depth=2"
            "spiral": []}
 
 
-class HostReads(torch.overrides.TorchFunctionMode):
+class ReadsByPlace(torch.overrides.TorchFunctionMode):
     """Counts the tensor-to-Python conversions made inside it, by where they were made, leaving
     out those that are not device reads (``NOT_DEVICE_READS``)."""
 
@@ -37,7 +36,7 @@ class HostReads(torch.overrides.TorchFunctionMode):
         self.where: collections.Counter[str] = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func in READS:
+        if func in HostReads.READS:
             frames = traceback.extract_stack()[:-1]
             if not any(part in frame.filename for frame in frames for part in NOT_DEVICE_READS):
                 self.where[" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[-9:])] += 1
@@ -48,7 +47,7 @@ def reads_of_a_fit(family: str, steps: int, root: str) -> collections.Counter:
     args = ["fit", *QUICK[family], *SMALLER[family], f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
             "--trainer.log_every_n_steps=1000", "--trainer.accelerator=cpu", "--trainer.precision=32-true",
             f"--trainer.default_root_dir={root}"]
-    with HostReads() as reads:
+    with ReadsByPlace() as reads:
         cli.run_reporting_stops(args)
     return reads.where
 

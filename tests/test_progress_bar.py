@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from callbacks.progress_bar import TrainingLossProgressBar
-from test_ema import CountReads
+from test_nonfinite import HostReads
 
 
 def stand_in_trainer(training: bool = True) -> SimpleNamespace:
@@ -16,7 +16,7 @@ def stand_in_trainer(training: bool = True) -> SimpleNamespace:
 
 
 def test_the_loss_shown_is_read_every_log_every_n_steps():
-    bar, trainer, shown, reads = TrainingLossProgressBar(), stand_in_trainer(), [], CountReads()
+    bar, trainer, shown, reads = TrainingLossProgressBar(), stand_in_trainer(), [], HostReads()
     for step in range(10):
         trainer.global_step = step
         trainer.callback_metrics = {"train/loss": torch.tensor(float(step))}
@@ -32,7 +32,7 @@ def test_the_loss_shown_is_read_every_log_every_n_steps():
 
 
 def test_nothing_is_read_outside_training_or_before_a_loss_exists():
-    bar, reads = TrainingLossProgressBar(), CountReads()
+    bar, reads = TrainingLossProgressBar(), HostReads()
     validating = stand_in_trainer(training=False)
     validating.callback_metrics = {"train/loss": torch.tensor(1.0)}
     with reads:
