@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Checkpoint, EMAWeightAveraging
 from lightning.pytorch.loggers import Logger
 
 from callbacks.effective_rank import EffectiveRank
+from callbacks.ema import EMA
 from callbacks.exact_resume import ExactResume
 from callbacks.knn import KNNEvaluator
 from callbacks.online_probe import OnlineLinearProbe
@@ -104,7 +105,7 @@ CASES: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], list]]] = {
     "mae_linear": (lambda: tiny_mae("linear"), lambda: []),
     "mae_learnable": (lambda: tiny_mae("learnable"), lambda: []),
     "classifier_residual_droppath": (tiny_classifier, lambda: [ResidualDroppath(drop_rate=0.3)]),
-    "diffusion_ema": (tiny_diffusion, lambda: [EMAWeightAveraging(decay=0.7)]),
+    "diffusion_ema": (tiny_diffusion, lambda: [EMA(decay=0.7)]),  # the diffusion configs' EMA
     # two of every stateful evaluation callback, each with its own state and metric names
     "mae_two_of_each_evaluation": (lambda: tiny_mae("linear"), lambda: [
         KNNEvaluator(k=[1, 3]), KNNEvaluator(k=5, temperature=0.1),
