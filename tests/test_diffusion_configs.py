@@ -33,7 +33,9 @@ def tiny_latents(tmp_path_factory):
 def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: dict) -> dict:
     """A copy of ``config`` whose data, VAE, FID extractor and sampling sizes work offline in seconds."""
     data = config["data"]["init_args"]
-    data.update(batch_size=4, num_workers=0)
+    # evaluation batches of 64: kNN embeds its whole bank (2874 tiny latents) through the
+    # real-size network, where a batch's fixed cost outweighs its images
+    data.update(batch_size=4, eval_batch_size=64, num_workers=0)
     name = config["data"]["class_path"].rsplit(".", 1)[-1]
     if name in ("CIFAR10", "CIFAR100"):
         data.update(data_dir=str(data_root["root"]), download=False)
@@ -46,8 +48,8 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
         if callback["class_path"] != "callbacks.fid.GenerationMetrics":
             continue
         fid = callback.setdefault("init_args", {})
-        fid.update(num_samples=8, batch_size=4, num_sampling_steps=2, num_reference=8,
-                   report_num_samples=8 if fid.get("report_num_samples") else None, report_num_sampling_steps=2,
+        fid.update(num_samples=4, batch_size=4, num_sampling_steps=2, num_reference=4,
+                   report_num_samples=4 if fid.get("report_num_samples") else None, report_num_sampling_steps=2,
                    feature_extractor=register_tiny_extractor(), feature_extractor_weights_path=None,
                    cache_root=str(tmp_path / "fid_cache"))
         if fid.get("reference"):
