@@ -42,7 +42,7 @@ class ClassificationSteps:
     def train_on_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The training loss of ``logits`` for ``labels``, logged with the training top-1."""
         loss = self.training_loss(logits, labels)
-        self.train_top1(logits, labels)
+        self.train_top1.update(logits, labels)  # logged per epoch: no batch value to compute (Metric.forward)
         # no prog_bar: Lightning reads prog_bar values to the host after every step (a GPU sync);
         # callbacks/progress_bar.py shows the loss at the logging cadence
         self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=labels.shape[0])

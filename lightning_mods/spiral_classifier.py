@@ -54,10 +54,10 @@ class SpiralClassifier(LightningModule):
         points, labels = batch[0], batch[1]
         logits = self(points)
         loss = F.cross_entropy(logits, labels)
-        accuracy(logits, labels)
-        training = stage == "train"
+        accuracy.update(logits, labels)  # logged per epoch: no batch value to compute (Metric.forward)
         # the classifier's way: the loss per step and as epoch mean, accuracies per epoch; no prog_bar for
         # the training loss (callbacks/progress_bar.py shows it without a host read per step)
+        training = stage == "train"
         self.log(metric_names.LOSS[stage], loss, on_step=training, on_epoch=True,
                  sync_dist=not training, batch_size=labels.shape[0])
         self.log(metric_names.TOP1[stage], accuracy, prog_bar=not training, on_step=False, on_epoch=True,
