@@ -24,3 +24,46 @@ def test_labelled_grid_refuses_labels_that_do_not_fit():
         labelled_grid(np.zeros((2, 1, 4, 4, 1)), "t", row_labels=["only one"])
     with pytest.raises(ValueError, match="rows x cols x H x W x C"):
         labelled_grid(np.zeros((2, 4, 4, 1)), "t")
+
+
+MAE_TITLE = ("MaskedAutoencoder reconstructions, epoch 100, step 1100\nvalidation images, 75% of the patches "
+             "masked;\nreconstruction: the visible patches pasted back")
+
+
+@pytest.mark.parametrize("title, rows, cols, row_labels, col_labels", [
+    (MAE_TITLE, 8, 3, [f"val {i}" for i in range(8)], ["original", "masked input", "reconstruction"]),
+    ("MaskedAutoencoder patch features, last block, epoch 100, step 1100\ntop-3 principal components over "
+     "these 8 validation images as RGB", 2, 8, ["input", "patch PCA"], [str(i) for i in range(8)]),
+    ("a title far wider than its one small picture, as a long run name makes it", 1, 1,
+     ["a much longer row label than usual"], None),
+    ("WWWW MMMM capitals are the widest characters of all", 1, 2, None, ["a", "b"]),
+    ("no labels", 2, 2, None, None),
+])
+def test_labelled_grid_keeps_every_text_inside_the_picture_and_off_the_images(title, rows, cols, row_labels,
+                                                                                col_labels):
+    """The margins are set from estimates of the text sizes (no layout engine): rendered, every
+    text must lie inside the figure, off the images and off the other texts, and the images
+    are drawn one image pixel per picture pixel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    tiles = np.random.default_rng(0).random((rows, cols, 16, 16, 1)).astype(np.float32)
+    fig = labelled_grid(tiles, title, row_labels=row_labels, col_labels=col_labels)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = fig.axes[0]
+    images = ax.get_window_extent(renderer)
+    grid = image_grid(tiles.reshape(rows * cols, 16, 16, 1), nrow=cols, min_tile=96)
+    assert (round(images.width), round(images.height)) == (grid.shape[1], grid.shape[0])
+    boxes = [t.get_window_extent(renderer) for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    assert len(boxes) == 1 + len(row_labels or ()) + len(col_labels or ())  # the title, every label
+    for box in boxes:
+        assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height, box
+        assert not _intersect(box, images), box
+    for i, box in enumerate(boxes):
+        assert not any(_intersect(box, other) for other in boxes[i + 1:]), box
+
+
+def _intersect(a, b) -> bool:  # noqa: ANN001
+    return min(a.x1, b.x1) - max(a.x0, b.x0) > 0.5 and min(a.y1, b.y1) - max(a.y0, b.y0) > 0.5
