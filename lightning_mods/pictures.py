@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 from lightning.pytorch import Trainer
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 try:  # matplotlib is a dependency, but keep the module importable in minimal installs
     from matplotlib.figure import Figure
@@ -149,7 +152,7 @@ def labelled_grid(tiles: np.ndarray, title: str, row_labels: Optional[Sequence[s
 
 
 # labelled_grid's margins, in inches, from the text they hold (DejaVu Sans: a 9 pt title character
-# is about 0.07 in wide and a line 0.155 in high, an 8 pt label character 0.065 in): fixed margins
+# is about 0.07 in wide and a line 0.155 in high, an 8 pt label character 0.068 in): fixed margins
 # instead of constrained layout, which took a fifth of a picture's drawing time (it measures
 # every text's extent); tests/test_pictures.py renders the pictures and checks that every text
 # lies inside the figure and off the images
@@ -159,7 +162,7 @@ _LABEL_CHAR, _LABEL_HEIGHT, _LABEL_PAD = 0.068, 0.14, 0.06
 
 
 def _grid_axes(grid_width: float, grid_height: float, title: str, row_labels: Optional[Sequence[str]],
-               col_labels: Optional[Sequence[str]], dpi: int) -> tuple["Figure", object]:
+               col_labels: Optional[Sequence[str]], dpi: int) -> tuple["Figure", "Axes"]:
     """A figure and an axes of exactly ``grid_width x grid_height`` inches (one image pixel per
     pixel at ``dpi``), with room left of it for the row labels, above it for the column labels
     and the title (centred over the axes, as ``set_title`` places it)."""
