@@ -16,6 +16,7 @@ from . import data_pipeline, models, over_depth, probe_accuracy, report, several
 from .settings import Settings
 from .timing import skipped
 
+RESULTS = Path(__file__).with_name("results.md")  # the full suite's table (README, Performance)
 GROUPS = {"models": models.run, "training": training.run, "several": several_settings.run,
           "depth": over_depth.run, "startup": startup.run, "data": data_pipeline.run,
           "probe-accuracy": probe_accuracy.run}
@@ -33,9 +34,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "1 on a machine shared with other jobs, where OpenMP's spinning threads can slow a "
                              "2-thread run by 10x")
     parser.add_argument("--compile", action="store_true", help="also time nn.Module.compile (slow cold start)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results.md"),
-                        help="Markdown file; the JSON goes next to it with a .json suffix")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Markdown file; the JSON goes next to it with a .json suffix (default: "
+                             "benchmarks/results.md for the whole suite, benchmarks/results-<groups>.md for "
+                             "some groups, so that a partial run never replaces the whole suite's table)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        chosen = list(dict.fromkeys(args.only))
+        args.out = RESULTS if set(chosen) == set(GROUPS) else RESULTS.with_name(f"results-{'-'.join(chosen)}.md")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.rounds is not None and args.rounds < 1:

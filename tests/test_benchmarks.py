@@ -91,3 +91,21 @@ def test_overhead_accounting_splits_set_up_from_epochs():
     assert over_a_run([0.5, 0.6, 0.45], 100) == pytest.approx(0.525)  # no excess: the first is below the mean
     assert over_a_run([0.8, 0.6, 0.4], 100) == pytest.approx(0.5 + 0.3 / 100)
     assert over_a_run([0.7], 100) == pytest.approx(0.7)
+
+
+def test_a_partial_run_never_replaces_the_whole_suites_table(tmp_path, monkeypatch):
+    """``--only`` some groups writes ``results-<groups>.md`` beside ``results.md``; the whole suite
+    (every group, in any order) writes ``results.md``; ``--out`` still wins."""
+    import benchmarks.__main__ as suite
+
+    monkeypatch.setattr(suite, "RESULTS", tmp_path / "results.md")
+    monkeypatch.setattr(suite, "GROUPS", {"first": lambda settings: [Row("first group", "a figure", 1.5)],
+                                          "second": lambda settings: [Row("second group", "another", 2.5)]})
+    (tmp_path / "results.md").write_text("the whole suite's table\n")
+    assert suite.main(["--only", "second"]) == 0
+    assert (tmp_path / "results.md").read_text() == "the whole suite's table\n"
+    assert [r["name"] for r in json.loads((tmp_path / "results-second.json").read_text())["rows"]] == ["another"]
+    assert suite.main(["--only", "second", "first"]) == 0
+    assert "| a figure |" in (tmp_path / "results.md").read_text()
+    assert suite.main(["--only", "first", "--out", str(tmp_path / "mine.md")]) == 0
+    assert "| a figure |" in (tmp_path / "mine.md").read_text()
