@@ -19,12 +19,14 @@ import yaml
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from callbacks.effective_rank import EffectiveRank
+from callbacks.feature_collection import collect_features
 from callbacks.knn import KNNEvaluator
 from callbacks.online_probe import OnlineLinearProbe
 from callbacks.residual_droppath import ResidualDroppath
 from callbacks.run_summary import RunSummary
 from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
+from lightning_mods.eval_mode import isolated_eval
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.optim import adamw, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule
@@ -354,7 +356,7 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
     epochs = settings.pick(4, 2)  # 4 epochs of 11 batches: the probe's every-4th-batch cadence comes round
     validations = SHIPPED_EPOCHS // SHIPPED_EVAL_EVERY
     shares: dict[str, list[float]] = {name: [] for name in EVALUATIONS}
-    every_epoch, epoch_seconds = [], []
+    every_epoch, epoch_seconds, floors = [], [], []
     with quiet(), tempfile.TemporaryDirectory() as root:
         for _ in range(max(2, settings.rounds // 2) if not settings.quick else 1):
             bare = EpochClock()
@@ -378,6 +380,8 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
                                     + end / (SHIPPED_EPOCHS * per_epoch))
             every_epoch.append(statistics.mean(evaluated.seconds[1:]) / statistics.mean(bare.seconds[1:]) - 1)
             epoch_seconds.append(per_epoch)
+            if blocks is None:
+                floors.append(forwards_share(model, settings, per_epoch))
     shipped = OnlineLinearProbe()
     cadences = {"online probe": f"{shipped.max_samples} images embedded every {shipped.every_n_steps} steps, "
                                 f"{shipped.every_n_steps} head steps on its {shipped.replay_samples}-sample replay; "
@@ -399,7 +403,50 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
                               + "; seconds inside its hooks / training seconds", unit="share"))
     rows.append(ratio_row("evaluation callbacks' share of a quickstart run", "all five together at the shipped cadences",
                           together, "<= 0.05", every, unit="share"))
+    rows.append(ratio_row("evaluation callbacks' share of a quickstart run",
+                          "their forward passes alone (no head, rank, picture or bookkeeping)", floors, None,
+                          f"the kNN bank and the validation set every {SHIPPED_EVAL_EVERY} epochs, the probe's "
+                          f"{shipped.max_samples} images every {shipped.every_n_steps} steps: what all five cost "
+                          "at the least", unit="share"))
     return rows
+
+
+def forwards_share(model: MaskedAutoencoder, settings: Settings, per_epoch: float) -> float:
+    """The share of a quickstart run that the evaluations' forward passes alone take at the
+    shipped cadences, timed on ``model`` (just trained) right after the fits it is compared
+    with: one pass over the kNN bank (the train split, no blocks) and one over the validation
+    set (with the blocks, which the per-block effective rank asks for) per validation, as the
+    shared feature pass embeds them, and the online probe's forward of its images every
+    ``every_n_steps`` training steps."""
+    probe = OnlineLinearProbe()
+    data = quickstart_data(settings)
+    data.setup("fit")
+    batch_size = data.eval_batch_size or data.batch_size
+    device = settings.torch_device
+    passes = []
+    for _ in range(2):  # the first pass warms the allocator and the caches up
+        synchronize(device)
+        start = time.perf_counter()
+        collect_features(model, data.bank_dataset, batch_size, gather=False, forward_context=settings.autocast)
+        collect_features(model, data.val_dataset, batch_size, with_blocks=True, gather=False,
+                         forward_context=settings.autocast)
+        synchronize(device)
+        passes.append(time.perf_counter() - start)
+    images = next(iter(data.train_dataloader()))[0][: probe.max_samples].to(device)
+    probes = []
+    for _ in range(12):
+        synchronize(device)
+        start = time.perf_counter()
+        with isolated_eval(model), settings.autocast():
+            model.forward_features(images)
+        synchronize(device)
+        probes.append(time.perf_counter() - start)
+    steps_per_epoch = len(data.train_dataloader())
+    if settings.max_batches:
+        steps_per_epoch = min(steps_per_epoch, settings.max_batches)
+    validation = passes[-1] / (SHIPPED_EVAL_EVERY * per_epoch)
+    probing = statistics.median(probes[2:]) * steps_per_epoch / probe.every_n_steps / per_epoch
+    return validation + probing
 
 
 def _quickstart_model_without_pictures(settings: Settings) -> MaskedAutoencoder:

@@ -45,6 +45,10 @@ def test_quick_suite_writes_markdown_and_json(tmp_path):
     assert all(line.count(" | ") == 5 for line in table)  # six columns per row
     mfu = [row for row in rows if row["section"] == "achieved FLOP/s / matmul rate"]
     assert all(row["median"] > 0 for row in mfu)
+    # the evaluations' forward passes are a part of what the five callbacks spend, never all of it
+    shares = {row["name"]: row["median"] for row in rows if row["section"] == "evaluation callbacks' share of a quickstart run"}
+    floor = shares["their forward passes alone (no head, rank, picture or bookkeeping)"]
+    assert 0 < floor < shares["all five together at the shipped cadences"]
 
 
 def test_status_compares_the_median_with_the_goal():
