@@ -357,6 +357,7 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
     validations = SHIPPED_EPOCHS // SHIPPED_EVAL_EVERY
     shares: dict[str, list[float]] = {name: [] for name in EVALUATIONS}
     every_epoch, epoch_seconds, floors = [], [], []
+    shipped = OnlineLinearProbe()  # the probe's defaults: its shipped cadence
     with quiet(), tempfile.TemporaryDirectory() as root:
         for _ in range(max(2, settings.rounds // 2) if not settings.quick else 1):
             bare = EpochClock()
@@ -381,8 +382,7 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
             every_epoch.append(statistics.mean(evaluated.seconds[1:]) / statistics.mean(bare.seconds[1:]) - 1)
             epoch_seconds.append(per_epoch)
             if blocks is None:
-                floors.append(forwards_share(model, settings, per_epoch))
-    shipped = OnlineLinearProbe()
+                floors.append(forwards_share(model, shipped, settings, per_epoch))
     cadences = {"online probe": f"{shipped.max_samples} images embedded every {shipped.every_n_steps} steps, "
                                 f"{shipped.every_n_steps} head steps on its {shipped.replay_samples}-sample replay; "
                                 f"validation every {SHIPPED_EVAL_EVERY} epochs",
@@ -411,17 +411,17 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
     return rows
 
 
-def forwards_share(model: MaskedAutoencoder, settings: Settings, per_epoch: float) -> float:
+def forwards_share(model: MaskedAutoencoder, probe: OnlineLinearProbe, settings: Settings,
+                   per_epoch: float) -> float:
     """The share of a quickstart run that the evaluations' forward passes alone take at the
     shipped cadences, timed on ``model`` (just trained) right after the fits it is compared
     with: one pass over the kNN bank (the train split, no blocks) and one over the validation
     set (with the blocks, which the per-block effective rank asks for) per validation, as the
-    shared feature pass embeds them, and the online probe's forward of its images every
+    shared feature pass embeds them, and ``probe``'s forward of its images every
     ``every_n_steps`` training steps."""
-    probe = OnlineLinearProbe()
     data = quickstart_data(settings)
     data.setup("fit")
-    batch_size = data.eval_batch_size or data.batch_size
+    batch_size = data.eval_batch_size
     device = settings.torch_device
     passes = []
     for _ in range(2):  # the first pass warms the allocator and the caches up
@@ -432,7 +432,8 @@ def forwards_share(model: MaskedAutoencoder, settings: Settings, per_epoch: floa
                          forward_context=settings.autocast)
         synchronize(device)
         passes.append(time.perf_counter() - start)
-    images = next(iter(data.train_dataloader()))[0][: probe.max_samples].to(device)
+    loader = data.train_dataloader()
+    images = next(iter(loader))[0][: probe.max_samples].to(device)
     probes = []
     for _ in range(12):
         synchronize(device)
@@ -441,9 +442,7 @@ def forwards_share(model: MaskedAutoencoder, settings: Settings, per_epoch: floa
             model.forward_features(images)
         synchronize(device)
         probes.append(time.perf_counter() - start)
-    steps_per_epoch = len(data.train_dataloader())
-    if settings.max_batches:
-        steps_per_epoch = min(steps_per_epoch, settings.max_batches)
+    steps_per_epoch = min(len(loader), settings.max_batches or len(loader))
     validation = passes[-1] / (SHIPPED_EVAL_EVERY * per_epoch)
     probing = statistics.median(probes[2:]) * steps_per_epoch / probe.every_n_steps / per_epoch
     return validation + probing
