@@ -1,4 +1,4 @@
-"""The ImageNet data pipeline at GPU rates (issue 18, item 5): images per second one loader
+"""The ImageNet data pipeline at GPU rates: images per second one loader
 worker decodes and augments with the MAE train transform at 224 px (RandomResizedCrop, bicubic,
 scale 0.2-1, flip, normalise), PIL against ``torchvision.io.decode_image`` + ``transforms.v2``
 on uint8 tensors, and the workers a GPU needs at the paper's step rate.

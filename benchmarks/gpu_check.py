@@ -1,4 +1,4 @@
-"""``make gpu-check``: one command that proves the package on a CUDA machine (issue 18, item 6).
+"""``make gpu-check``: one command that proves the package on a CUDA machine.
 
 On a machine with CUDA it runs, each as its own ``shortcutlab fit`` process:
 
@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_mods.atomic_files import write_atomically
+from lightning_mods.checkpointing.atomic_files import write_atomically
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],

@@ -1,4 +1,4 @@
-"""What evaluation over depth costs (issue 23): kNN at all 12 blocks of a ViT-Tiny MAE against
+"""What evaluation over depth costs: kNN at all 12 blocks of a ViT-Tiny MAE against
 kNN at its evaluation features alone, the online probe with a head per block against one head,
 and the patch-feature picture's share of a quickstart evaluation. Each pair runs in one fit
 (two callbacks, each timed around its own hook), so every round compares them on the same weights.
@@ -11,10 +11,10 @@ from typing import Any
 
 from lightning.pytorch import Callback, seed_everything
 
-from callbacks.knn import KNNEvaluator
-from callbacks.online_probe import OnlineLinearProbe
-from callbacks.effective_rank import EffectiveRank
-from callbacks.patch_features import PatchFeaturePicture
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.patch_features import PatchFeaturePicture
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.mae import MaskedAutoencoder
 

@@ -1,5 +1,5 @@
-"""The shipped online probe's accuracy against lightly's every-batch probe on the quickstart
-(issue 18, item 2): one full quickstart pre-training (configs/digits_mae.yaml's model, data,
+"""The shipped online probe's accuracy against lightly's every-batch probe on the quickstart:
+one full quickstart pre-training (configs/digits_mae.yaml's model, data,
 seed and 100 epochs, validation every 25) with both probes in the same Trainer. The probes
 never change the pre-training (they run on detached features with forked RNG streams), so
 both heads see the same network at every step and differ only by their cadence.
@@ -16,8 +16,8 @@ import tempfile
 
 from lightning.pytorch import seed_everything
 
-from callbacks.online_probe import OnlineLinearProbe
-from lightning_mods import metric_names
+from callbacks.measurement.online_probe import OnlineLinearProbe
+from lightning_mods.evaluation import metric_names
 
 from .settings import Settings
 from .timing import Row, skipped

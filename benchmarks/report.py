@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_mods.atomic_files import write_atomically
+from lightning_mods.checkpointing.atomic_files import write_atomically
 
 from .settings import Settings
 from .timing import Row

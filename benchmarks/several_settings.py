@@ -1,4 +1,4 @@
-"""What measuring at several settings in one pass costs (issue 22): ``KNNEvaluator(k=[10, 20, 100,
+"""What measuring at several settings in one pass costs: ``KNNEvaluator(k=[10, 20, 100,
 200])`` against ``KNNEvaluator(k=20)``, and ``OnlineLinearProbe`` with four rates against one, on
 the quickstart's MAE and digits. Both variants run in the same fit (two callbacks of one class
 in one Trainer), each timed around its own hook, so every round pairs them on the same weights.
@@ -11,9 +11,9 @@ from typing import Any
 
 from lightning.pytorch import seed_everything
 
-from callbacks.knn import KNNEvaluator
-from callbacks.shared_features import unshared
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.shared_features import unshared
+from callbacks.measurement.online_probe import OnlineLinearProbe
 
 from .settings import Settings
 from .timing import Row, ratio_row, synchronize

@@ -18,17 +18,17 @@ import torch
 import yaml
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from callbacks.effective_rank import EffectiveRank
-from callbacks.feature_collection import collect_features
-from callbacks.knn import KNNEvaluator
-from callbacks.online_probe import OnlineLinearProbe
-from callbacks.residual_droppath import ResidualDroppath
-from callbacks.run_summary import RunSummary
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks._utils.feature_collection import collect_features
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.training.residual_droppath import ResidualDroppath
+from callbacks.reporting.run_summary import RunSummary
 from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
-from lightning_mods.eval_mode import isolated_eval
+from lightning_mods.evaluation.eval_mode import isolated_eval
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.optim import adamw, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
+from lightning_mods.training.optim import adamw, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 
@@ -173,8 +173,8 @@ def over_a_run(per_epoch: list[float], times: int) -> float:
     return steady + max(per_epoch[0] - steady, 0.0) / times
 
 
-RELIABILITY_CALLBACKS = ("callbacks.exact_resume.ExactResume", "callbacks.nonfinite_guard.NonFiniteGuard",
-                         "callbacks.preemption.PreemptionCheckpoint")
+RELIABILITY_CALLBACKS = ("callbacks.reliability.exact_resume.ExactResume", "callbacks.reliability.nonfinite_guard.NonFiniteGuard",
+                         "callbacks.reliability.preemption.PreemptionCheckpoint")
 
 
 def cli_fit_parts(settings: Settings, root: str, epochs: int):
@@ -350,7 +350,7 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
     step cadence (every ``every_n_steps`` batches): its training hooks count every epoch, its
     validation once per 25 epochs; kNN, effective rank and the pictures once per 25 epochs; the
     run summary once per run. kNN, effective rank and the probe's validation read one shared
-    feature pass per dataset (``callbacks/shared_features.py``): it is charged to the first of
+    feature pass per dataset (``callbacks/measurement/shared_features.py``): it is charged to the first of
     them that asks, the probe (the quickstart's callback order).
     """
     epochs = settings.pick(4, 2)  # 4 epochs of 11 batches: the probe's every-4th-batch cadence comes round

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_mods import metric_names
+from lightning_mods.evaluation import metric_names
 
 
 def format_setting(value: Any) -> str:

@@ -48,13 +48,20 @@ def _base_name(node: ast.expr) -> str:
     return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
+def public_module_files(package: str) -> list[Path]:
+    """The modules of ``package`` and its sub-packages, less the private ones (``_utils/``,
+    ``_moved_modules.py``) and the packages' ``__init__``."""
+    return [p for p in sorted((ROOT / package).rglob("*.py"))
+            if not any(part.startswith("_") for part in p.relative_to(ROOT).parts)]
+
+
 def find(kind: str) -> list[Found]:
     """The classes of ``kind`` (``model``, ``data``, ``callback``) in their package, by name."""
     package, roots = KINDS[kind]
     bases: dict[str, list[str]] = {}
     found: dict[str, Found] = {}
-    for path in sorted((ROOT / package).glob("*.py")):
-        module = f"{package}.{path.stem}"
+    for path in public_module_files(package):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.ClassDef):
                 bases[node.name] = [_base_name(b) for b in node.bases]

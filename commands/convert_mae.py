@@ -41,10 +41,10 @@ import lightning
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from lightning_mods.atomic_files import write_bytes_atomically
-from lightning_mods.checkpoint_io import save_torch_atomically
+from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
+from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.checkpoint import canonical_class_path, init_parameters, read_torch_file, state_dict_mismatch
+from lightning_mods.checkpointing.rebuild import canonical_class_path, init_parameters, read_torch_file, state_dict_mismatch
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -302,7 +302,7 @@ def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor
 
 def save(obj: Any, path: str) -> None:
     """``torch.save`` (or safetensors for ``.safetensors``) whole or not at all
-    (:mod:`lightning_mods.atomic_files`): an existing file is replaced only by a complete one."""
+    (:mod:`lightning_mods.checkpointing.atomic_files`): an existing file is replaced only by a complete one."""
     if path.endswith(".safetensors"):  # missing folders are created (--help)
         from safetensors.torch import save as to_bytes
         write_bytes_atomically(path, to_bytes({k: v.contiguous() for k, v in obj.items()}))

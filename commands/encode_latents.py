@@ -1,4 +1,4 @@
-"""Pre-encode an image dataset into VAE latents once, for latent diffusion (SPEC section 3,
+"""Pre-encode an image dataset into VAE latents once, for latent diffusion (the decay paper, section 5,
 ImageNet-100 on a pretrained VAE's 32x32x4 latents; U-ViT extracts them the same way).
 
     python -m commands.encode_latents --vae-path pretrained/sd-vae-ft-ema \\
@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from commands.progress import command_progress, show_progress, tracked
 from datamodules.latents import METADATA_FILE
-from lightning_mods.latent_vae import FrozenVAE
+from lightning_mods.generation.latent_vae import FrozenVAE
 
 SPLITS = ("train", "val")
 

@@ -1,4 +1,4 @@
-"""The ResidualDroppath paper's feature-reuse pictures (SPEC section 5; "ResidualDroppath",
+"""The ResidualDroppath paper's feature-reuse pictures (the ResidualDroppath paper, section 3; "ResidualDroppath",
 section 3.1, figures 1, 3 and 4).
 
     python -m commands.feature_reuse --depth 6 --width 6 --epochs 1000 --out runs/reuse [--residual-droppath]
@@ -39,12 +39,12 @@ from matplotlib.figure import Figure
 from matplotlib.gridspec import GridSpec
 from rich.progress import Progress
 
-from lightning_mods import metric_names
-from callbacks.residual_droppath import ResidualDroppath
+from lightning_mods.evaluation import metric_names
+from callbacks.training.residual_droppath import ResidualDroppath
 from commands.progress import EpochProgress, command_progress, show_progress
 from datamodules.spiral import Spiral, grid_points
 from lightning_mods.backbone.residual_mlp import ResidualMLP
-from lightning_mods.pictures import figure_to_array, save_png
+from lightning_mods.pictures.grids import figure_to_array, save_png
 from lightning_mods.spiral_classifier import SpiralClassifier
 
 Similarity = Literal["euclidean", "cka"]

@@ -1,5 +1,5 @@
 """``shortcutlab features``: the patch-feature picture of any checkpoint (the decay paper's
-Figure 3, DINO's PCA view; :mod:`lightning_mods.patch_pca`).
+Figure 3, DINO's PCA view; :mod:`lightning_mods.pictures.patch_pca`).
 
     shortcutlab features --ckpt_path runs/digits_mae/.../last.ckpt --images val --out pictures/
     shortcutlab features --ckpt_path model.ckpt --images my_images/ --block 5 --out pictures/
@@ -84,9 +84,9 @@ def draw(args: argparse.Namespace) -> Path:
     """The picture of ``args`` (see the module docstring); returns the file written."""
     import torch
 
-    from lightning_mods.checkpoint import load_checkpoint, module_from_checkpoint
-    from lightning_mods.patch_pca import images_for_display, patch_feature_figure, patch_rgb
-    from lightning_mods.pictures import figure_to_array, save_png
+    from lightning_mods.checkpointing.rebuild import load_checkpoint, module_from_checkpoint
+    from lightning_mods.pictures.patch_pca import images_for_display, patch_feature_figure, patch_rgb
+    from lightning_mods.pictures.grids import figure_to_array, save_png
 
     if args.num_images < 1:
         raise ValueError(f"--num-images: must be >= 1, got {args.num_images}")

@@ -37,29 +37,29 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from commands import catalogue
-from callbacks import lost_rank
-from callbacks.bad_input_cleanup import RemoveLogsOnBadInput
-from callbacks.lost_rank import LostRankReport
-from callbacks.prediction_writer import PredictionWriter
+from callbacks.reliability import lost_rank
+from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
+from callbacks.reliability.lost_rank import LostRankReport
+from callbacks.reporting.prediction_writer import PredictionWriter
 
-from callbacks.nonfinite_guard import NonFiniteTrainingError
-from callbacks.preemption import received_signal
+from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
+from callbacks.reliability.preemption import received_signal
 from callbacks.schedule import ScheduledEvaluation
 
-from lightning_mods import atomic_files
-from lightning_mods.checkpoint import (canonical_class_path, checkpoint_model_config, conflict_message, flat_settings,
+from lightning_mods.checkpointing import atomic_files
+from lightning_mods.checkpointing.rebuild import (canonical_class_path, checkpoint_model_config, conflict_message, flat_settings,
                                        import_path, init_parameters, load_checkpoint, newest_loadable, read_torch_file,
                                        setting_conflicts, state_dict_mismatch)
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
-    {"class_path": "callbacks.progress_bar.TrainingLossProgressBar"},
-    {"class_path": "callbacks.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
+    {"class_path": "callbacks.reporting.progress_bar.TrainingLossProgressBar"},
+    {"class_path": "callbacks.reporting.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
     # reliability (README "Reliability"); a config's callback list replaces these, so each
     # shipped config names them too
-    {"class_path": "callbacks.exact_resume.ExactResume"},
-    {"class_path": "callbacks.nonfinite_guard.NonFiniteGuard"},
-    {"class_path": "callbacks.preemption.PreemptionCheckpoint"},
+    {"class_path": "callbacks.reliability.exact_resume.ExactResume"},
+    {"class_path": "callbacks.reliability.nonfinite_guard.NonFiniteGuard"},
+    {"class_path": "callbacks.reliability.preemption.PreemptionCheckpoint"},
 ]
 DIVERGED_EXIT_STATUS = 3
 
@@ -307,7 +307,7 @@ def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_
 
 
 def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)
-    """``predict`` saves its outputs (``callbacks/prediction_writer.py``) unless a writer is configured."""
+    """``predict`` saves its outputs (``callbacks/reporting/prediction_writer.py``) unless a writer is configured."""
     if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
         trainer.callbacks.append(PredictionWriter())
 
@@ -505,7 +505,7 @@ def root_message(err: BaseException) -> str:
 
 def run_reporting_stops(args: Optional[list[str]] = None, **main_kwargs: Any) -> None:
     """``main``, with the exit statuses of a stopped fit: a divergence (one line, status 3) and a
-    pre-emption (``128 + signal``: 143 for SIGTERM, 130 for SIGINT; callbacks/preemption.py)."""
+    pre-emption (``128 + signal``: 143 for SIGTERM, 130 for SIGINT; callbacks/reliability/preemption.py)."""
     try:
         main(args, **main_kwargs)
     except NonFiniteTrainingError as err:
@@ -600,8 +600,8 @@ def console_main(args: Optional[list[str]] = None) -> None:
 
     A bad setting or a missing file ends with one line on stderr and exit status 2; a file that
     cannot be written (full disk, quota, read-only, permissions) with one line and exit status 4
-    (:mod:`lightning_mods.atomic_files`); a lost DDP peer with one line naming it and exit status 5
-    (:mod:`callbacks.lost_rank`); ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
+    (:mod:`lightning_mods.checkpointing.atomic_files`); a lost DDP peer with one line naming it and exit status 5
+    (:mod:`callbacks.reliability.lost_rank`); ``SHORTCUTLAB_TRACEBACK=1`` shows the traceback instead.
     """
     info_logs_to_stdout()
     silence_third_party_noise()
@@ -620,7 +620,7 @@ def console_main(args: Optional[list[str]] = None) -> None:
                 atomic_files.describe(err, Path(err.filename or "?"), None)
             print(f"shortcutlab: error: {message}", file=sys.stderr)
             sys.exit(atomic_files.DISK_ERROR_EXIT_STATUS)
-        if lost_rank.lost_rank_message is not None:  # a DDP peer died (callbacks/lost_rank.py)
+        if lost_rank.lost_rank_message is not None:  # a DDP peer died (callbacks/reliability/lost_rank.py)
             print(f"shortcutlab: error: {lost_rank.lost_rank_message}", file=sys.stderr)
             sys.exit(lost_rank.LOST_RANK_EXIT_STATUS)
         raise

@@ -1,4 +1,4 @@
-"""Probe a diffusion model's features over blocks x noise levels (SPEC section 3,
+"""Probe a diffusion model's features over blocks x noise levels (the decay paper, section 5,
 "Representations: linear probe on a chosen block's tokens at a chosen noise level; the paper
 reports the best layer/noise pair").
 
@@ -10,7 +10,7 @@ For every noise level ``t`` the train split (eval transform) and the held-out sp
 to ``t`` (a fixed noise draw per batch) and the patch-token mean of every chosen block is kept;
 then for every (block, t) a linear probe is trained on the frozen train features
 (:func:`lightning_mods.linear_probe.train_linear_probe_on_features`) and a kNN vote
-(:func:`callbacks.knn.knn_predict`, k=20, T=0.07) is scored on the held-out split.
+(:func:`callbacks.measurement.knn.knn_predict`, k=20, T=0.07) is scored on the held-out split.
 
 Writes ``probe_results.csv``, ``probe_results.md`` (tables blocks x noise levels and the best
 pair) and ``probe_heatmap_linear.png`` / ``probe_heatmap_knn.png`` into ``--out``.
@@ -28,12 +28,12 @@ import torch
 from rich.progress import Progress
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from callbacks.knn import knn_predict
+from callbacks.measurement.knn import knn_predict
 from commands.progress import command_progress, show_progress, tracked
-from lightning_mods.pictures import figure_to_array, save_png
-from lightning_mods.checkpoint import module_from_checkpoint
+from lightning_mods.pictures.grids import figure_to_array, save_png
+from lightning_mods.checkpointing.rebuild import module_from_checkpoint
 from lightning_mods.linear_probe import topk_accuracy, train_linear_probe_on_features
-from lightning_mods.fid import subset_indices
+from lightning_mods.generation.fid import subset_indices
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
 
@@ -201,7 +201,7 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-workers", type=int, default=None)
     parser.add_argument("--probe-epochs", type=int, default=100,
-                        help="linear-probe epochs per (block, noise level) pair; SPEC section 2's protocol uses 200 "
+                        help="linear-probe epochs per (block, noise level) pair; the decay paper's linear-probe protocol uses 200 "
                              "for one probe, a sweep trains one per pair")
     parser.add_argument("--probe-lr", type=float, default=1e-2)
     parser.add_argument("--probe-batch-size", type=int, default=1024)

@@ -26,8 +26,8 @@ import numpy as np
 
 from commands.report_groups import Group, ReportedMetric, Summary  # noqa: F401 (Summary re-exported)
 from commands.run_metrics import Run, read_run
-from lightning_mods import metric_names
-from lightning_mods.atomic_files import write_text_atomically
+from lightning_mods.evaluation import metric_names
+from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from commands.sweep import parse_run_name, read_plan, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
@@ -38,7 +38,7 @@ KNN = ReportedMetric("knn/top1", "kNN top-1 (%)", percent=True)
 ONLINE_PROBE = ReportedMetric("online_probe/val_top1", "online probe top-1 (%)", percent=True)
 OFFLINE_PROBE = ReportedMetric("val/top1", "offline probe top-1 (%)", percent=True, probe=True)
 EFFECTIVE_RANK = ReportedMetric("rank/effective_rank", "effective rank exp(H)", percent=False)
-# SPEC section 6: the decay paper writes the entropy H itself and calls it the effective rank
+# the decay paper, section 6: the decay paper writes the entropy H itself and calls it the effective rank
 RANK_ENTROPY = ReportedMetric("rank/entropy", "rank entropy H", percent=False)
 SUPERVISED = ReportedMetric("val/top1", "val top-1 (%)", percent=True)  # a classifier's own accuracy
 TABLE_METRICS = (KNN, ONLINE_PROBE, OFFLINE_PROBE, SUPERVISED, EFFECTIVE_RANK, RANK_ENTROPY)
@@ -147,7 +147,7 @@ def not_counted_cell(group: Group) -> str:
 
 def with_variants(metrics: Sequence[ReportedMetric], runs: Sequence[Run]) -> list[ReportedMetric]:
     """``metrics`` with, after each, the variants the runs logged of it: ``knn/top1@k=10`` of a
-    ``KNNEvaluator(k=[10, 20])`` or of a second kNN in the Trainer (:mod:`lightning_mods.metric_names`),
+    ``KNNEvaluator(k=[10, 20])`` or of a second kNN in the Trainer (:mod:`lightning_mods.evaluation.metric_names`),
     each its own column labelled with its setting."""
     logged = {name for run in runs for name in run.metrics}
     probe_logged = {name for run in runs for name in run.probe_metrics}

@@ -3,7 +3,7 @@
 A run folder ``runs/<experiment>/<name>/`` (``shortcutlab sweep``) holds ``metrics.csv`` (Lightning's
 CSVLogger: columns ``epoch``, ``step`` and one per logged metric, each row holding only the
 metrics logged at that point), ``sweep.json`` (the command's exit status), ``fit_end.json``
-(written when the fit ended normally, :mod:`callbacks.fit_end_record`) and, after ``--then``,
+(written when the fit ended normally, :mod:`callbacks.reliability.fit_end_record`) and, after ``--then``,
 ``probe/`` (the offline linear probe's ``metrics.csv`` and ``fit_end.json``). A run's *final*
 value of a metric is the last value logged for it in file order: after a resume the file goes on
 where the checkpoint was, so the last row is the latest.
@@ -24,11 +24,11 @@ from commands.sweep import FOLLOW_UP_DIR, parse_run_name
 
 METRICS_FILE = "metrics.csv"
 SWEEP_RECORD = "sweep.json"
-# callbacks.fit_end_record.FIT_END_FILE (not imported: the report needs no Lightning)
+# callbacks.reliability.fit_end_record.FIT_END_FILE (not imported: the report needs no Lightning)
 FIT_END_FILE = "fit_end.json"
 # metrics logged with on_step and on_epoch get these suffixes; the epoch value is the one reported
 EPOCH_SUFFIX = "_epoch"
-# lightning_mods.over_depth.DEPTH_FILE (not imported: the report needs no torch): one row per
+# lightning_mods.evaluation.over_depth.DEPTH_FILE (not imported: the report needs no torch): one row per
 # evaluation and block; its accuracy columns become <name>@best_block and <name>@last_block
 DEPTH_FILE = "eval_per_block.csv"
 DEPTH_ACCURACIES = ("knn/top1", "online_probe/val_top1", "val/top1")

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from lightning_mods.atomic_files import DISK_ERROR_EXIT_STATUS, DiskWriteError, write_text_atomically
+from lightning_mods.checkpointing.atomic_files import DISK_ERROR_EXIT_STATUS, DiskWriteError, write_text_atomically
 
 # grid keys whose last component is not a readable name
 SHORT_NAMES = {"seed_everything": "seed"}
@@ -96,11 +96,11 @@ def write_logging_fragment(save_dir: Path, version: str) -> Path:
     """``<save_dir>/<version>/run.yaml``: a config fragment with a CSV logger (``metrics.csv``,
     read by ``shortcutlab report``) and a TensorBoard logger, both writing to the run's fixed
     folder ``save_dir/version`` instead of ``lightning_logs/version_N``, and the callback that
-    records a normal end of the fit there (``fit_end.json``, :mod:`callbacks.fit_end_record`)."""
+    records a normal end of the fit there (``fit_end.json``, :mod:`callbacks.reliability.fit_end_record`)."""
     loggers = [{"class_path": f"lightning.pytorch.loggers.{cls}",
                 "init_args": {"save_dir": str(save_dir), "name": "", "version": version}}
                for cls in ("CSVLogger", "TensorBoardLogger")]
-    trainer = {"logger": loggers, "callbacks+": [{"class_path": "callbacks.fit_end_record.FitEndRecord"}]}
+    trainer = {"logger": loggers, "callbacks+": [{"class_path": "callbacks.reliability.fit_end_record.FitEndRecord"}]}
     path = save_dir / version / "run.yaml"
     write_text_atomically(path, "# written by shortcutlab sweep: where this run logs\n"
                     + json.dumps({"trainer": trainer}, indent=2) + "\n")
@@ -155,7 +155,7 @@ def resumable_checkpoint(run: Path) -> Optional[Path]:
     and ``latest.ckpt`` first on a tie) that loads; each newer one that does not (a save cut
     short by a full disk or a killed node, before checkpoints were written atomically) is
     skipped with one line saying why."""
-    from lightning_mods.checkpoint import newest_loadable  # torch: only when a run resumes
+    from lightning_mods.checkpointing.rebuild import newest_loadable  # torch: only when a run resumes
 
     folder = run / "checkpoints"
     if not folder.is_dir():
@@ -233,7 +233,7 @@ class Stopped(Exception):
 def _die_with_the_sweep() -> None:
     """In the run's process, before it starts: SIGTERM when the sweep dies, even by SIGKILL
     (Linux's parent-death signal), so a run never outlives its sweep; SIGTERM makes it save its
-    resumable checkpoint first (callbacks/preemption.py)."""
+    resumable checkpoint first (callbacks/reliability/preemption.py)."""
     try:
         import ctypes
 

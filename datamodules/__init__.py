@@ -1,4 +1,4 @@
-"""Image datamodules of shortcutlab (SPEC section 2, data); see docs/contracts.md."""
+"""Image datamodules of shortcutlab (the decay paper, section 4, data); see docs/contracts.md."""
 from datamodules.base import ImageDataModule
 from datamodules.digits import Digits
 from datamodules.imagenet import ImageNet

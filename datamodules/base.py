@@ -1,4 +1,4 @@
-"""The shared image datamodule every dataset of shortcutlab subclasses (SPEC section 2, data).
+"""The shared image datamodule every dataset of shortcutlab subclasses (the decay paper, section 4, data).
 
 Train split: the standard MAE augmentation, RandomResizedCrop(image_size, scale 0.2-1.0, bicubic)
 then an optional horizontal flip. Validation/test/predict and the kNN bank (the train split
@@ -71,7 +71,7 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
         num_workers: loader worker processes (0: load in the main process).
         image_size: side of the square images the model sees.
         train_augmentation: augment the train split (off: the eval transform, as the linear-probe
-            protocol of SPEC section 2 wants; the train loader still shuffles).
+            protocol of the linear-probe protocol wants; the train loader still shuffles).
         horizontal_flip: random horizontal flip in the train augmentation.
         crop_scale: area range of RandomResizedCrop in the train augmentation.
         eval_crop_ratio: eval resizes to ``image_size / eval_crop_ratio`` then centre-crops

@@ -1,4 +1,4 @@
-"""Reading CIFAR's python batches without running code from them (issue 9, safe data files).
+"""Reading CIFAR's python batches without running code from them (safe data files).
 
 A CIFAR batch is a pickle, and ``pickle.load`` calls whatever a pickle names: a crafted
 ``data_batch_1`` runs code on the machine that reads it. The official files (Python 2,

@@ -1,4 +1,4 @@
-"""scikit-learn's bundled handwritten digits, the quickstart's embedded data (SPEC section 2, data).
+"""scikit-learn's bundled handwritten digits, the quickstart's embedded data (the decay paper, section 4, data).
 
 1797 grey 8x8 images with values 0..16, 10 classes, shipped inside scikit-learn: no download.
 Fixed stratified split (``train_test_split(test_size=0.2, stratify=labels, random_state=0)``):

@@ -1,4 +1,4 @@
-"""ImageNet-1K and its ImageNet-100 subset from class folders (SPEC section 2, data and evaluation).
+"""ImageNet-1K and its ImageNet-100 subset from class folders (the decay paper, section 4, data and evaluation).
 
 Layout: ``data_dir/train/<wnid>/<image>`` and ``data_dir/val/<wnid>/<image>`` (the usual
 ImageFolder layout; the official val images must be sorted into class folders first).

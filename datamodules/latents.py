@@ -1,4 +1,4 @@
-"""VAE latents written once by ``python -m commands.encode_latents`` (SPEC section 3,
+"""VAE latents written once by ``python -m commands.encode_latents`` (the decay paper, section 5,
 latent diffusion on ImageNet-100).
 
 A sample is ``((z - shift_factor) * scaling_factor, label)`` with ``z`` the stored posterior:

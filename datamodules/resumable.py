@@ -16,7 +16,7 @@ The position is saved by :class:`ResumableTrainData` (the datamodules' ``state_d
 to the next train loader by its ``load_state_dict``: Lightning restores a datamodule before it
 builds the train loader, while the loop state it restores later is too late for a loader that
 ``configure_optimizers`` already built (to count ``estimated_stepping_batches``). The RNG states are
-``callbacks.exact_resume.ExactResume``'s. With ``num_workers > 0`` the order is still exact;
+``callbacks.reliability.exact_resume.ExactResume``'s. With ``num_workers > 0`` the order is still exact;
 augmentation draws made in worker processes are not (the workers are seeded afresh on resume).
 """
 from __future__ import annotations

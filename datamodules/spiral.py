@@ -1,4 +1,4 @@
-"""Two-arm spiral, the ResidualDroppath paper's toy data (SPEC section 5; "ResidualDroppath",
+"""Two-arm spiral, the ResidualDroppath paper's toy data (the ResidualDroppath paper, section 3; "ResidualDroppath",
 section 3.1 and figure 2).
 
 Train set: ``num_points / 2`` angles ``a ~ U(0, 2 pi)`` with radius ``r = a / (2 pi)``; each

@@ -1,4 +1,4 @@
-"""CIFAR-10, CIFAR-100 and MNIST datamodules (SPEC section 2, data; the smaller benchmarks).
+"""CIFAR-10, CIFAR-100 and MNIST datamodules (the decay paper, section 4, data; the smaller benchmarks).
 
 ``download=True`` fetches the files with torchvision into ``data_dir`` (``prepare_data``, rank 0);
 otherwise nothing is fetched and a missing root fails in ``setup`` with one line saying which

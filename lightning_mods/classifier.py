@@ -1,4 +1,4 @@
-"""Supervised image classifier over the shortcut-aware backbones (SPEC sections 4 and 5;
+"""Supervised image classifier over the shortcut-aware backbones (the decay paper's appendix B.2 and the ResidualDroppath paper;
 "Residual Connections Harm Generative Representation Learning", appendix; "ResidualDroppath",
 section 4).
 
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from .classification_steps import ClassificationSteps
-from .optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+from lightning_mods.training.classification_steps import ClassificationSteps
+from lightning_mods.training.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
-from .backbone.residual import residual_blocks
+from lightning_mods.backbone.residual import residual_blocks
 
 OPTIMIZERS = ("sgd", "adamw")
 _TIMM_API = ("forward_features", "forward_head", "reset_classifier", "num_classes", "num_features")
@@ -201,7 +201,7 @@ class ImageClassifier(ClassificationSteps, LightningModule):
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``), ``logits`` and ``labels``, for
-        ``callbacks.prediction_writer``."""
+        ``callbacks.reporting.prediction_writer``."""
         images, labels = batch[0], batch[1]
         features = self.backbone.forward_features(images)
         return {"embeddings": self.backbone.forward_head(features, pre_logits=True),

@@ -1,4 +1,4 @@
-"""Noise-prediction diffusion with a decayed-shortcut U-ViT (SPEC section 3; "Residual
+"""Noise-prediction diffusion with a decayed-shortcut U-ViT (the decay paper, section 5; "Residual
 Connections Harm Generative Representation Learning", section 5; Bao et al. 2023).
 
 Training: ``x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps`` with ``t`` uniform over the
@@ -6,13 +6,13 @@ training timesteps (``noise_process: discrete``) or over ``[0, 1]`` on U-ViT's c
 (``vp_sde``, network input ``t * 999``), and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``.
 Class-conditional models replace the label by the null class with probability ``label_dropout`` and sample with
 classifier-free guidance ``eps_u + guidance_scale * (eps_c - eps_u)`` (1 = no guidance;
-U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods.diffusion_sampling`.
+U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods.generation.sampling`.
 
 Pixel mode: the datamodule's normalised images are mapped back to ``[-1, 1]``. Latent mode
 (``vae_path``): the batches are VAE latents already (``datamodules.latents.Latents``) and
 samples are decoded by the frozen VAE for pictures and FID.
 
-EMA weights come from ``callbacks.ema.EMA`` (Lightning's ``EMAWeightAveraging``), which swaps them in for the
+EMA weights come from ``callbacks.training.ema.EMA`` (Lightning's ``EMAWeightAveraging``), which swaps them in for the
 whole validation epoch. The sample grid is therefore drawn in ``on_validation_epoch_start``:
 the module's hook runs after every callback's, so after the swap (its ``on_validation_epoch_end``
 would run after the callbacks swap the training weights back).
@@ -34,15 +34,15 @@ import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 
-from lightning_mods.eval_mode import isolated_eval
-from lightning_mods.pictures import labelled_grid, log_picture
-from . import metric_names
-from .diffusion_sampling import check_sampler, make_noise_process, make_sampler, run_sampler
-from .latent_vae import FrozenVAE
-from .optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
-from .backbone.shortcut import ShortcutSchedule
-from .backbone.uvit import UViT
-from .vp_sde import euler_maruyama
+from lightning_mods.evaluation.eval_mode import isolated_eval
+from lightning_mods.pictures.grids import labelled_grid, log_picture
+from lightning_mods.evaluation import metric_names
+from lightning_mods.generation.sampling import check_sampler, make_noise_process, make_sampler, run_sampler
+from lightning_mods.generation.latent_vae import FrozenVAE
+from lightning_mods.training.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
+from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.uvit import UViT
+from lightning_mods.generation.vp_sde import euler_maruyama
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
@@ -72,12 +72,12 @@ class DiffusionModule(LightningModule):
             size and channels in latent mode).
         class_conditional: condition on the labels (``num_classes`` classes + a null class).
         patch_size, embed_dim, depth, num_heads, mlp_ratio, qkv_bias, mlp_time_embed,
-            final_conv: the U-ViT (defaults: U-ViT-S of SPEC section 3).
+            final_conv: the U-ViT (defaults: U-ViT-S of the decay paper, section 5).
         shortcut: decay schedule over all blocks in, mid and out.
         zero_init_branches: zero the last linear layer of every residual branch (``False``: U-ViT's
             own init, truncated normal 0.02 everywhere).
         noise_process: ``discrete`` (DDPM) or ``vp_sde`` (U-ViT's continuous VP SDE, see
-            :mod:`lightning_mods.diffusion_sampling`).
+            :mod:`lightning_mods.generation.sampling`).
         num_train_timesteps, beta_schedule, beta_start, beta_end: the noise schedule (``vp_sde``:
             linear, ``beta(t)`` from ``num_train_timesteps * beta_start`` to ``... * beta_end``).
         sampler: ``ddpm`` (ancestral), ``ddim``, ``dpmsolver++`` (multistep, order 2),
@@ -94,7 +94,7 @@ class DiffusionModule(LightningModule):
             peak is ``lr * global batch / reference_batch``).
         weight_decay, betas: AdamW.
         decay_all_parameters: decay every parameter as U-ViT does; ``False``: no decay on norms,
-            biases, position and class embeddings (:func:`~lightning_mods.optim.param_groups_weight_decay`).
+            biases, position and class embeddings (:func:`~lightning_mods.training.optim.param_groups_weight_decay`).
         warmup_steps: linear warm-up in optimiser steps, then ``lr_schedule``: ``constant``
             (U-ViT) or ``cosine`` to ``min_lr_ratio * peak``.
         num_sample_images, sample_seed: the sample grid drawn at every validation.
@@ -303,7 +303,7 @@ class DiffusionModule(LightningModule):
         images, labels = batch[0], batch[1]
         loss = self.diffusion_loss(self.to_model_space(images), self.condition(labels, self.hparams.label_dropout))
         # no prog_bar: Lightning reads prog_bar values to the host after every step (a GPU sync);
-        # callbacks/progress_bar.py shows the loss at the logging cadence
+        # callbacks/reporting/progress_bar.py shows the loss at the logging cadence
         self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
@@ -376,7 +376,7 @@ class DiffusionModule(LightningModule):
 
     def grid_labels(self, num_samples: int, start: int = 0) -> Optional[torch.Tensor]:
         """Labels ``start, start + 1, ...`` modulo the number of classes (balanced classes, the FID
-        sample set of ``callbacks.fid``) for a class-conditional model, else ``None``."""
+        sample set of ``callbacks.measurement.fid``) for a class-conditional model, else ``None``."""
         if not self.class_conditional:
             return None
         return torch.arange(start, start + num_samples, device=self.device) % self.hparams.num_classes
@@ -455,7 +455,7 @@ class DiffusionModule(LightningModule):
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``: the probe's noised block features) and ``labels``,
-        for ``callbacks.prediction_writer``."""
+        for ``callbacks.reporting.prediction_writer``."""
         images, labels = batch[0], batch[1]
         return {"embeddings": self.forward_features(images), "labels": labels}
 

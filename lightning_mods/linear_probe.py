@@ -1,4 +1,4 @@
-"""Offline linear probe (SPEC section 2, evaluation protocol): a frozen pre-trained backbone,
+"""Offline linear probe (the decay paper, section 4, evaluation protocol): a frozen pre-trained backbone,
 a linear head (after a BatchNorm without affine parameters, as MAE's probe) trained without
 augmentation, SGD with cosine decay to 0.
 
@@ -19,14 +19,14 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from .classification_steps import ClassificationSteps
-from .checkpoint import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
+from lightning_mods.training.classification_steps import ClassificationSteps
+from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
-from .optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
-from .probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
-from . import metric_names
-from .classification_steps import top_k_accuracy
-from .over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
+from lightning_mods.training.optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
+from lightning_mods.evaluation.probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
+from lightning_mods.evaluation import metric_names
+from lightning_mods.training.classification_steps import top_k_accuracy
+from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
 
 
 def block_widths(backbone: nn.Module) -> list[int]:
@@ -106,14 +106,14 @@ class LinearProbe(ClassificationSteps, LightningModule):
         allow_backbone_override: build with the given ``backbone`` settings where they disagree
             with the checkpoint (a warning says so), on purpose.
         num_classes: linked from the datamodule by the CLI.
-        lr: peak learning rate (SPEC: 1e-2 at batch 1024), cosine to 0 over the run.
+        lr: peak learning rate (the decay paper: 1e-2 at batch 1024), cosine to 0 over the run.
         batch_norm: BatchNorm without affine parameters before the linear layer.
         blocks: also probe every chosen block's pooled output (``"all"`` or a list of indices,
             1 = nearest the input, -1 = the last; the backbone's ``forward_block_features``): one
             head per block from the same forward pass, trained in the same optimiser step, each
             initialised as a probe of that block alone would be. Each validation writes their
             top-1 and the blocks' feature norms to ``eval_per_block.csv`` and the picture
-            ``eval/over_depth`` (:mod:`lightning_mods.over_depth`); ``val/top1`` stays the
+            ``eval/over_depth`` (:mod:`lightning_mods.evaluation.over_depth`); ``val/top1`` stays the
             ``forward_features`` head's.
     """
 
@@ -238,7 +238,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """The backbone's ``embeddings``, the probe's ``logits`` and ``labels``, for
-        ``callbacks.prediction_writer``."""
+        ``callbacks.reporting.prediction_writer``."""
         images, labels = batch[0], batch[1]
         with torch.no_grad():
             features = self.backbone.forward_features(images)

@@ -1,5 +1,5 @@
 """Masked autoencoder with decayed identity shortcuts in the encoder and U-Net skips into the
-decoder (SPEC section 2; "Residual Connections Harm Generative Representation Learning",
+decoder (the decay paper, section 4; "Residual Connections Harm Generative Representation Learning",
 section 3.2 and appendix A).
 
 Encoder: a :class:`~lightning_mods.backbone.vit.DecayedVisionTransformer` (patch embed, fixed 2-D
@@ -32,15 +32,15 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from . import metric_names
-from lightning_mods.pictures import labelled_grid, log_picture
-from .backbone.mae_decoder import ClassicDecoder, UNetSkipDecoder
-from .backbone.mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
-from .optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+from lightning_mods.evaluation import metric_names
+from lightning_mods.pictures.grids import labelled_grid, log_picture
+from lightning_mods.backbone.mae_decoder import ClassicDecoder, UNetSkipDecoder
+from lightning_mods.backbone.mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
+from lightning_mods.training.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
-from .backbone.patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
-from .backbone.shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
-from .backbone.vit import DecayedVisionTransformer
+from lightning_mods.backbone.patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from lightning_mods.backbone.shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
+from lightning_mods.backbone.vit import DecayedVisionTransformer
 
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -131,7 +131,7 @@ class MaskedAutoencoder(LightningModule):
         grid = image_size // patch_size
         num_kept(grid * grid, mask_ratio)  # one-line error when no patch stays visible
         self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6))
-        # zero starts: the authors' with skips; SPEC needs them for any decayed encoder too (a
+        # zero starts: the authors' with skips; the decay paper needs them for any decayed encoder too (a
         # decayed classic-decoder ablation), while He et al.'s standard MAE has none
         standard = all(w == (1.0, 1.0) for w in self.shortcut.weights(2 * depth, transformer_sublayer_types(depth)))
         if zero_init_branches is None:
@@ -234,7 +234,7 @@ class MaskedAutoencoder(LightningModule):
         return tokens.reshape(tokens.shape[0], grid, grid, tokens.shape[-1])
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
-        """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.prediction_writer``."""
+        """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.reporting.prediction_writer``."""
         images, labels = batch[0], batch[1]
         return {"embeddings": self.forward_features(images), "labels": labels}
 
@@ -278,7 +278,7 @@ class MaskedAutoencoder(LightningModule):
         # no sync_dist: with on_step it would all_reduce every step; the train loss is this rank's,
         # as in the other families
         # no prog_bar: Lightning reads prog_bar values to the host after every step (a GPU sync);
-        # callbacks/progress_bar.py shows the loss at the logging cadence
+        # callbacks/reporting/progress_bar.py shows the loss at the logging cadence
         self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 

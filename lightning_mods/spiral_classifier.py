@@ -1,4 +1,4 @@
-"""The spiral classifier of the ResidualDroppath paper's feature-reuse study (SPEC section 5;
+"""The spiral classifier of the ResidualDroppath paper's feature-reuse study (the ResidualDroppath paper, section 3;
 "ResidualDroppath", section 3.1): :class:`~lightning_mods.backbone.residual_mlp.ResidualMLP`
 trained with cross-entropy and Adam."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 
-from . import metric_names
-from .classification_steps import top_k_accuracy
-from .backbone.residual_mlp import ResidualMLP
-from .backbone.shortcut import ShortcutSchedule
+from lightning_mods.evaluation import metric_names
+from lightning_mods.training.classification_steps import top_k_accuracy
+from lightning_mods.backbone.residual_mlp import ResidualMLP
+from lightning_mods.backbone.shortcut import ShortcutSchedule
 
 
 class SpiralClassifier(LightningModule):
-    """Trains :class:`ResidualMLP` on the spiral: cross-entropy, Adam (SPEC: lr 0.1, batch 256).
+    """Trains :class:`ResidualMLP` on the spiral: cross-entropy, Adam (the ResidualDroppath paper: lr 0.1, batch 256).
 
     Args:
         depth, width, shortcut: the residual MLP (paper: depth 6 width 6, depth 32 width 32).
@@ -56,7 +56,7 @@ class SpiralClassifier(LightningModule):
         loss = F.cross_entropy(logits, labels)
         accuracy.update(logits, labels)  # logged per epoch: no batch value to compute (Metric.forward)
         # the classifier's way: the loss per step and as epoch mean, accuracies per epoch; no prog_bar for
-        # the training loss (callbacks/progress_bar.py shows it without a host read per step)
+        # the training loss (callbacks/reporting/progress_bar.py shows it without a host read per step)
         training = stage == "train"
         self.log(metric_names.LOSS[stage], loss, on_step=training, on_epoch=True,
                  sync_dist=not training, batch_size=labels.shape[0])

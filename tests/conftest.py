@@ -185,10 +185,10 @@ def data_roots(data_root):
 
 @pytest.fixture(autouse=True)
 def _signals_handled_again_after_a_preemption_test():
-    """A pre-emption stop in this process ignores SIGTERM until exit (callbacks/preemption.py);
+    """A pre-emption stop in this process ignores SIGTERM until exit (callbacks/reliability/preemption.py);
     the next test gets the handlers back."""
     yield
-    from callbacks.preemption import restore_stop_signals
+    from callbacks.reliability.preemption import restore_stop_signals
 
     restore_stop_signals()
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from lightning.pytorch import Callback
 
-from callbacks.preemption import received_signal
+from callbacks.reliability.preemption import received_signal
 
 POINTS = ("train_step", "validation", "save")
 

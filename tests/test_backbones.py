@@ -1,4 +1,4 @@
-"""Decayed ViT and ResNet backbones against stock timm (SPEC sections 1 and 4)."""
+"""Decayed ViT and ResNet backbones against stock timm (the decay paper, section 3.1 and appendix B.2)."""
 import numpy as np
 import pytest
 import torch
@@ -235,7 +235,7 @@ class AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("learnable", [False, True])
 def test_decayed_sum_is_one_kernel_and_equals_float64_math(learnable):
-    """``a * x + f(x)`` at a != 1 is a single fused operator (issue 18, item 3), within float32
+    """``a * x + f(x)`` at a != 1 is a single fused operator, within float32
     rounding of the float64 sum; a = 1 stays the plain ``x + f(x)``."""
     block = DecayedBlock(dim=8, num_heads=2)
     block.set_shortcut_weights([(0.6, 1.0), (1.0, 1.0)], [learnable, False])

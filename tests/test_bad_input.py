@@ -1,5 +1,5 @@
 """Every bad input of docs/reliability.md's "Bad input" table: exit status 2, one line on stderr naming
-the field or file, and the run folder exactly as it was (issue 9, item 7).
+the field or file, and the run folder exactly as it was.
 
 Most cases call ``cli.console_main`` in-process with ``sys.argv`` patched (what the console
 script runs); a corrupt image, found inside a DataLoader worker after Lightning has set the

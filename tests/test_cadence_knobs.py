@@ -6,8 +6,8 @@ from __future__ import annotations
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from callbacks.effective_rank import EffectiveRank
-from callbacks.knn import KNNEvaluator
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.knn import KNNEvaluator
 from commands.lightning_cli import ShortcutLabCLI
 from composed_configs import command_args
 

@@ -15,14 +15,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from callbacks.distributed import distributed_padding_mask
-from callbacks.effective_rank import (EffectiveRank, effective_rank, entropy, rank_measures, read_profiles,
+from callbacks._utils.distributed import distributed_padding_mask
+from callbacks.measurement.effective_rank import (EffectiveRank, effective_rank, entropy, rank_measures, read_profiles,
                                      singular_values)
-from callbacks.feature_collection import collect_features, isolated_eval
-from lightning_mods.eval_mode import submodules
-from callbacks.knn import KNNEvaluator, knn_classify, knn_predict, topk_correct
-from callbacks.online_probe import OnlineLinearProbe
-from callbacks.run_summary import RunSummary, format_value
+from callbacks._utils.feature_collection import collect_features, isolated_eval
+from lightning_mods.evaluation.eval_mode import submodules
+from callbacks.measurement.knn import KNNEvaluator, knn_classify, knn_predict, topk_correct
+from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.reporting.run_summary import RunSummary, format_value
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
@@ -488,7 +488,7 @@ def test_per_block_profile_is_a_file_and_an_attribute_not_metrics(tmp_path):
 
 
 def test_rank_profile_picture_has_title_axes_and_a_legend_entry_per_epoch():
-    from callbacks.effective_rank import draw_rank_profile
+    from callbacks.measurement.effective_rank import draw_rank_profile
 
     fig = draw_rank_profile([(4, [3.0, 2.0]), (9, [3.5, 2.5]), (14, [4.0, 3.0])], "effective rank over depth")
     ax = fig.axes[0]
@@ -596,7 +596,7 @@ def test_run_summary_paths_stay_whole_in_a_log_file(tmp_path, capsys):
 def test_fast_dev_run_uses_a_few_batches_and_per_block_needs_blocks(tmp_path):
     from types import SimpleNamespace
 
-    from callbacks.feature_collection import smoke_test_subset
+    from callbacks._utils.feature_collection import smoke_test_subset
 
     dataset = TensorDataset(torch.arange(50))
     assert len(smoke_test_subset(SimpleNamespace(fast_dev_run=2), dataset, 8)) == 16
@@ -607,7 +607,7 @@ def test_fast_dev_run_uses_a_few_batches_and_per_block_needs_blocks(tmp_path):
 
 
 def test_image_grid_tiles_and_enlarges_small_images():
-    from lightning_mods.pictures import image_grid
+    from lightning_mods.pictures.grids import image_grid
 
     a = np.array([[0.0, 0.25], [0.5, 1.0]], dtype=np.float32)[:, :, None]
     b = np.full((2, 2, 1), 0.75, dtype=np.float32)

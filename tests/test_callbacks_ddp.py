@@ -23,9 +23,9 @@ import torch
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.effective_rank import EffectiveRank
-from callbacks.knn import KNNEvaluator
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.online_probe import OnlineLinearProbe
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -102,7 +102,7 @@ SCRIPT = textwrap.dedent("""
     if trainer.is_global_zero:
         torch.save({{"model": model.state_dict(), "probe": probe.state_dict()}}, out / "final.pt")
     # predict: each rank writes its part, rank 0 merges them (23 samples, padded to 24 by the sampler)
-    from callbacks.prediction_writer import PredictionWriter
+    from callbacks.reporting.prediction_writer import PredictionWriter
     predictor = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[PredictionWriter(str(out / "predictions.pt"))])
     predictor.predict(model, dataloaders=ImageData().val_dataloader(), return_predictions=False)
@@ -141,7 +141,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     assert len(ranks[0]["rank_profile"]) == 2 and ranks[0]["rank_profile"] == ranks[1]["rank_profile"]
     assert ranks[0]["probe_head"] == ranks[1]["probe_head"]
-    # the per-block heads, stepped together (callbacks/probe_heads_together.py), alike on every rank too
+    # the per-block heads, stepped together (callbacks/_utils/probe_heads_together.py), alike on every rank too
     assert sorted(ranks[0]["block_heads"]) == ["1", "2"] and ranks[0]["block_heads"] == ranks[1]["block_heads"]
     assert ranks[0]["probe_steps"] == ranks[1]["probe_steps"] == 2  # batches 0 and 2 of 4
 

@@ -1,4 +1,4 @@
-"""A checkpoint rebuilds exactly the network that wrote it (issue 9, items 1 and 2): the
+"""A checkpoint rebuilds exactly the network that wrote it (items 1 and 2): the
 resolved shortcut weights travel in the state_dict, the schedule and architecture in the
 hyper-parameters, and every consumer uses them or refuses in one line."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from commands import lightning_cli as cli
-from lightning_mods.checkpoint import build_module
+from lightning_mods.checkpointing.rebuild import build_module
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.backbone.residual import residual_blocks, shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.residual_mlp import ResidualMLP

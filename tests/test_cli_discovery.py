@@ -1,4 +1,4 @@
-"""A CLI a newcomer can find their way in (issue 11, part 3): the overview of ``shortcutlab``,
+"""A CLI a newcomer can find their way in (part 3): the overview of ``shortcutlab``,
 short class names, ``--model.help``, and ``--optimizer`` that replaces a module's own recipe only
 when asked to."""
 from __future__ import annotations
@@ -33,8 +33,9 @@ def live_classes(base: type, package: str) -> set[str]:
     """``module.Name`` of the subclasses of ``base`` defined in ``package`` (its modules imported)
     that no other class of the package subclasses: Python's own class hierarchy, the reference
     for the catalogue's reading of the source."""
-    for path in (ROOT / package).glob("*.py"):
-        importlib.import_module(f"{package}.{path.stem}")
+    for path in (ROOT / package).rglob("*.py"):
+        if path.name != "__init__.py":
+            importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
     todo, seen = [base], set()
     while todo:
         for sub in todo.pop().__subclasses__():
@@ -124,7 +125,7 @@ def test_short_class_names_and_short_keys(capsys, monkeypatch):
     assert config["model"]["init_args"]["shortcut"]["init_args"]["alpha_min"] == 0.8
     assert config["model"]["init_args"]["embed_dim"] == 16
     assert resolve(config["data"]["class_path"]) is Digits
-    assert config["trainer"]["callbacks"][-1]["class_path"] == "callbacks.residual_droppath.ResidualDroppath"
+    assert config["trainer"]["callbacks"][-1]["class_path"] == "callbacks.training.residual_droppath.ResidualDroppath"
 
 
 @pytest.mark.parametrize("option, name, path, keys", [

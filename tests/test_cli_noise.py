@@ -111,7 +111,7 @@ class TwoLayers(LightningModule):
 
 
 def test_model_summary_has_no_flops_column(tmp_path, capsys):
-    from callbacks.model_summary import RichModelSummaryWithoutFlops
+    from callbacks.reporting.model_summary import RichModelSummaryWithoutFlops
 
     loader = DataLoader(TensorDataset(torch.randn(2, 3)), batch_size=2)
     with warnings.catch_warnings():

@@ -1,4 +1,4 @@
-"""``torch.compile`` as an option (issue 18, item 4): a fit with ``CompileBlocks`` trains the
+"""``torch.compile`` as an option: a fit with ``CompileBlocks`` trains the
 same network as eager within 1e-5 and writes a checkpoint an eager network loads as is."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from callbacks.compile import CompileBlocks
+from callbacks.training.compile import CompileBlocks
 from datamodules.digits import Digits
 from lightning_mods.backbone.residual import residual_blocks
 from lightning_mods.backbone.shortcut import ShortcutSchedule

@@ -21,7 +21,7 @@ def probe_checkpoint(name: str, folder: Path) -> list[str]:
         return []
     import torch
 
-    from lightning_mods.checkpoint import build_module
+    from lightning_mods.checkpointing.rebuild import build_module
 
     data = declared_section(name, "data")
     size = int(data["init_args"].get("image_size") or 32)

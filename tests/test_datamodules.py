@@ -1,4 +1,4 @@
-"""Datamodules on generated files in the real on-disk formats (SPEC section 2, data).
+"""Datamodules on generated files in the real on-disk formats (the decay paper, section 4, data).
 
 References are computed here from the generated pixels (or scikit-learn's raw digits) by hand,
 never by the datamodule's own code.

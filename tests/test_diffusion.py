@@ -1,4 +1,4 @@
-"""U-ViT diffusion (SPEC section 3): forward noising against a float64 closed form, the loss,
+"""U-ViT diffusion (the decay paper, section 5): forward noising against a float64 closed form, the loss,
 the three samplers, classifier-free guidance, EMA weights at validation, the digits CLI run."""
 from pathlib import Path
 

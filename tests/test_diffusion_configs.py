@@ -1,5 +1,5 @@
 """Every diffusion composition of configs/compositions.yaml (and single-file diffusion config)
-runs ``fit`` for one step and ``validate`` from the checkpoint it wrote, FID included (issue 5).
+runs ``fit`` for one step and ``validate`` from the checkpoint it wrote, FID included.
 
 The compositions' own models and callbacks are used as resolved by LightningCLI; only what cannot exist here is
 pointed elsewhere: data roots (files generated in the real formats by tests/conftest.py),
@@ -45,7 +45,7 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
     model = config["model"]["init_args"]
     model.update(num_sampling_steps=2, num_sample_images=4)
     for callback in config["trainer"].get("callbacks", []):
-        if callback["class_path"] != "callbacks.fid.GenerationMetrics":
+        if callback["class_path"] != "callbacks.measurement.fid.GenerationMetrics":
             continue
         fid = callback.setdefault("init_args", {})
         fid.update(num_samples=4, batch_size=4, num_sampling_steps=2, num_reference=4,
@@ -84,7 +84,7 @@ def fit_one_step_then_validate(name: str, tmp_path: Path, data_root: dict, tiny_
     validated = cli.main(["validate", *common, f"--ckpt_path={ckpt}"])
     metrics = validated.trainer.callback_metrics
     assert torch.isfinite(metrics["val/loss"])
-    if any(c["class_path"] == "callbacks.fid.GenerationMetrics" for c in config["trainer"]["callbacks"]):
+    if any(c["class_path"] == "callbacks.measurement.fid.GenerationMetrics" for c in config["trainer"]["callbacks"]):
         assert torch.isfinite(metrics["val/fid"]) and metrics["val/fid"] >= 0
 
 

@@ -1,4 +1,4 @@
-"""A full disk or a broken file never costs a run (issue 20, items 1, 2, 3 and 5), with real
+"""A full disk or a broken file never costs a run (items 1, 2, 3 and 5), with real
 faults: a small tmpfs that fills during a fit (skipped where it cannot be mounted), a write that
 fails part-way, checkpoints truncated at several offsets, a checkpoint folder removed mid-run."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from lightning.pytorch import Callback
 
 from commands import lightning_cli as cli
 from commands import sweep
-from lightning_mods import atomic_files
-from lightning_mods.checkpoint_io import AtomicCheckpointIO
+from lightning_mods.checkpointing import atomic_files
+from lightning_mods.checkpointing.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config=configs/digits_mae.yaml", "--trainer.enable_progress_bar=false", "--model.depth=2",

@@ -1,4 +1,4 @@
-"""The user guide is tested (issue 19, item 3): the README is a front page (<= 200 lines); every
+"""The user guide is tested: the README is a front page (<= 200 lines); every
 shell and Python block of the README and ``docs/`` is run by a test or marked as needing what
 this machine has not; relative links between the pages resolve; and the blocks marked as run
 here are run, as a user following the page would, with a short budget.

@@ -1,4 +1,4 @@
-"""callbacks/ema.py: the EMA the diffusion configs use equals torch's ``AveragedModel`` with
+"""callbacks/training/ema.py: the EMA the diffusion configs use equals torch's ``AveragedModel`` with
 ``get_ema_avg_fn`` (Lightning's ``EMAWeightAveraging``) bit for bit, buffers and a loaded state
 included, and its update reads nothing back to the host."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.ema import EMA, HostCountedEMAModel
+from callbacks.training.ema import EMA, HostCountedEMAModel
 from test_nonfinite import HostReads
 
 

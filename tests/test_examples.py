@@ -1,5 +1,5 @@
 """Each file of ``examples/`` run as a user would: copied into a folder outside the repository,
-only that folder on ``PYTHONPATH``, through ``shortcutlab fit`` with a short budget (issue 19): the
+only that folder on ``PYTHONPATH``, through ``shortcutlab fit`` with a short budget: the
 commands docs/extending.md shows."""
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_mae_l1_loss_on_gradients_trains_and_its_checkpoint_is_that_model(tmp_pa
     folder = user_folder(tmp_path, "mae_l1_loss.py")
     ckpt = fit_digits_mae(folder, "run", "--model=mae_l1_loss.L1MaskedAutoencoder", "--model.target=gradients")
     monkeypatch.syspath_prepend(str(folder))
-    from lightning_mods.checkpoint import module_from_checkpoint
+    from lightning_mods.checkpointing.rebuild import module_from_checkpoint
 
     model, settings = module_from_checkpoint(ckpt, name="model")
     assert type(model).__name__ == "L1MaskedAutoencoder" and settings["init_args"]["target"] == "gradients"

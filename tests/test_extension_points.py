@@ -1,4 +1,4 @@
-"""Each named extension point (issue 19, item 1): a subclass overriding it changes what it should
+"""Each named extension point: a subclass overriding it changes what it should
 and nothing else. References are computed by hand in float64 numpy from what the base module
 returns with the same weights and the same random draws."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pictures of the features (issue 23, items 3 and 4): the principal components against numpy
+"""Pictures of the features (items 3 and 4): the principal components against numpy
 float64 ``svd`` of the centred tokens (up to sign); the patch colours; the callback's and the
 ``shortcutlab features`` command's pictures with their stated size; predict's embedding map."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from callbacks.patch_features import PatchFeaturePicture
+from callbacks.measurement.patch_features import PatchFeaturePicture
 from commands import features as features_command
 from commands import lightning_cli as cli
-from lightning_mods.embedding_map import subsample
-from lightning_mods.patch_pca import patch_rgb, principal_components, upsample
+from lightning_mods.pictures.embedding_map import subsample
+from lightning_mods.pictures.patch_pca import patch_rgb, principal_components, upsample
 from test_over_depth import fit
 
-MIN_TILE = 96  # pixels per tile at least (lightning_mods.pictures.labelled_grid)
+MIN_TILE = 96  # pixels per tile at least (lightning_mods.pictures.grids.labelled_grid)
 ROOT = Path(__file__).resolve().parents[1]
 README_CHECKPOINT = "runs/digits_mae/lightning_logs/version_0/checkpoints/last.ckpt"
 

@@ -1,4 +1,4 @@
-"""The online probe's feature replay (callbacks/feature_replay.py): the ring buffer's rows by age
+"""The online probe's feature replay (callbacks/_utils/feature_replay.py): the ring buffer's rows by age
 on hand-worked cases, its state round trip, and the probe's head steps on replayed rows
 against a float64 reference of the same SGD steps."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks.feature_replay import FeatureReplay
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks._utils.feature_replay import FeatureReplay
+from callbacks.measurement.online_probe import OnlineLinearProbe
 
 
 def numbered(values: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

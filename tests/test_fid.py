@@ -1,4 +1,4 @@
-"""FID/KID/IS through torch-fidelity with a registered tiny extractor (SPEC section 3): the real
+"""FID/KID/IS through torch-fidelity with a registered tiny extractor (the decay paper, section 5): the real
 pipeline (sample generation, uint8 conversion, statistics, reference caching) without downloads."""
 import json
 from pathlib import Path
@@ -13,10 +13,10 @@ from torch.utils.data import Dataset
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
 from commands import lightning_cli as cli
-from callbacks.fid import GenerationMetrics, reference_fingerprint
+from callbacks.measurement.fid import GenerationMetrics, reference_fingerprint
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule
-from lightning_mods.fid import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
+from lightning_mods.generation.fid import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
                                 to_uint8_rgb)
 from tiny_feature_extractor import IsOnlyExtractor, register_tiny_extractor
 
@@ -191,7 +191,7 @@ def test_latent_model_needs_an_image_reference(tmp_path):
 
 @pytest.mark.slow
 def test_cli_validate_from_a_checkpoint_computes_fid_with_the_cached_reference(tmp_path):
-    callback = {"class_path": "callbacks.fid.GenerationMetrics",
+    callback = {"class_path": "callbacks.measurement.fid.GenerationMetrics",
                 "init_args": {"num_samples": 12, "batch_size": 12, "every_n_epochs": 1, "kid_subset_size": 10,
                               "feature_extractor": TINY_EXTRACTOR, "cache_root": str(tmp_path / "cache"),
                               "reference_split": "val", "num_reference": 50}}

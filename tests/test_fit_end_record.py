@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.fit_end_record import FIT_END_FILE, FitEndRecord
+from callbacks.reliability.fit_end_record import FIT_END_FILE, FitEndRecord
 from commands.run_metrics import FIT_END_FILE as REPORT_READS
 from line_module import Line
 

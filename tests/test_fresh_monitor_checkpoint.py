@@ -8,7 +8,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.fresh_monitor_checkpoint import FreshMonitorCheckpoint
+from callbacks.reliability.fresh_monitor_checkpoint import FreshMonitorCheckpoint
 from line_module import Line
 
 

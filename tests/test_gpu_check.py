@@ -1,4 +1,4 @@
-"""``make gpu-check`` (issue 18, item 6; docs/multi-gpu.md): its no-CUDA path says so in one
+"""``make gpu-check`` (docs/multi-gpu.md): its no-CUDA path says so in one
 line and exits 0, and the runs it would make are commands the CLI accepts (their configs parse
 as given)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No host read per training step (issue 18): each family's quick config, as shipped (its
+"""No host read per training step: each family's quick config, as shipped (its
 callbacks, progress bar and logging included; a smaller model), fitted for 8 and for 16 steps
 inside one epoch, makes the same number of tensor-to-Python conversions, each of which is a host
 sync on a GPU. Not counted: reads in the data pipeline (CPU tensors of the loader and its

@@ -1,4 +1,4 @@
-"""Latent diffusion (SPEC section 3, ImageNet-100 on VAE latents) with a small random
+"""Latent diffusion (the decay paper, section 5, ImageNet-100 on VAE latents) with a small random
 AutoencoderKL saved to a temporary folder: encoding once, reading back, decoding."""
 import copy
 

@@ -1,5 +1,8 @@
-"""The import arrows of the layout (issue 11, README.md "Layout") run one way:
-``cli`` -> ``commands`` -> ``callbacks`` / ``datamodules`` -> ``lightning_mods`` -> ``lightning_mods.backbone``.
+"""The import arrows of the layout (README.md "Layout") run one way:
+``cli`` -> ``commands`` -> ``callbacks`` / ``datamodules`` -> ``lightning_mods`` -> ``lightning_mods.backbone``;
+inside the two big packages, the role folders sit under what uses them: the LightningModules over
+their helper sub-packages, the callbacks over their shared bases and internal helpers. And no
+two modules import each other, directly or round a circle.
 
 Read from the source with ``ast`` (imports inside functions included), so a lazy import that
 points the wrong way fails too."""
@@ -11,22 +14,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MODULE_HELPERS = ("checkpointing", "evaluation", "generation", "pictures", "training", "_moved_modules")
+CALLBACK_BASES = ("_utils", "schedule", "settings_key")
 # layer -> the layers it may import (besides itself and third-party packages)
+BELOW_MODULES = {"lightning_mods.helpers", "lightning_mods.backbone"}
 ALLOWED = {
     "lightning_mods.backbone": set(),
-    "lightning_mods": {"lightning_mods.backbone"},
-    "datamodules": {"lightning_mods", "lightning_mods.backbone"},
-    "callbacks": {"lightning_mods", "lightning_mods.backbone", "datamodules"},
-    "commands": {"callbacks", "datamodules", "lightning_mods", "lightning_mods.backbone"},
+    "lightning_mods.helpers": {"lightning_mods.backbone"},
+    "lightning_mods": BELOW_MODULES,
+    "datamodules": {"lightning_mods"} | BELOW_MODULES,
+    "callbacks.bases": {"lightning_mods", "datamodules"} | BELOW_MODULES,
+    "callbacks": {"callbacks.bases", "lightning_mods", "datamodules"} | BELOW_MODULES,
+    "commands": {"callbacks", "callbacks.bases", "datamodules", "lightning_mods"} | BELOW_MODULES,
     "cli": {"commands"},
 }
 OURS = ("cli", "commands", "callbacks", "datamodules", "lightning_mods")
 
 
 def layer_of(module: str) -> str:
-    if module == "lightning_mods.backbone" or module.startswith("lightning_mods.backbone."):
-        return "lightning_mods.backbone"
-    return module.split(".")[0]
+    parts = module.split(".")
+    if parts[0] == "lightning_mods" and len(parts) > 1:
+        if parts[1] == "backbone":
+            return "lightning_mods.backbone"
+        if parts[1] in MODULE_HELPERS:
+            return "lightning_mods.helpers"
+    if parts[0] == "callbacks" and len(parts) > 1 and parts[1] in CALLBACK_BASES:
+        return "callbacks.bases"
+    return parts[0]
 
 
 def imported_modules(path: Path, module: str) -> set[str]:
@@ -69,7 +83,56 @@ def test_imports_point_down_the_layers(path, module):
 def test_the_checker_sees_a_wrong_arrow(tmp_path):
     """The check itself can fail: a backbone module importing a LightningModule is caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from lightning_mods.mae import MaskedAutoencoder\nfrom ..optim import scaled_lr\n")
+    bad.write_text("from lightning_mods.mae import MaskedAutoencoder\nfrom ..training.optim import scaled_lr\n")
     names = imported_modules(bad, "lightning_mods.backbone.bad")
-    assert "lightning_mods.mae" in names and "lightning_mods.optim" in names
-    assert {layer_of(n) for n in names} == {"lightning_mods"}
+    assert "lightning_mods.mae" in names and "lightning_mods.training.optim" in names
+    assert {layer_of(n) for n in names} == {"lightning_mods", "lightning_mods.helpers"}
+    assert layer_of("callbacks._utils.distributed") == "callbacks.bases"
+    assert "lightning_mods" not in ALLOWED["lightning_mods.helpers"]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (packages' ``__init__`` as the package)."""
+    graph = {}
+    for path, module in source_modules():
+        graph[module] = {name for name in imported_modules(path, module) if name != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (Tarjan's strongly connected components of two or more)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_finder_sees_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,7 +1,7 @@
-"""A lost rank ends the job promptly and clearly (issue 20, item 4), with real processes killed by
+"""A lost rank ends the job promptly and clearly, with real processes killed by
 SIGKILL mid-training: two processes of one ``shortcutlab fit`` (Lightning's launcher, gloo) and
 two torchrun "nodes" on this host. The survivor exits within the bound with one line naming the
-lost rank and the checkpoint to resume from, exit status 5 (``callbacks/lost_rank.py``)."""
+lost rank and the checkpoint to resume from, exit status 5 (``callbacks/reliability/lost_rank.py``)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from callbacks.lost_rank import LOST_RANK_EXIT_STATUS, looks_like_a_lost_peer, process_gone
+from callbacks.reliability.lost_rank import LOST_RANK_EXIT_STATUS, looks_like_a_lost_peer, process_gone
 from test_callbacks_ddp import REPO, free_port
 
 BOUND_S = 60  # the survivor's exit after the kill, generous for a loaded CI machine (seen: ~2 s)

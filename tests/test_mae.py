@@ -1,4 +1,4 @@
-"""MAE with U-Net skips (SPEC section 2): masking, loss, patches, decoder wiring, zero init."""
+"""MAE with U-Net skips (the decay paper, section 4): masking, loss, patches, decoder wiring, zero init."""
 import numpy as np
 import pytest
 import torch

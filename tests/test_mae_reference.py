@@ -167,7 +167,7 @@ def test_explicit_flags_override_the_layout_defaults():
 
 
 def test_decayed_classic_ablation_starts_its_branches_at_zero():
-    """SPEC section 1: a decayed encoder needs the zero starts, with or without the skips."""
+    """the decay paper, section 3.1: a decayed encoder needs the zero starts, with or without the skips."""
     model = MaskedAutoencoder(**INIT_DIMS, unet_skips=False, shortcut={"kind": "linear", "alpha_min": 0.6})
     assert model.hparams.zero_init_branches is True
     for i in range(4):

@@ -1,4 +1,4 @@
-"""One metric vocabulary (lightning_mods/metric_names.py): every family logs the same names,
+"""One metric vocabulary (lightning_mods/evaluation/metric_names.py): every family logs the same names,
 accuracies as fractions, checked against accuracies computed here by hand; the README's
 "Metrics" table lists the same names."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from datamodules.spiral import Spiral
-from lightning_mods import metric_names
+from lightning_mods.evaluation import metric_names
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.spiral_classifier import SpiralClassifier
 

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     warnings.filterwarnings("ignore")
     from lightning.pytorch import Trainer, seed_everything
-    from callbacks.online_probe import OnlineLinearProbe
+    from callbacks.measurement.online_probe import OnlineLinearProbe
     from test_callbacks_ddp import ImageData, make_model
 
     out = Path(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Divergence is never silent (issue 9, item 4): a fit whose loss or gradients turn non-finite
+"""Divergence is never silent: a fit whose loss or gradients turn non-finite
 stops at that step with one line and exit status 3, every checkpoint left on disk is finite,
 and the evaluation callbacks log NaN (with a warning) on non-finite features instead of
 crashing."""
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from commands import lightning_cli as cli
-from callbacks.effective_rank import EffectiveRank
-from callbacks.knn import KNNEvaluator
-from callbacks.nonfinite_guard import NonFiniteGuard, NonFiniteTrainingError, total_norm
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.reliability.nonfinite_guard import NonFiniteGuard, NonFiniteTrainingError, total_norm
 from datamodules.digits import Digits
 from test_cli import DIGITS, TINY_MAE
 
@@ -137,7 +137,7 @@ def test_a_clean_run_reads_at_the_cadence_and_at_the_end(tmp_path):
 def test_values_noted_past_the_fold_limit_keep_the_first_bad_step(tmp_path, monkeypatch):
     """Under a cadence longer than the guard keeps values for, they are folded into the record
     on the device without a read: the read at the end still names step 3, not a later one."""
-    import callbacks.nonfinite_guard as guard_module
+    import callbacks.reliability.nonfinite_guard as guard_module
     monkeypatch.setattr(guard_module, "FOLD_AFTER", 2)
     guard = CountedGuard(check_every_n_steps=1000)
     trainer = guarded_trainer(tmp_path, [guard, InjectNaN(3)], 9, enable_checkpointing=False)

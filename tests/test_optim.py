@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
+from lightning_mods.training.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
                                   warmup_cosine)
 
 
@@ -66,7 +66,7 @@ def test_lightning_runs_the_first_steps_at_0_then_1_over_warmup_of_the_peak(tmp_
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_mods.optim import warmup_cosine_scheduler
+    from lightning_mods.training.optim import warmup_cosine_scheduler
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -153,7 +153,7 @@ def test_every_family_runs_fused_adamw_and_10_steps_equal_foreach(family, monkey
     as ``foreach`` within 1e-6 over 10 steps of the family's own groups, lr and schedule."""
     import copy
 
-    import lightning_mods.optim as optim
+    import lightning_mods.training.optim as optim
 
     fused_module = family_modules()[family]
     foreach_module = copy.deepcopy(fused_module)
@@ -181,7 +181,7 @@ def test_every_family_runs_fused_adamw_and_10_steps_equal_foreach(family, monkey
 
 
 def test_adamw_falls_back_where_torch_has_no_fused_kernel():
-    from lightning_mods.optim import adamw
+    from lightning_mods.training.optim import adamw
 
     integer = torch.zeros(3, dtype=torch.int64)
     assert adamw([torch.nn.Parameter(torch.zeros(3))], lr=1e-3).defaults["fused"] is True
@@ -196,7 +196,7 @@ def optim_fused(optimizer: torch.optim.Optimizer) -> bool:
 def test_adamw_skips_the_capture_check_only_without_a_cuda_or_xpu_context(monkeypatch):
     """The capture check asks NVML whether CUDA is available under Lightning (no cache on a CUDA
     build without a GPU); it is skipped only while no context exists, and runs as torch's otherwise."""
-    from lightning_mods.optim import adamw
+    from lightning_mods.training.optim import adamw
 
     checks = []
     monkeypatch.setattr(torch.optim.AdamW, "_accelerator_graph_capture_health_check", lambda self: checks.append(1))

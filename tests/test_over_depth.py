@@ -1,4 +1,4 @@
-"""Evaluation over depth (issue 23, items 1, 2 and 8): per-block kNN equal to ``knn_predict`` on
+"""Evaluation over depth (items 1, 2 and 8): per-block kNN equal to ``knn_predict`` on
 block features extracted here by hand; per-block probe heads equal to probes of that block alone
 with the same seed (online and offline); the feature norm against numpy float64; the table and
 its picture; bad block choices; the report's best- and last-block columns."""
@@ -13,14 +13,14 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from callbacks.effective_rank import EffectiveRank
-from callbacks.knn import KNNEvaluator, knn_predict, topk_correct
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.knn import KNNEvaluator, knn_predict, topk_correct
+from callbacks.measurement.online_probe import OnlineLinearProbe
 from commands import report
 from datamodules.digits import Digits
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.over_depth import DEPTH_FILE, check_blocks, read_table, resolve_blocks
+from lightning_mods.evaluation.over_depth import DEPTH_FILE, check_blocks, read_table, resolve_blocks
 from test_callbacks import TinyData, TinyNet, tiny_trainer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

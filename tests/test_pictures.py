@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lightning_mods.pictures import figure_to_array, image_grid, labelled_grid
+from lightning_mods.pictures.grids import figure_to_array, image_grid, labelled_grid
 
 
 def test_labelled_grid_shows_the_raw_grid_with_row_and_column_labels():

@@ -1,4 +1,4 @@
-"""``shortcutlab predict`` writes embeddings, logits and labels for every family (issue 9, item 8).
+"""``shortcutlab predict`` writes embeddings, logits and labels for every family.
 
 The written file is checked against an independent forward pass: a fresh module built from
 the checkpoint's own state_dict, run on the datamodule's held-out images outside Lightning.
@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from commands import lightning_cli as cli
-from callbacks.prediction_writer import PredictionWriter, concatenate_predictions, merge_in_dataset_order
+from callbacks.reporting.prediction_writer import PredictionWriter, concatenate_predictions, merge_in_dataset_order
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.linear_probe import LinearProbe

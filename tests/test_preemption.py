@@ -1,4 +1,4 @@
-"""Pre-emption (issue 9, item 5): a real SIGTERM / SIGINT sent to a ``shortcutlab fit``
+"""Pre-emption: a real SIGTERM / SIGINT sent to a ``shortcutlab fit``
 subprocess writes a resumable ``last.ckpt`` and exits with 143 / 130; resuming from it reaches
 the uninterrupted fit's weights and optimiser state bit for bit."""
 from __future__ import annotations
@@ -68,8 +68,8 @@ def test_signal_writes_a_resumable_checkpoint_and_exits_128_plus_signal(signum, 
     assert_identical(resumed, full)
 
 
-RELIABILITY = {"callbacks.exact_resume.ExactResume", "callbacks.nonfinite_guard.NonFiniteGuard",
-               "callbacks.preemption.PreemptionCheckpoint"}
+RELIABILITY = {"callbacks.reliability.exact_resume.ExactResume", "callbacks.reliability.nonfinite_guard.NonFiniteGuard",
+               "callbacks.reliability.preemption.PreemptionCheckpoint"}
 
 
 @pytest.mark.parametrize("name", list(ROWS) + SINGLE_FILES)
@@ -98,7 +98,7 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.utils.data import DataLoader, TensorDataset
 
-    from callbacks.preemption import PreemptionCheckpoint
+    from callbacks.reliability.preemption import PreemptionCheckpoint
     from line_module import Line
 
     seen: dict[str, torch.Tensor] = {}
@@ -135,7 +135,7 @@ def test_a_signal_during_validate_writes_no_checkpoint(tmp_path, capsys):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.utils.data import DataLoader, TensorDataset
 
-    from callbacks.preemption import PreemptionCheckpoint
+    from callbacks.reliability.preemption import PreemptionCheckpoint
     from line_module import Line
 
     class StoppedInValidation(Line):
@@ -157,7 +157,7 @@ def test_under_ddp_the_ranks_decide_every_n_steps_not_every_step(monkeypatch):
     epoch ends), not after every batch."""
     from types import SimpleNamespace
 
-    from callbacks import preemption
+    from callbacks.reliability import preemption
 
     decided = []
     callback = preemption.PreemptionCheckpoint(check_every_n_steps=3)

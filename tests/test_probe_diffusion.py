@@ -1,4 +1,4 @@
-"""The blocks x noise levels probe of diffusion features (SPEC section 3, "the paper reports the
+"""The blocks x noise levels probe of diffusion features (the decay paper, section 5, "the paper reports the
 best layer/noise pair"): the sweep finds the informative pair, the command writes its outputs."""
 import csv
 import io

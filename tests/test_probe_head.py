@@ -1,4 +1,4 @@
-"""The probe head is MAE's linear-probe head (issue 23, item 5): built independently as
+"""The probe head is MAE's linear-probe head: built independently as
 ``main_linprobe.py`` builds it (timm's ``trunc_normal_`` of std 0.01 on a fresh ``nn.Linear``,
 zero bias, ``BatchNorm1d(affine=False, eps=1e-6)`` in front), with the same seed it gives the
 same outputs and the same first SGD steps as the head every probe of shortcutlab uses. A change
@@ -10,9 +10,9 @@ import torch
 from timm.layers import trunc_normal_
 from torch import nn
 
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import OnlineLinearProbe
 from lightning_mods.linear_probe import LinearProbe
-from lightning_mods.probe_head import ProbeHead
+from lightning_mods.evaluation.probe_head import ProbeHead
 
 D, C = 12, 5
 

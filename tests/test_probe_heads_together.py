@@ -1,4 +1,4 @@
-"""Probe heads stepped together (callbacks/probe_heads_together.py) against the same heads
+"""Probe heads stepped together (callbacks/_utils/probe_heads_together.py) against the same heads
 stepped one by one with torch autograd: weights, batch-norm running statistics and optimiser
 states after several steps, for AdamW and SGD, with and without batch norm."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from callbacks.probe_heads_together import JointStep, step_heads_together
-from lightning_mods.optim import adamw
-from lightning_mods.probe_head import ProbeHead
+from callbacks._utils.probe_heads_together import JointStep, step_heads_together
+from lightning_mods.training.optim import adamw
+from lightning_mods.evaluation.probe_head import ProbeHead
 
 WIDTH, CLASSES, SAMPLES, HEADS, STEPS = 6, 4, 10, 3, 5
 

@@ -1,4 +1,4 @@
-"""callbacks/progress_bar.py: the shipped configs' bar shows the training loss, read from the
+"""callbacks/reporting/progress_bar.py: the shipped configs' bar shows the training loss, read from the
 trainer once every ``log_every_n_steps`` steps, and nothing of it outside training."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from callbacks.progress_bar import TrainingLossProgressBar
+from callbacks.reporting.progress_bar import TrainingLossProgressBar
 from test_nonfinite import HostReads
 
 

@@ -1,5 +1,5 @@
 """What each package says is public (``__all__``) exists and imports, and the class paths
-configs and checkpoints name stay where they are (issue 19, item 4)."""
+configs and checkpoints name stay where they are."""
 from __future__ import annotations
 
 import importlib
@@ -20,8 +20,8 @@ def test_module_classes_keep_their_class_paths():
     ``lightning_mods`` would change every class path written into configs and checkpoints."""
     from jsonargparse._util import get_import_path
 
-    from callbacks.knn import KNNEvaluator
+    from callbacks.measurement.knn import KNNEvaluator
     from lightning_mods.mae import MaskedAutoencoder
 
     assert get_import_path(MaskedAutoencoder) == "lightning_mods.mae.MaskedAutoencoder"
-    assert get_import_path(KNNEvaluator) == "callbacks.knn.KNNEvaluator"
+    assert get_import_path(KNNEvaluator) == "callbacks.measurement.knn.KNNEvaluator"

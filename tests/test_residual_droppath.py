@@ -1,4 +1,4 @@
-"""ResidualDroppath callback (SPEC section 5) against hand-computed float64 references.
+"""ResidualDroppath callback (the ResidualDroppath paper, section 3) against hand-computed float64 references.
 
 The references below never call the callback's masking code: they re-implement the residual
 MLP from its weights (zero-padded input, ``x + GELU(W x + c)`` per layer, linear head) and
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from callbacks.residual_droppath import ResidualDroppath
+from callbacks.training.residual_droppath import ResidualDroppath
 from datamodules.spiral import Spiral
 from lightning_mods.backbone.residual import residual_blocks
 from lightning_mods.spiral_classifier import SpiralClassifier

@@ -1,4 +1,4 @@
-"""Exact resume (issue 9, item 3): a fit stopped at an epoch boundary or mid-epoch and resumed
+"""Exact resume: a fit stopped at an epoch boundary or mid-epoch and resumed
 from its checkpoint ends with the uninterrupted fit's weights, optimiser and scheduler states,
 EMA weights and logged metrics, bit for bit on the CPU.
 
@@ -17,13 +17,13 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, EMAWeightAveraging
 from lightning.pytorch.loggers import Logger
 
-from callbacks.effective_rank import EffectiveRank
-from callbacks.ema import EMA
-from callbacks.exact_resume import ExactResume
-from callbacks.knn import KNNEvaluator
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.training.ema import EMA
+from callbacks.reliability.exact_resume import ExactResume
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.online_probe import OnlineLinearProbe
 from callbacks.settings_key import SettingsKeyed
-from callbacks.residual_droppath import ResidualDroppath
+from callbacks.training.residual_droppath import ResidualDroppath
 from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.diffusion import DiffusionModule

@@ -1,4 +1,4 @@
-"""CIFAR batches are read without running code from them (issue 9, item 6).
+"""CIFAR batches are read without running code from them.
 
 The accepted files are written two ways: as Python 3 rewrites them (``conftest.make_cifar10``,
 numpy 2 names, ``_codecs.encode`` for bytes) and byte for byte as the official Python 2 files

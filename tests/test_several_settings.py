@@ -1,4 +1,4 @@
-"""Every measurement at several settings in one run (issue 22, items 1, 2 and 6): kNN at a list of
+"""Every measurement at several settings in one run (items 1, 2 and 6): kNN at a list of
 ``k`` and online probes at a list of rates, each equal to the single-setting run; two instances of
 every evaluation callback in one Trainer, with their own state keys and metric names; and the
 issue's command line (a second kNN on the quickstart) through the CLI."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 
-from callbacks.effective_rank import EffectiveRank
-from callbacks.knn import KNNEvaluator, knn_predict_ks
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.knn import KNNEvaluator, knn_predict_ks
+from callbacks.measurement.online_probe import OnlineLinearProbe
 from commands import lightning_cli as cli
-from lightning_mods import metric_names
+from lightning_mods.evaluation import metric_names
 from test_callbacks import Passthrough, TinyData, TinyNet, tiny_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +104,10 @@ def test_two_instances_that_would_log_the_same_names_are_a_one_line_error(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
-    (["--trainer.callbacks+=callbacks.knn.KNNEvaluator", "--trainer.callbacks.blocks=all"],
+    (["--trainer.callbacks+=callbacks.measurement.knn.KNNEvaluator", "--trainer.callbacks.blocks=all"],
      "trainer.callbacks: two KNNEvaluator callbacks have the same settings, so they would measure and save the "
      "same thing (one state_key); give one other settings or a distinct name"),
-    (["--trainer.callbacks+=callbacks.knn.KNNEvaluator"],  # the quickstart's has blocks: all, which adds rows only
+    (["--trainer.callbacks+=callbacks.measurement.knn.KNNEvaluator"],  # the quickstart's has blocks: all, which adds rows only
      "KNNEvaluator: two instances would log the same names ('plain'); give each different settings or a distinct "
      "'name'"),
 ])
@@ -162,7 +162,7 @@ def test_bad_rate_lists(lr, message):
 @pytest.mark.slow
 def test_a_second_knn_on_the_quickstart_through_the_cli(tmp_path):
     """docs/metrics.md's command (Measuring what the shortcut does), with a short budget: a second kNN
-    at DINO's four k beside the quickstart's own (the issue tried ``callbacks.knn.KNNEvaluator``)."""
+    at DINO's four k beside the quickstart's own (the issue tried ``callbacks.measurement.knn.KNNEvaluator``)."""
     readme = (ROOT / "docs" / "metrics.md").read_text()
     command = ("shortcutlab fit --config configs/digits_mae.yaml --trainer.callbacks+=KNNEvaluator "
                "--trainer.callbacks.k=[10,20,100,200]")

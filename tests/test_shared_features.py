@@ -1,5 +1,5 @@
 """One feature pass per validation shared by kNN, effective rank (per block) and the online
-probe's validation (issue 18, item 2): together they embed the bank and the validation set
+probe's validation: together they embed the bank and the validation set
 once each, and every callback logs what it logs alone."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import lightning as L
 import pytest
 import torch
 
-from callbacks import shared_features as shared
-from callbacks.effective_rank import EffectiveRank
-from callbacks.knn import KNNEvaluator
-from callbacks.online_probe import OnlineLinearProbe
+from callbacks.measurement import shared_features as shared
+from callbacks.measurement.effective_rank import EffectiveRank
+from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.online_probe import OnlineLinearProbe
 from datamodules.digits import Digits
 from lightning_mods.mae import MaskedAutoencoder
 

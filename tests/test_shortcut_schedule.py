@@ -1,4 +1,4 @@
-"""ShortcutSchedule against closed-form float64 formulas (SPEC section 1)."""
+"""ShortcutSchedule against closed-form float64 formulas (the decay paper, section 3.1)."""
 import math
 
 import numpy as np
@@ -35,7 +35,7 @@ def test_alpha_eff_matches_spec_numbers(depth, alpha_min, expected):
     K = 2 * depth
     eff = s.alpha_eff(K, transformer_sublayer_types(depth))
     assert eff == pytest.approx(float(np.prod(linear_reference(K, alpha_min))), rel=1e-12)
-    assert eff == pytest.approx(expected, rel=0.06)  # SPEC quotes two significant digits
+    assert eff == pytest.approx(expected, rel=0.06)  # the paper quotes two significant digits
 
 
 def test_other_kinds():
@@ -87,7 +87,7 @@ def test_solve_alpha_min_reaches_target(kind, K, target):
 
 
 def test_solve_recovers_spec_value():
-    # depth 12 ViT, alpha_min 0.6 -> alpha_eff 3.6e-3 (SPEC); solving back gives 0.6
+    # depth 12 ViT, alpha_min 0.6 -> alpha_eff 3.6e-3 (the paper); solving back gives 0.6
     eff = ShortcutSchedule("linear", 0.6).alpha_eff(24)
     assert ShortcutSchedule("linear").solve_alpha_min(eff, 24) == pytest.approx(0.6, abs=1e-12)
 

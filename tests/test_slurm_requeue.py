@@ -1,4 +1,4 @@
-"""A requeued SLURM job resumes exactly (issue 24): docs/reliability.md's sbatch script run with the
+"""A requeued SLURM job resumes exactly: docs/reliability.md's sbatch script run with the
 environment ``srun`` gives each task and a stand-in ``scontrol`` that records its calls, with
 one task and with the script's two tasks (DDP over gloo). SIGUSR1 stops every task after the same
 step (whether it reached every task or one), inside a training step, a validation or a checkpoint
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from callbacks.preemption import requeue_slurm_job, slurm_job_id
+from callbacks.reliability.preemption import requeue_slurm_job, slurm_job_id
 from commands.lightning_cli import resolve_auto_ckpt_path
 from test_callbacks_ddp import free_port
 from test_resume import assert_identical

@@ -1,4 +1,4 @@
-"""Spiral data, residual MLP and the feature-reuse pictures (SPEC section 5)."""
+"""Spiral data, residual MLP and the feature-reuse pictures (the ResidualDroppath paper, section 3)."""
 from __future__ import annotations
 
 import math

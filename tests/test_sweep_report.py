@@ -1,4 +1,4 @@
-"""``shortcutlab sweep`` and ``shortcutlab report`` (issue 11, part 2).
+"""``shortcutlab sweep`` and ``shortcutlab report`` (part 2).
 
 The report is checked on hand-written CSVLogger files against numpy float64 (mean, ddof=1 std,
 ``np.corrcoef``); the sweep's naming and ``--print`` on their own; one slow test sweeps two tiny

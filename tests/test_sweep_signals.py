@@ -1,4 +1,4 @@
-"""The sweep owns its runs (issue 22, items 3, 4 and 6): SIGTERM, SIGINT or SIGKILL to the sweep
+"""The sweep owns its runs (items 3, 4 and 6): SIGTERM, SIGINT or SIGKILL to the sweep
 alone leaves no process behind (checked in the process table), the run saves its resumable
 checkpoint, and rerunning the same command finishes every run; a typo in a grid key is refused
 before anything starts."""

@@ -1,4 +1,4 @@
-"""U-ViT with decayed shortcuts (SPEC section 3): equals a U-ViT of stock timm blocks with the
+"""U-ViT with decayed shortcuts (the decay paper, section 5): equals a U-ViT of stock timm blocks with the
 `none` schedule, the schedule spans in -> mid -> out, skips are last in first out."""
 import math
 

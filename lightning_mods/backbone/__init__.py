@@ -1,4 +1,4 @@
-"""The shared shortcut backbone (SPEC section 1): the decayed identity shortcut schedule, residual
+"""The shared shortcut backbone (the decay paper, section 3.1): the decayed identity shortcut schedule, residual
 blocks, and the ViT, ResNet, U-ViT and residual-MLP networks built from them, plus the MAE
 decoder and patch helpers.
 

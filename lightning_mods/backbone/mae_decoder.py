@@ -1,4 +1,4 @@
-"""MAE decoders (SPEC section 2): the U-Net-skip decoder of the decay paper and, for its
+"""MAE decoders (the decay paper, section 4): the U-Net-skip decoder of the decay paper and, for its
 ablation, He et al.'s classic MAE decoder fed with the encoder's last output.
 
 U-Net-skip decoder (authors' ``MAE/models_mae.py``). The decoder stream does not start from the

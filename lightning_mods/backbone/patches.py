@@ -1,4 +1,4 @@
-"""Patch utilities of the masked autoencoder (SPEC section 2; He et al. 2022, section 3):
+"""Patch utilities of the masked autoencoder (the decay paper, section 4; He et al. 2022, section 3):
 fixed 2-D sin-cos position embeddings, patchify/unpatchify and per-sample random masking."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The residual sum every shortcut-aware block shares (SPEC section 1).
+"""The residual sum every shortcut-aware block shares (the decay paper, section 3.1).
 
 A block with sub-layers ``j = 0, 1, ...`` computes each of them as
 ``a_j * shortcut + b_j * branch`` through :meth:`DecayedResidual.residual`. The weights come

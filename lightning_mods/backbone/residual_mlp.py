@@ -1,4 +1,4 @@
-"""Residual MLP on 2-D points, the ResidualDroppath paper's feature-reuse model (SPEC section 5;
+"""Residual MLP on 2-D points, the ResidualDroppath paper's feature-reuse model (the ResidualDroppath paper, section 3;
 "ResidualDroppath", section 3.1).
 
 Every hidden layer is residual and has a GELU: ``x <- a_k x + b_k GELU(W_k x + c_k)``. For the

@@ -1,4 +1,4 @@
-"""ResNets with decayed identity shortcuts (SPEC section 4).
+"""ResNets with decayed identity shortcuts (the decay paper, appendix B.2).
 
 Every residual block is one sub-layer: ``out = act(a_k * shortcut(x) + b_k * f(x))``, with
 ``k`` counted over all blocks in depth order, projection (downsample) shortcuts included.

@@ -1,4 +1,4 @@
-"""The decayed identity shortcut schedule (SPEC section 1; "Residual Connections Harm
+"""The decayed identity shortcut schedule (the decay paper, section 3.1; "Residual Connections Harm
 Generative Representation Learning", section 3).
 
 A residual sub-layer normally computes ``x <- x + f(x)``. Here every sub-layer ``k`` of a

@@ -1,4 +1,4 @@
-"""U-ViT (Bao et al. 2023) with decayed identity shortcuts through every block (SPEC section 3;
+"""U-ViT (Bao et al. 2023) with decayed identity shortcuts through every block (the decay paper, section 5;
 "Residual Connections Harm Generative Representation Learning", section 5).
 
 Tokens: ``[class token,] time token, patch tokens`` plus a learned position embedding. The

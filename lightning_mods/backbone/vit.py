@@ -1,4 +1,4 @@
-"""Vision transformer with decayed identity shortcuts (SPEC section 1).
+"""Vision transformer with decayed identity shortcuts (the decay paper, section 3.1).
 
 :class:`DecayedBlock` subclasses timm's pre-norm ``Block`` and only changes the two residual
 sums; :class:`DecayedVisionTransformer` passes it to timm's ``VisionTransformer`` through
@@ -64,7 +64,7 @@ class DecayedVisionTransformer(VisionTransformer):
 
     Args:
         shortcut: the schedule over the ``2 * depth`` residual sub-layers; ``None`` = standard.
-        zero_init_branches: zero the last linear layer of every residual branch (SPEC: needed
+        zero_init_branches: zero the last linear layer of every residual branch (the decay paper: needed
             for alpha_min <= 0.7).
         **kwargs: any ``timm.models.vision_transformer.VisionTransformer`` argument.
     """

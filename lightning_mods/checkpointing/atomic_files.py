@@ -1,0 +1,110 @@
+"""Files a later run reads are written whole or not at all: checkpoints, converted
+weights, ``predictions.pt``, a sweep's and a report's JSON.
+
+:func:`write_atomically` writes to a temporary file in the destination's own folder (the same
+file system, so the rename cannot turn into a copy), flushes and fsyncs it, renames it onto the
+final name with ``os.replace`` (atomic on POSIX) and fsyncs the folder, so a crash or a full disk
+leaves either the previous file of that name or the new one, never half of either, and no
+temporary file. A write that fails for lack of space, quota, a read-only file system or
+permissions raises :class:`DiskWriteError`, whose one-line message names the file, the bytes it
+needed, what was free, and the newest checkpoint this process wrote (:data:`last_good_checkpoint`).
+
+Standard library only: the sweep and the report use it without importing torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, IO, Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+DISK_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+               errno.EPERM: "operation not permitted"}
+DISK_ERROR_EXIT_STATUS = 4  # the shortcutlab command's exit status for a DiskWriteError
+
+last_good_checkpoint: Optional[Path] = None  # the newest checkpoint this process wrote whole
+
+
+class DiskWriteError(OSError):
+    """A file could not be written (full disk, quota, read-only, permissions): one line."""
+
+    def __str__(self) -> str:  # the line alone, without OSError's "[Errno 28] " prefix
+        return self.strerror or super().__str__()
+
+
+def free_bytes(folder: Path) -> Optional[int]:
+    """Bytes free for this user in ``folder``'s file system (its nearest existing parent's)."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            with contextlib.suppress(OSError):
+                return shutil.disk_usage(candidate).free
+            return None
+    return None
+
+
+def describe(err: OSError, path: Path, size: Optional[int]) -> str:
+    """The one line of a failed write of ``size`` bytes to ``path``."""
+    reason = DISK_ERRORS.get(err.errno or 0, err.strerror or str(err))
+    free = free_bytes(path.parent)
+    needed = f"needs {size:,} bytes" if size is not None else "size unknown"
+    space = f", {free:,} free" if free is not None else ""
+    good = (f"; the last good checkpoint is {last_good_checkpoint}" if last_good_checkpoint is not None
+            else "; no checkpoint of this run was written")
+    return f"cannot write {path}: {reason} ({needed}{space}){good}; nothing of this file was left on disk"
+
+
+def write_atomically(path: PathLike, write: Callable[[IO[bytes]], None], size: Optional[int] = None) -> Path:
+    """Write ``path`` whole or not at all: ``write(file)`` fills a temporary file beside it,
+    which replaces ``path`` only once flushed and synced. ``size``: the bytes it will take (for
+    the error message). Missing folders are created."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if err.errno in DISK_ERRORS:
+            raise DiskWriteError(err.errno, describe(err, path, size)) from None
+        raise
+    tmp: Optional[str] = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _sync_folder(path.parent)
+    except OSError as err:
+        if err.errno in DISK_ERRORS:
+            raise DiskWriteError(err.errno, describe(err, path, size)) from None
+        raise
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    return path
+
+
+def write_bytes_atomically(path: PathLike, data: bytes) -> Path:
+    """:func:`write_atomically` of ``data``."""
+    return write_atomically(path, lambda f: f.write(data), len(data))
+
+
+def write_text_atomically(path: PathLike, text: str) -> Path:
+    """:func:`write_atomically` of ``text`` (UTF-8)."""
+    return write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def _sync_folder(folder: Path) -> None:
+    """Persist the rename (POSIX: the folder's entry); a no-op where folders cannot be opened."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

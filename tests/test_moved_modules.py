@@ -1,0 +1,82 @@
+"""A run written before the helpers moved into their role folders still loads and resumes: its
+saved config names ``callbacks.knn.KNNEvaluator`` and its checkpoint was written by those paths.
+Every old module path imports the new module itself, with one ``FutureWarning`` naming it.
+
+``tests/data/written_by_0_1_0`` holds the ``config.yaml`` and ``last.ckpt`` of a 2-epoch run of
+the quickstart config (a 2-block encoder of width 24, 2 batches an epoch) written by release 0.1.0
+before the move."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import callbacks
+import lightning_mods
+from commands import lightning_cli as cli
+from lightning_mods.mae import MaskedAutoencoder
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD_RUN = ROOT / "tests" / "data" / "written_by_0_1_0"
+MOVED = {**lightning_mods.MOVED, **callbacks.MOVED}
+
+
+def test_the_saved_config_names_old_module_paths():
+    """The fixture is what it claims to be: class paths that no longer exist as files."""
+    config = yaml.safe_load((OLD_RUN / "config.yaml").read_text())
+    paths = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert "callbacks.knn.KNNEvaluator" in paths and "callbacks.online_probe.OnlineLinearProbe" in paths
+    assert not (ROOT / "callbacks" / "knn.py").exists()
+
+
+def test_every_old_path_imports_the_new_module_with_a_warning():
+    """In a fresh interpreter (this one has imported the new paths already)."""
+    code = f"""
+import importlib, warnings
+moved = {MOVED!r}
+for old, new in moved.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+        importlib.import_module(old)
+    assert module is importlib.import_module(new), (old, module)
+    assert module.__spec__.name == new, module.__spec__.name
+    said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning) and old in str(w.message)]
+    assert len(said) == 1 and new in said[0], (old, said)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from lightning_mods.pictures import log_picture
+from lightning_mods.pictures import grids
+assert log_picture is grids.log_picture and "lightning_mods.pictures.grids" in str(caught[0].message)
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_moved_map_names_real_modules_only():
+    for old, new in MOVED.items():
+        assert importlib.util.find_spec(new).origin.endswith(new.replace(".", "/") + ".py"), new
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old} is both a file and a moved path"
+
+
+@pytest.mark.slow
+def test_a_run_written_before_the_move_resumes(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = cli.main(["fit", f"--config={OLD_RUN / 'config.yaml'}", f"--ckpt_path={OLD_RUN / 'last.ckpt'}",
+                        "--trainer.max_epochs=3", f"--trainer.default_root_dir={tmp_path}",
+                        "--trainer.enable_progress_bar=false"])
+    trainer = out.trainer
+    assert trainer.current_epoch == 3 and trainer.global_step == 6  # 4 steps restored, 2 more taken
+    names = {type(c).__module__ for c in trainer.callbacks}
+    assert {"callbacks.measurement.knn", "callbacks.measurement.online_probe",
+            "callbacks.reliability.exact_resume"} <= names
+    saved = torch.load(OLD_RUN / "last.ckpt", map_location="cpu", weights_only=True)
+    restored = MaskedAutoencoder.load_from_checkpoint(OLD_RUN / "last.ckpt", map_location="cpu")
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in saved["state_dict"].items())
+    assert "knn/top1" in trainer.callback_metrics
