@@ -335,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint")
     exp.add_argument("output", help=".pth (torch.save) or .safetensors; missing folders are created")
     exp.add_argument("--allow-decayed", action="store_true", help="export an encoder with alpha_min < 1 anyway")
+    enc = sub.add_parser("export-encoder", help="a shortcutlab MAE .ckpt -> its encoder's state_dict, shortcut "
+                         "weights included, for timm.create_model('vit_*_decayed', pretrained=True, "
+                         "pretrained_cfg_overlay=dict(file=...))")
+    enc.add_argument("checkpoint")
+    enc.add_argument("output", help=".pth (torch.save) or .safetensors; missing folders are created")
     return parser
 
 
@@ -351,6 +356,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{hp['embed_dim']} patch {hp['patch_size']} image {hp['image_size']}, alpha_min "
                   f"{hp['shortcut']['alpha_min']}, {'U-Net skip' if hp['unet_skips'] else 'classic'} decoder"
                   + (" (new)" if ckpt["converted_from"]["new_decoder"] else ""))
+        elif args.command == "export-encoder":
+            model = load_shortcutlab(args.checkpoint)
+            save(model.encoder.state_dict(), args.output)
+            hp = model.hparams
+            print(f"wrote {args.output}: the encoder (ViT depth {hp.depth}, width {hp.embed_dim}, patch "
+                  f"{hp.patch_size}, {model.shortcut!r}, final_norm={hp.encoder_final_norm}), for "
+                  "timm.create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file=...))")
         else:
             save(export_timm(args.checkpoint, args.allow_decayed), args.output)
             print(f"wrote {args.output}: timm VisionTransformer state_dict (num_classes=0)")

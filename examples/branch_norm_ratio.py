@@ -4,7 +4,7 @@ flows through it, ``mean ||f_k(x)|| / mean ||block output||`` per block, at ever
 
 It reads the network only through public hooks: ``residual_blocks`` finds the residual blocks of
 any family, each block's ``branch_hook`` sees every branch output (sub-layer ``j``, before its
-weight ``b_j``), and the module's ``forward_block_features`` runs the evaluation pass. With this
+weight ``b_j``), and the module's ``forward_intermediates`` runs the evaluation pass. With this
 file's folder on ``PYTHONPATH``::
 
     shortcutlab fit --config configs/digits_mae.yaml --trainer.callbacks+=branch_norm_ratio.BranchNormRatio
@@ -41,7 +41,7 @@ def branch_to_output_ratios(module: LightningModule, images: torch.Tensor) -> li
         block.branch_hook = record_branch
         handles.append(block.register_forward_hook(record_output))
     try:
-        module.forward_block_features(images)
+        module.forward_intermediates(images, intermediates_only=True)
     finally:
         for block, handle, hook in zip(blocks, handles, previous):
             block.branch_hook = hook

@@ -36,6 +36,7 @@ from lightning_mods.training.classification_steps import ClassificationSteps
 from lightning_mods.training.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from lightning_mods.backbone.residual import residual_blocks
+from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 OPTIMIZERS = ("sgd", "adamw")
 _TIMM_API = ("forward_features", "forward_head", "reset_classifier", "num_classes", "num_features")
@@ -161,14 +162,13 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         """Evaluation features ``B x D``: the pooled input of the classifier layer."""
         return self.backbone.forward_head(self.backbone.forward_features(images), pre_logits=True)
 
-    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Pooled output of every residual block in depth order (``B x C_k`` each)."""
-        return self.forward_features_and_blocks(images)[1]
-
-    def forward_features_and_blocks(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``(forward_features, forward_block_features)`` from one pass of the backbone."""
+    def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
+        """``(forward_features, pooled output of the residual blocks indices picks)`` in depth
+        order, ``B x C_k`` each, from one pass of the backbone (timm's call;
+        :mod:`lightning_mods.evaluation.feature_contract`)."""
         outputs = self._block_outputs(images)
-        return self.backbone.forward_head(outputs[-1][1], pre_logits=True), [pool_block_output(o) for o, _ in outputs[:-1]]
+        blocks = [pool_block_output(outputs[i][0]) for i in take_indices(len(outputs) - 1, indices)]
+        return blocks if intermediates_only else (self.backbone.forward_head(outputs[-1][1], pre_logits=True), blocks)
 
     def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
         """Spatial features of residual block ``block`` (Python index; -1 the last), ``B x H x W x C``:

@@ -43,6 +43,7 @@ from lightning_mods.training.optim import adamw, global_batch_size, param_groups
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.uvit import UViT
 from lightning_mods.generation.vp_sde import euler_maruyama
+from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
@@ -449,9 +450,15 @@ class DiffusionModule(LightningModule):
         """``B x D``: block ``feature_block`` at ``feature_timestep``, mean over patch tokens."""
         return self.noised_block_features(images, [self.feature_block])[0]
 
-    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """One pooled feature per block (depth order in -> mid -> out) at ``feature_timestep``."""
-        return self.noised_block_features(images, list(range(self.model.num_blocks)))
+    def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
+        """``(forward_features, one pooled feature per block indices picks)``, depth order in ->
+        mid -> out, at ``feature_timestep``, from one noised pass (timm's call;
+        :mod:`lightning_mods.evaluation.feature_contract`)."""
+        taken = take_indices(self.model.num_blocks, indices)
+        wanted = taken if intermediates_only else sorted(set(taken) | {self.feature_block})
+        outputs = dict(zip(wanted, self.noised_block_features(images, wanted)))
+        blocks = [outputs[b] for b in taken]
+        return blocks if intermediates_only else (outputs[self.feature_block], blocks)
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``: the probe's noised block features) and ``labels``,

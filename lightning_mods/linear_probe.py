@@ -26,16 +26,15 @@ from lightning_mods.training.optim import steps_from_epochs, warmup_cosine, warm
 from lightning_mods.evaluation.probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
 from lightning_mods.evaluation import metric_names
 from lightning_mods.training.classification_steps import top_k_accuracy
-from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
+from lightning_mods.evaluation.feature_contract import block_features, features_and_blocks, require_blocks, require_features
+from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 
 
 def block_widths(backbone: nn.Module) -> list[int]:
-    """The width of every block's pooled output (``forward_block_features``), from one example
+    """The width of every block's pooled output (``forward_intermediates``), from one example
     image of the backbone's input geometry (``image_size``/``in_chans`` of its settings, or its
     patch embedding's image size)."""
-    if not hasattr(backbone, "forward_block_features"):
-        raise ValueError(f"LinearProbe: blocks needs {type(backbone).__name__}.forward_block_features "
-                         "(docs/contracts.md)")
+    require_blocks(backbone, "LinearProbe: blocks")
     hp = getattr(backbone, "hparams", {}) or {}
     embed = getattr(getattr(backbone, "backbone", None), "patch_embed", None)
     size = hp.get("image_size") or (embed.img_size[0] if embed is not None else 32)
@@ -43,7 +42,7 @@ def block_widths(backbone: nn.Module) -> list[int]:
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         training = backbone.training
         backbone.eval()
-        outputs = backbone.forward_block_features(example)
+        outputs = block_features(backbone, example)
         backbone.train(training)
     return [int(o.shape[-1]) for o in outputs]
 
@@ -109,7 +108,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
         lr: peak learning rate (the decay paper: 1e-2 at batch 1024), cosine to 0 over the run.
         batch_norm: BatchNorm without affine parameters before the linear layer.
         blocks: also probe every chosen block's pooled output (``"all"`` or a list of indices,
-            1 = nearest the input, -1 = the last; the backbone's ``forward_block_features``): one
+            1 = nearest the input, -1 = the last; the backbone's ``forward_intermediates``): one
             head per block from the same forward pass, trained in the same optimiser step, each
             initialised as a probe of that block alone would be. Each validation writes their
             top-1 and the blocks' feature norms to ``eval_per_block.csv`` and the picture
@@ -137,8 +136,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
                              "as built (class_path and init_args)")
         # plain data, so a probe checkpoint says which network it probed (weights_only-safe)
         self.hparams["backbone"] = config
-        if not hasattr(backbone, "forward_features"):
-            raise ValueError(f"backbone must provide forward_features(images); {type(backbone).__name__} does not")
+        require_features(backbone, "LinearProbe: backbone")
         self.backbone = backbone
         self.backbone.requires_grad_(False)
         self.backbone.eval()

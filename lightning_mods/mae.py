@@ -41,6 +41,7 @@ from lightning_mods.training.optim import (adamw, global_batch_size, param_group
 from lightning_mods.backbone.patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from lightning_mods.backbone.shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
 from lightning_mods.backbone.vit import DecayedVisionTransformer
+from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -217,14 +218,12 @@ class MaskedAutoencoder(LightningModule):
         """Evaluation features ``B x D``: mean over all tokens (or cls) of the last block."""
         return self.pool_features(self.encode(images)[0])
 
-    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """Pooled output of every encoder block (the rank-over-depth profile)."""
-        return [self.pool_features(t) for t in self.encode(images)[1]]
-
-    def forward_features_and_blocks(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``(forward_features, forward_block_features)`` from one encoder pass."""
+    def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
+        """``(forward_features, pooled output of the encoder blocks indices picks)`` from one
+        encoder pass (timm's call; :mod:`lightning_mods.evaluation.feature_contract`)."""
         last, outputs = self.encode(images)
-        return self.pool_features(last), [self.pool_features(t) for t in outputs]
+        blocks = [self.pool_features(outputs[i]) for i in take_indices(len(outputs), indices)]
+        return blocks if intermediates_only else (self.pool_features(last), blocks)
 
     def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
         """Patch tokens of encoder block ``block`` (Python index; -1 the last) on their grid,

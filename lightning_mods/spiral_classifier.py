@@ -14,6 +14,7 @@ from lightning_mods.evaluation import metric_names
 from lightning_mods.training.classification_steps import top_k_accuracy
 from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 
 class SpiralClassifier(LightningModule):
@@ -46,9 +47,13 @@ class SpiralClassifier(LightningModule):
         """Output of the last residual layer, ``B x width``."""
         return self.net.forward_features(points)
 
-    def forward_block_features(self, points: torch.Tensor) -> list[torch.Tensor]:
-        """Output of every residual layer, ``B x width`` each (already pooled: no spatial axes)."""
-        return self.net.forward_layers(points)[1:]
+    def forward_intermediates(self, points: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
+        """``(forward_features, output of the residual layers indices picks)``, ``B x width`` each
+        (already pooled: no spatial axes), from one pass (timm's call;
+        :mod:`lightning_mods.evaluation.feature_contract`)."""
+        layers = self.net.forward_layers(points)[1:]
+        blocks = [layers[i] for i in take_indices(len(layers), indices)]
+        return blocks if intermediates_only else (layers[-1], blocks)
 
     def _step(self, batch, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
         points, labels = batch[0], batch[1]

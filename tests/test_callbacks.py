@@ -42,12 +42,15 @@ class TinyNet(LightningModule):
         self.num_features = width
         self.noise, self.lr = noise, lr
 
-    def forward_block_features(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def forward_intermediates(self, x: torch.Tensor, indices=None, intermediates_only: bool = False):  # noqa: ANN001
+        """A user's own module meets the feature contract with timm's call and nothing of ours."""
         h1 = self.layer1(x)
-        return [h1, self.layer2(h1)]
+        blocks = [h1, self.layer2(h1)]
+        picked = blocks if indices is None else [blocks[i] for i in indices]
+        return picked if intermediates_only else (blocks[-1], picked)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_block_features(x)[-1]
+        return self.forward_intermediates(x, intermediates_only=True)[-1]
 
     def training_step(self, batch, batch_idx):
         x = batch[0]
@@ -259,7 +262,7 @@ def test_feature_collection_leaves_module_untouched():
     # features: eval-mode forward in dataset order, labels aligned
     x, y = data.val_dataset.tensors
     with isolated_eval(model):
-        expected = model.forward_block_features(x)
+        expected = model.forward_intermediates(x, intermediates_only=True)
     torch.testing.assert_close(got.features, expected[-1])
     torch.testing.assert_close(got.blocks[0], expected[0])
     assert torch.equal(got.labels, y)
@@ -456,8 +459,9 @@ def test_evaluation_schedule_and_picture(tmp_path):
 class HandBuiltBlocks(Passthrough):
     """Block 1: the inputs; block 2: their first coordinate only (rank one)."""
 
-    def forward_block_features(self, x):
-        return [x, x * torch.tensor([1.0, 0, 0, 0, 0, 0])]
+    def forward_intermediates(self, x, indices=None, intermediates_only=False):  # noqa: ANN001
+        blocks = [x, x * torch.tensor([1.0, 0, 0, 0, 0, 0])]
+        return blocks if intermediates_only else (self.forward_features(x), blocks)
 
 
 def numpy_rank_measures(x: np.ndarray) -> tuple[float, float]:
@@ -602,7 +606,7 @@ def test_fast_dev_run_uses_a_few_batches_and_per_block_needs_blocks(tmp_path):
     assert len(smoke_test_subset(SimpleNamespace(fast_dev_run=2), dataset, 8)) == 16
     assert smoke_test_subset(SimpleNamespace(fast_dev_run=False), dataset, 8) is dataset
     trainer = tiny_trainer(tmp_path, [EffectiveRank(per_block=True)], max_epochs=1)
-    with pytest.raises(ValueError, match="forward_block_features"):
+    with pytest.raises(ValueError, match="forward_intermediates"):
         trainer.validate(Passthrough(), datamodule=TinyData(), verbose=False)
 
 

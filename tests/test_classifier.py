@@ -97,7 +97,7 @@ def test_features_are_the_pooled_input_of_the_head_and_blocks_are_pooled_per_blo
         feats = model.forward_features(images)
         assert feats.shape == (3, 32)
         torch.testing.assert_close(model.backbone.fc(feats), model(images))
-        blocks = model.forward_block_features(images)
+        blocks = model.forward_intermediates(images, intermediates_only=True)
         assert [b.shape for b in blocks] == [(3, c) for c in (8, 8, 16, 16, 16, 16, 32, 32)]
         # the last block's output is the backbone's last feature map
         torch.testing.assert_close(blocks[-1], model.backbone.forward_features(images).mean(dim=(2, 3)))
@@ -225,7 +225,7 @@ def test_a_vit_backbone_works_too():
         assert model(images).shape == (2, 4)
         assert model.forward_features(images).shape == (2, 16)
         tokens = model.backbone.forward_features(images)
-        blocks = model.forward_block_features(images)
+        blocks = model.forward_intermediates(images, intermediates_only=True)
     assert len(blocks) == 2 and blocks[-1].shape == (2, 16)
     torch.testing.assert_close(blocks[-1], model.backbone.blocks[-1](model.backbone.blocks[0](
         model.backbone.norm_pre(model.backbone._pos_embed(model.backbone.patch_embed(images))))).mean(dim=1))

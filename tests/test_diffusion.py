@@ -153,7 +153,7 @@ def test_evaluation_features_follow_the_contract():
     module = DiffusionModule(**{**TINY, "depth": 4, "num_classes": 3, "class_conditional": True}).eval()
     images = torch.randn(5, 1, 8, 8)
     feats = module.forward_features(images)
-    blocks = module.forward_block_features(images)
+    blocks = module.forward_intermediates(images, intermediates_only=True)
     assert feats.shape == (5, 32) and len(blocks) == module.model.num_blocks == 5
     torch.testing.assert_close(feats, blocks[module.feature_block], rtol=0, atol=0)  # default: the mid block
     torch.testing.assert_close(feats, module.forward_features(images), rtol=0, atol=0)  # fixed noise

@@ -109,7 +109,7 @@ def test_mae_pooling_changes_the_features_only():
     x = images()
     last, blocks = base.encode(x)
     torch.testing.assert_close(cls.forward_features(x), last[:, 0], rtol=0, atol=0)
-    for mine, block in zip(cls.forward_block_features(x), blocks):
+    for mine, block in zip(cls.forward_intermediates(x, intermediates_only=True), blocks):
         torch.testing.assert_close(mine, block[:, 0], rtol=0, atol=0)
     torch.testing.assert_close(cls(x, generator=generator())[0], base(x, generator=generator())[0], rtol=0, atol=0)
 

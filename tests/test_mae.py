@@ -212,7 +212,7 @@ def test_forward_features_is_mean_of_last_block_tokens():
             x = alphas[2 * i + 1] * x + blk.mlp(blk.norm2(x))
             outs.append(x.mean(1))
         torch.testing.assert_close(model.forward_features(images), outs[-1], rtol=0, atol=1e-5)
-        for got, want in zip(model.forward_block_features(images), outs):
+        for got, want in zip(model.forward_intermediates(images, intermediates_only=True), outs):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert model.forward_features(images).shape == (3, 32)
 

@@ -190,8 +190,9 @@ class NaNFeatures(L.LightningModule):
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         return torch.full((images.shape[0], 4), float("nan"))
 
-    def forward_block_features(self, images: torch.Tensor) -> list[torch.Tensor]:
-        return [self.forward_features(images)] * 2
+    def forward_intermediates(self, images: torch.Tensor, indices=None, intermediates_only: bool = False):  # noqa: ANN001
+        blocks = [self.forward_features(images)] * 2
+        return blocks if intermediates_only else (self.forward_features(images), blocks)
 
     def validation_step(self, batch, batch_idx):  # noqa: ANN001
         return None

@@ -34,9 +34,9 @@ class CountingMAE(MaskedAutoencoder):
         self._count(images)
         return super().forward_features(images)
 
-    def forward_features_and_blocks(self, images: torch.Tensor):  # noqa: ANN201
+    def forward_intermediates(self, images: torch.Tensor, indices=None, intermediates_only: bool = False):  # noqa: ANN001, ANN201
         self._count(images)
-        return super().forward_features_and_blocks(images)
+        return super().forward_intermediates(images, indices, intermediates_only)
 
 
 def fit_with(callbacks: list, tmp_path) -> tuple[CountingMAE, dict, Digits]:  # noqa: ANN001

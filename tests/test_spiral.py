@@ -101,7 +101,7 @@ def test_residual_mlp_by_hand(shortcut, alphas):
         torch.testing.assert_close(net(points).double(), expected, rtol=1e-5, atol=1e-6)
         model = SpiralClassifier(depth=3, width=5, shortcut=shortcut)
         model.net.load_state_dict(net.state_dict())
-        blocks = model.forward_block_features(points)
+        blocks = model.forward_intermediates(points, intermediates_only=True)
         assert len(blocks) == 3
         for got, want in zip(blocks, layers):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

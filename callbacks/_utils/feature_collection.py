@@ -1,7 +1,7 @@
 """Evaluation features of a whole dataset, gathered across DDP ranks without duplicates (the
 feature source of the kNN and effective-rank evaluations of the decay paper, sections 4 and 6).
 
-The module is run through ``forward_features`` (and optionally ``forward_block_features``,
+The module is run through ``forward_features`` (and optionally ``forward_intermediates``,
 see docs/contracts.md) in eval mode, under ``torch.no_grad``, with the random number
 generators forked: batch-norm running statistics, weights, gradients, the train/eval mode of
 every sub-module and the RNG streams of the training run are left exactly as they were.
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_mods.evaluation.eval_mode import isolated_eval, module_device
-from lightning_mods.evaluation.over_depth import features_and_blocks
+from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 
 from callbacks._utils.distributed import gather_strided, rank_and_world_size, strided_shard
 
@@ -58,7 +58,7 @@ def collect_features(
 
     Args:
         module: implements ``forward_features(images) -> B x D`` (and
-            ``forward_block_features(images) -> list of B x D_b`` when ``with_blocks``).
+            ``forward_intermediates(images)`` when ``with_blocks``).
         dataset: items ``(image, label, ...)``, e.g. a datamodule's ``bank_dataset``.
         batch_size, num_workers: of the loader this function builds.
         with_blocks: also collect every block's pooled features.
@@ -71,8 +71,8 @@ def collect_features(
         raise ValueError(f"collect_features: batch_size must be > 0, got {batch_size}")
     if num_workers < 0:
         raise ValueError(f"collect_features: num_workers must be >= 0, got {num_workers}")
-    if with_blocks and not hasattr(module, "forward_block_features"):
-        raise ValueError(f"collect_features: with_blocks needs {type(module).__name__}.forward_block_features")
+    if with_blocks:
+        require_blocks(module, "collect_features: with_blocks")
     total = len(dataset)
     if total == 0:
         raise ValueError("collect_features: dataset is empty")

@@ -43,6 +43,7 @@ from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from lightning_mods.pictures.grids import log_picture, run_dir
 from lightning_mods.evaluation.over_depth import mark_for_writing, write_pending
+from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
@@ -190,7 +191,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
             (``trainer.check_val_every_n_epoch``).
         source: ``"covariance"`` (the paper's N x N sample covariance) or ``"features"`` (RankMe).
         dtype: ``"float64"`` or ``"float32"``, the precision of the SVD.
-        per_block: also every block's output (``forward_block_features``): the profile.
+        per_block: also every block's output (``forward_intermediates``): the profile.
         max_samples: use the first ``max_samples`` validation samples (None: all of them).
         batch_size, num_workers: of the feature loader (default: the datamodule's).
         draw_profile: save the rank-over-depth picture (with ``per_block``).
@@ -266,9 +267,8 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if self.per_block and not hasattr(pl_module, "forward_block_features"):
-            raise ValueError(f"EffectiveRank: per_block needs {type(pl_module).__name__}.forward_block_features "
-                             "(docs/contracts.md)")
+        if self.per_block:
+            require_blocks(pl_module, "EffectiveRank: per_block")
         if self.max_samples is None:
             shared.will_need(trainer, "val_dataset", self.per_block)
 

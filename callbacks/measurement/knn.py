@@ -31,6 +31,7 @@ from callbacks._utils.feature_collection import loader_settings
 from callbacks.measurement import shared_features as shared
 from callbacks.measurement.shared_features import shared_features
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
+from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 
@@ -200,9 +201,8 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if self.blocks is not None and not hasattr(pl_module, "forward_block_features"):
-            raise ValueError(f"KNNEvaluator: blocks needs {type(pl_module).__name__}.forward_block_features "
-                             "(docs/contracts.md)")
+        if self.blocks is not None:
+            require_blocks(pl_module, "KNNEvaluator: blocks")
         for name in ("bank_dataset", "val_dataset"):
             shared.will_need(trainer, name, self.blocks is not None)
 

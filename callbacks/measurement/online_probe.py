@@ -67,7 +67,8 @@ from callbacks._utils.distributed import (all_gather_rows, all_reduce_sum, avera
 from lightning_mods.evaluation.eval_mode import isolated_eval
 from lightning_mods.training.optim import adamw
 from lightning_mods.evaluation.probe_head import ProbeHead, cross_entropy_slope_
-from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, features_and_blocks, resolve_blocks, write_pending
+from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
+from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 from callbacks.settings_key import SettingsKeyed, check_name, format_setting
 from callbacks._utils.feature_collection import loader_settings
 from callbacks._utils.feature_replay import FeatureReplay
@@ -231,9 +232,8 @@ class OnlineLinearProbe(SettingsKeyed):
     # --- head -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if self.blocks is not None and not hasattr(pl_module, "forward_block_features"):
-            raise ValueError(f"OnlineLinearProbe: blocks needs {type(pl_module).__name__}.forward_block_features "
-                             "(docs/contracts.md)")
+        if self.blocks is not None:
+            require_blocks(pl_module, "OnlineLinearProbe: blocks")
         self._device = trainer.strategy.root_device
         shared.will_need(trainer, "val_dataset", self.blocks is not None)
         if self.num_classes is None:

@@ -2,7 +2,7 @@
 
 kNN embeds the bank and the validation set, effective rank the validation set, the online
 probe scores its heads on the validation set: the same network, the same images, the same
-``forward_features`` (and, for per-block evaluations, ``forward_block_features``). Through
+``forward_features`` (and, for per-block evaluations, ``forward_intermediates``). Through
 :func:`shared_features` the first of them to ask for a dataset's features runs
 :func:`~callbacks._utils.feature_collection.collect_features` and the others read its result.
 

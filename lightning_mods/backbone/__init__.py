@@ -14,6 +14,7 @@ from .residual_mlp import ResidualMLP
 from .shortcut import ShortcutSchedule, schedule_class_at, transformer_sublayer_types
 from .uvit import UViT
 from .vit import DecayedBlock, DecayedVisionTransformer
+from . import timm_registry  # noqa: F401 (registers the decayed networks with timm.create_model)
 
 __all__ = ["ShortcutSchedule", "schedule_class_at", "transformer_sublayer_types", "DecayedResidual",
            "apply_shortcut_schedule", "residual_blocks", "shortcut_alphas", "DecayedBlock",

@@ -5,7 +5,7 @@ The kNN (:class:`~callbacks.measurement.knn.KNNEvaluator`), the online probe
 :class:`~lightning_mods.linear_probe.LinearProbe` take ``blocks``: ``None`` (the default: the
 evaluation features only, today's metrics), ``"all"`` or a list of block indices (1 = the block
 nearest the input, -1 = the last). Every chosen block comes from the same forward pass
-(``forward_block_features``, the pooled output of each block). Each of them, and
+(``forward_intermediates``, the pooled output of each block). Each of them, and
 :class:`~callbacks.measurement.effective_rank.EffectiveRank` with ``per_block``, keeps one row per evaluation
 and block (:meth:`depth_rows`); at the end of every validation global rank 0 writes them all once, merged by
 ``(epoch, step, block)``, to ``<log_dir>/eval_per_block.csv`` and draws ``eval/over_depth``:
@@ -65,15 +65,6 @@ def resolve_blocks(owner: str, blocks: BlockSpec, num_blocks: int) -> list[int]:
         raise ValueError(f"{owner}: blocks {list(blocks)} do not exist: the model has {num_blocks} blocks "
                          f"(1 to {num_blocks}, or -1 to -{num_blocks})")
     return resolved
-
-
-def features_and_blocks(module: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(forward_features(images), forward_block_features(images))``, from one forward pass when
-    the module offers ``forward_features_and_blocks`` (docs/contracts.md), else from two."""
-    if hasattr(module, "forward_features_and_blocks"):
-        features, blocks = module.forward_features_and_blocks(images)
-        return features, list(blocks)
-    return module.forward_features(images), list(module.forward_block_features(images))
 
 
 def merged_rows(trainer: Any) -> list[dict[str, Any]]:
