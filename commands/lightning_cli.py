@@ -5,20 +5,20 @@
 
 Values that data and model must agree on (image size, channels, number of classes) are
 linked from the datamodule to the model; a model that has no such argument ignores the link.
+The command's one-line errors are :mod:`commands.cli_errors`, the resolution of ``--ckpt_path``
+:mod:`commands.ckpt_resolution` and what it prints :mod:`commands.console`.
 
 Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_to_parser``,
 ``add_arguments_to_parser``, ``parse_arguments``, ``before/after_instantiate_classes``,
-``instantiate_classes``) but one: ``_parse_ckpt_path``, whose docstring says why and which test
-fails if Lightning changes it.
+``instantiate_classes``) but one private step, replaced through
+:mod:`lightning_mods.compat.lightning_private`: see
+:meth:`ShortcutLabCLI.check_ckpt_path_against_config`.
 """
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
-import logging
 import os
-import re
 import signal
 import sys
 import warnings
@@ -34,22 +34,25 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from commands import catalogue
+from commands.ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
+from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
+                                 root_message, unknown_class_message)
+from commands.console import (expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
+                              warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
 from callbacks.reliability.lost_rank import LostRankReport
 from callbacks.reporting.prediction_writer import PredictionWriter
-
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.reliability.preemption import received_signal
 from callbacks.schedule import ScheduledEvaluation
-
 from lightning_mods.checkpointing import atomic_files
-from lightning_mods.checkpointing.rebuild import (canonical_class_path, checkpoint_model_config, conflict_message, flat_settings,
-                                       import_path, init_parameters, load_checkpoint, newest_loadable, read_torch_file,
-                                       setting_conflicts, state_dict_mismatch)
+from lightning_mods.checkpointing.rebuild import (canonical_class_path, checkpoint_model_config, conflict_message,
+                                                  flat_settings, import_path, load_checkpoint, setting_conflicts,
+                                                  state_dict_mismatch)
+from lightning_mods.compat import lightning_private
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
@@ -62,32 +65,6 @@ DEFAULT_CALLBACKS = [
     {"class_path": "callbacks.reliability.preemption.PreemptionCheckpoint"},
 ]
 DIVERGED_EXIT_STATUS = 3
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has AMX tiles for bf16 matmuls (Linux ``/proc/cpuinfo`` flag).
-
-    AVX512-BF16 alone is not enough: on the 2-core reference machine, which has it, bf16 ran
-    from 0.7x to ~24x the fp32 time depending on the torch build and the model
-    (``benchmarks/bf16_cpu.py``; numbers in the README).
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
-
-
-def warn_on_slow_precision(precision: Optional[str], accelerator: Optional[str]) -> None:
-    """Warn that bf16 on a CPU without AMX has no reliable speed-up and can be far slower."""
-    on_cpu = accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
-    if precision is not None and "bf16" in str(precision) and on_cpu and not cpu_has_native_bf16():
-        warnings.warn(
-            f"trainer.precision={precision!r} on a CPU without native bf16 (AMX): no reliable "
-            "speed-up over fp32 (0.7x to ~24x its time on the reference 2-core machine, by torch "
-            "build and model; run benchmarks/bf16_cpu.py here); use precision=32-true on this CPU.",
-            stacklevel=2,
-        )
 
 
 def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
@@ -125,7 +102,7 @@ class ShortcutLabCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand == "fit":
             resolve_auto_ckpt_path(self.config[subcommand])
-        # read once here; _parse_ckpt_path uses it (checkpoints of large models are gigabytes)
+        # read once here; check_ckpt_path_against_config uses it (checkpoints of large models are gigabytes)
         self._checked_ckpt = check_ckpt_path(self.config[subcommand].get("ckpt_path")) if subcommand else None
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -179,7 +156,7 @@ class ShortcutLabCLI(LightningCLI):
             "decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, and the model "
             "settings they read, do not apply", category=UserWarning)
 
-    def _parse_ckpt_path(self) -> None:
+    def check_ckpt_path_against_config(self) -> None:
         """The model is the network that wrote ``--ckpt_path``: Lightning's version (the
         checkpoint's hyper-parameters rebuild the model, those its ``__init__`` does not take
         dropped), refusing a checkpoint of another class or with other settings.
@@ -188,8 +165,9 @@ class ShortcutLabCLI(LightningCLI):
         ValueError naming both values (nothing is built, nothing trains); values linked from the
         data are checked as weight shapes once the model is built (:meth:`instantiate_classes`).
 
-        Overrides a private LightningCLI method on purpose: Lightning calls it between
-        ``parse_arguments`` and ``before_instantiate_classes`` and offers no public hook there.
+        Replaces a private LightningCLI step on purpose (through
+        :func:`lightning_mods.compat.lightning_private.override_parse_ckpt_path`): Lightning runs it
+        between ``parse_arguments`` and ``before_instantiate_classes`` and offers no public hook there.
         Its version would replace the config's model by the checkpoint's silently and
         ``torch.load`` the whole checkpoint a second time (gigabytes; ours was read once, memory
         mapped, by ``parse_arguments``). If Lightning renamed or stopped calling it, the
@@ -262,16 +240,6 @@ class ShortcutLabCLI(LightningCLI):
             add_prediction_writer(self.trainer)
 
 
-def duplicate_callback_message(err: RuntimeError) -> Optional[BadInput]:
-    """Lightning's refusal of two callbacks with one ``state_key`` (a multi-line RuntimeError) as
-    one line naming the class and the key; None for any other error."""
-    match = re.match(r"Found more than one stateful callback of type `(\w+)`", str(err))
-    if not match:
-        return None
-    return BadInput(f"trainer.callbacks: two {match.group(1)} callbacks have the same settings, so they would "
-                    "measure and save the same thing (one state_key); give one other settings or a distinct name")
-
-
 def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
     return str(component.get("class_path", "")).rpartition(".")[2]
 
@@ -323,10 +291,6 @@ def main(args: Optional[list[str]] = None, parser_kwargs: Optional[dict[str, Any
     )
 
 
-class BadInput(ValueError):
-    """A setting, file or command line the run cannot use; its message is one line."""
-
-
 class _Parsed(Exception):
     """Raised by :class:`_ParseOnlyCLI` once the arguments are parsed: nothing is built."""
 
@@ -358,151 +322,6 @@ def check_arguments(args: list[str]) -> Optional[str]:
     return None
 
 
-LIGHTNING_CKPT_ALIASES = ("best", "last", "hpc", "registry")
-AUTO_CKPT_PATH = "auto"
-
-
-def resolve_auto_ckpt_path(cfg) -> None:  # noqa: ANN001 (the fit subcommand's jsonargparse Namespace)
-    """``--ckpt_path auto``, and a restarted SLURM job (``SLURM_RESTART_COUNT > 0``) without
-    ``--ckpt_path``: resume from the newest checkpoint under ``trainer.default_root_dir`` that
-    loads (Lightning's mid-step ``hpc_ckpt_*`` files left out), said in one line; none: a fresh
-    start, said too. ``cfg.ckpt_path`` is set in place."""
-    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
-    if cfg.get("ckpt_path") != AUTO_CKPT_PATH and not (restarted and cfg.get("ckpt_path") is None):
-        return
-    root = Path((cfg.get("trainer") or {}).get("default_root_dir") or os.getcwd())
-    why = "--ckpt_path auto" if cfg.get("ckpt_path") == AUTO_CKPT_PATH else \
-        f"SLURM restart {os.environ['SLURM_RESTART_COUNT']} of job {os.environ.get('SLURM_JOB_ID', '?')}"
-    files = [p for p in root.rglob("*.ckpt") if not p.name.startswith("hpc_ckpt")] if root.is_dir() else []
-    first_task = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0)))) == 0
-
-    def say(line: str) -> None:  # once per job, not once per process
-        if first_task:
-            print(f"shortcutlab: {line}", file=sys.stderr)
-
-    found = newest_loadable(files, say)
-    cfg["ckpt_path"] = str(found) if found is not None else None
-    if found is None:
-        say(f"{why}: no checkpoint under {root}; starting fresh")
-        return
-    step = read_torch_file(found, "ckpt_path", mmap=True).get("global_step", "?")
-    say(f"{why}: resuming from {found} (step {step})")
-
-
-def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:
-    """The checkpoint at ``ckpt_path``, or a one-line error unless it is a Lightning checkpoint
-    ``torch.load`` reads with ``weights_only`` (a pickle that would run code is refused unread).
-
-    Lightning's aliases (``last``, ``best``, ``hpc``, ``registry``) and URLs are refused: they
-    name a file only once the trainer runs, after the checks that the checkpoint's class and
-    settings are the model's, so a config with other settings would silently train or
-    evaluate the checkpoint's weights under its own settings.
-    """
-    if not ckpt_path:
-        return None
-    if str(ckpt_path).split(":")[0] in LIGHTNING_CKPT_ALIASES:
-        raise BadInput(f"ckpt_path: give the checkpoint's file path (e.g. <run>/checkpoints/last.ckpt), not "
-                       f"Lightning's alias '{ckpt_path}', whose file is not known when the checkpoint is checked "
-                       "against the config")
-    if "://" in str(ckpt_path):
-        raise BadInput(f"ckpt_path: a local file is needed, got the URL '{ckpt_path}'; copy the checkpoint here "
-                       "first (it is checked against the config before anything runs)")
-    try:
-        ckpt = read_torch_file(ckpt_path, "ckpt_path", mmap=True)
-    except (FileNotFoundError, ValueError) as err:
-        raise BadInput(str(err)) from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise BadInput(f"ckpt_path: '{ckpt_path}' is a torch file but not a Lightning checkpoint (no 'state_dict')")
-    return ckpt
-
-
-_PARSER_KEY = re.compile(r'^Parser key "([^"]+)":')
-_CLASS_PATH = re.compile(r"^Problem with given class_path '([^']+)'")
-_LITERAL = re.compile(r"^Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
-_TYPE = re.compile(r"^Expected a <class '([^']+)'>\. Got value: (.*)$")
-_UNKNOWN_OPTION = re.compile(r"^(?:Option|Group '[^']*' does not accept option|"
-                             r"Subcommand '[^']*' does not accept option) '([^']+)'(?: is not accepted)?")
-_UNRECOGNISED = re.compile(r"^unrecognized arguments: (\S+)")
-_NOT_A_CLASS = re.compile(r"^Expected a dot import path string: (\S+)$")
-
-
-def _did_you_mean(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
-    """jsonargparse's nested report -> one line: the full key of the bad field (as written on
-    the command line, ``model.init_args.shortcut.init_args.kind``) and the innermost reason.
-
-    jsonargparse chains one exception per level (``Parser key "model"`` -> ``Problem with given
-    class_path ...`` -> ``Parser key "shortcut"`` -> ...); its text repeats the report of every
-    Union member tried. ``option_names``: the parser's options, for "did you mean".
-    """
-    keys: list[str] = []
-    class_path = None
-    messages: list[str] = []
-    link: Optional[BaseException] = err
-    while link is not None:
-        text = str(link).strip()
-        if not messages or text != messages[-1]:
-            messages.append(text)
-            if match := _PARSER_KEY.match(text):
-                keys.append(match.group(1))
-            elif match := _CLASS_PATH.match(text):
-                class_path = match.group(1)
-                keys.append("init_args")
-        link = link.__cause__ or link.__context__
-    innermost = (messages[-1].splitlines() or [type(err).__name__])[0]
-    field = ".".join(keys[:-1] if keys and keys[-1] == "init_args" else keys)
-    if match := _LITERAL.match(innermost):
-        reason = f"must be one of {match.group(1)}; got '{match.group(2)}'"
-    elif match := _TYPE.match(innermost):
-        kind, value = match.groups()
-        finite = " finite" if kind == "float" and value.strip().lower().lstrip("+-") in ("nan", "inf") else ""
-        reason = f"must be of type{finite} {kind}; got '{value}'"
-    elif match := _UNKNOWN_OPTION.match(innermost):
-        bad = ".".join([*keys, match.group(1)])
-        if class_path:  # compare the last part only: the shared prefix would make anything "close"
-            prefix = ".".join(keys)
-            known = sorted(init_parameters(class_path) or [])
-            close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
-            hint = f"; did you mean '{prefix}.{close[0]}'?" if close else ""
-            return f"{bad}: unknown key of {class_path}{hint}"
-        return f"{bad}: unknown key{_did_you_mean(bad, [o[2:] for o in option_names])}"
-    elif match := _UNRECOGNISED.match(innermost):
-        option = match.group(1).split("=")[0]
-        return f"unknown option '{option}'{_did_you_mean(option, option_names)}"
-    elif (match := _NOT_A_CLASS.match(innermost)) and field in ("", *catalogue.KINDS):
-        return unknown_class_message(match.group(1), field)
-    else:
-        reason = innermost[0].lower() + innermost[1:] if innermost[:1].isupper() and field else innermost
-    return f"{field}: {reason}" if field else reason
-
-
-def unknown_class_message(name: str, field: str) -> str:
-    """``model: no class 'Nope'; known: DiffusionModule, ...`` (the short names of ``field``'s
-    kind, every model and datamodule when the field is unknown, e.g. ``--model.help``)."""
-    known = [f.name for kind in ([field] if field else ["model", "data"]) for f in catalogue.find(kind)]
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"{field + ': ' if field else ''}no class '{name}'; {hint}known: {', '.join(known)} (or a full import path)"
-
-
-def root_message(err: BaseException) -> str:
-    """First line of the innermost cause: jsonargparse wraps a class's own one-line
-    ``ValueError`` ("alpha_min must be ...") in multi-line reports of every Union member tried.
-    An error raised in a DataLoader worker arrives as "Caught X in DataLoader worker process N"
-    plus the worker's traceback: its last line holds the original message."""
-    while err.__cause__ is not None and not isinstance(err, BadInput):
-        err = err.__cause__
-    text = str(err).strip()
-    if text.startswith("Caught ") and "Original Traceback" in text:
-        last = text.splitlines()[-1]
-        return re.sub(r"^[\w.]+(Error|Exception): ", "", last)
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def run_reporting_stops(args: Optional[list[str]] = None, **main_kwargs: Any) -> None:
     """``main``, with the exit statuses of a stopped fit: a divergence (one line, status 3) and a
     pre-emption (``128 + signal``: 143 for SIGTERM, 130 for SIGINT; callbacks/reliability/preemption.py)."""
@@ -520,78 +339,6 @@ def run_reporting_stops(args: Optional[list[str]] = None, **main_kwargs: Any) ->
 def raising_parsers() -> dict[str, Any]:
     """``parser_kwargs`` under which jsonargparse raises its errors instead of printing usage."""
     return {"exit_on_error": False, **{name: {"exit_on_error": False} for name in ShortcutLabCLI.subcommands()}}
-
-
-def info_logs_to_stdout() -> None:
-    """Lightning's info lines ("Seed set to 0", "GPU available") go to stdout, so stderr holds
-    only warnings and errors (and a bad input, one line)."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
-                handler.setStream(sys.stdout)
-
-
-# Third-party output that says nothing about the run, silenced by exact message (and, for
-# warnings, category and emitting module), so that any other message still shows:
-LIGHTNING_INFO_NOISE = (
-    # advertisements for Lightning's cloud services, on every fit
-    r"^💡 Tip: For seamless cloud (logging and experiment tracking|uploads and versioning), try installing",
-    # our configs list RichModelSummary on purpose; Lightning reports that it adds no default summary
-    r"^Trainer already configured with model summary callbacks: ",
-    # our recipes size their schedules with trainer.estimated_stepping_batches; an internal step
-    r"^Loading `train_dataloader` to estimate number of stepping batches\.$",
-)
-
-
-class _DropMessages(logging.Filter):
-    """Drops log records whose message matches one of ``patterns``."""
-
-    def __init__(self, patterns: tuple[str, ...]) -> None:
-        super().__init__()
-        self.patterns = [re.compile(p) for p in patterns]
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(p.search(record.getMessage()) for p in self.patterns)
-
-
-_LIGHTNING_INFO_FILTER = _DropMessages(LIGHTNING_INFO_NOISE)
-
-
-def silence_third_party_noise() -> None:
-    """Filter the third-party lines every fit printed that concern neither the run nor the user's
-    settings. Idempotent."""
-    # rank_zero_info's records are created on this logger (lightning.pytorch.utilities.rank_zero)
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_LIGHTNING_INFO_FILTER)
-    # torch 2.15 deprecated LeafSpec; Lightning 2.6's own _pytree helper still builds one per
-    # batch it flattens: nothing a user of shortcutlab can change
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
-
-
-def frozen_eval_mode_count(model: torch.nn.Module) -> Optional[int]:
-    """The number of modules in eval mode (Lightning's count, root included) when every one of
-    them lies in a frozen subtree (a module in eval mode with parameters, none of them
-    trainable: the LinearProbe's backbone); ``None`` when there are none, or when any other
-    module is in eval mode."""
-    frozen: set[int] = set()
-    for module in model.modules():
-        params = list(module.parameters())
-        if not module.training and params and not any(p.requires_grad for p in params):
-            frozen.update(id(sub) for sub in module.modules())
-    in_eval = [module for _, module in model.named_modules() if not module.training]
-    if not in_eval or any(id(module) not in frozen for module in in_eval):
-        return None
-    return len(in_eval)
-
-
-def expect_frozen_eval_modules(model: torch.nn.Module) -> None:
-    """Silence Lightning's "Found N module(s) in eval mode at the start of training" when the N
-    are exactly the model's intentionally frozen modules (:func:`frozen_eval_mode_count`): a
-    module left in eval mode by mistake changes N, and the warning shows."""
-    count = frozen_eval_mode_count(model)
-    if count is not None:
-        warnings.filterwarnings("ignore", message=rf"Found {count} module\(s\) in eval mode at the start of training",
-                                category=PossibleUserWarning, module=r"lightning\.pytorch\.loops\.fit_loop")
 
 
 def console_main(args: Optional[list[str]] = None) -> None:
@@ -625,6 +372,8 @@ def console_main(args: Optional[list[str]] = None) -> None:
             sys.exit(lost_rank.LOST_RANK_EXIT_STATUS)
         raise
 
+
+lightning_private.override_parse_ckpt_path(ShortcutLabCLI, ShortcutLabCLI.check_ckpt_path_against_config)
 
 if __name__ == "__main__":
     console_main()

@@ -6,6 +6,7 @@ The LightningModules (the class paths configs and checkpoints name):
 
 - ``backbone``: the decayed identity shortcut and the networks built on it;
 - ``checkpointing``: checkpoint files written whole, and the network a checkpoint rebuilds;
+- ``compat``: the private Lightning state the package needs, fenced in one module;
 - ``evaluation``: probe heads, evaluation over depth, metric names, evaluation mode;
 - ``generation``: the diffusion model's SDE, samplers, latent VAE and FID image sets;
 - ``pictures``: pictures of a run;
@@ -17,7 +18,7 @@ Modules that moved keep importing from their old paths (``lightning_mods.optim``
 from lightning_mods._moved_modules import install as _install_moved_modules
 
 __all__ = ["backbone", "mae", "diffusion", "classifier", "linear_probe", "spiral_classifier",
-           "checkpointing", "evaluation", "generation", "pictures", "training"]
+           "checkpointing", "compat", "evaluation", "generation", "pictures", "training"]
 
 # old module path -> new one
 MOVED = {

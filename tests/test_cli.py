@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from commands import console
 from commands import lightning_cli as cli
 from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
 from lightning_mods.mae import MaskedAutoencoder
@@ -143,13 +144,13 @@ def test_bad_shortcut_value_is_a_one_line_error(tmp_path):
 
 
 def test_bf16_on_cpu_without_amx_warns(monkeypatch):
-    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(console, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(UserWarning, match="precision='bf16-mixed'"):
         cli.warn_on_slow_precision("bf16-mixed", "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cli.warn_on_slow_precision("32-true", "cpu")
-    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(console, "cpu_has_native_bf16", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cli.warn_on_slow_precision("bf16-mixed", "cpu")

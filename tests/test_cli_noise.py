@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from commands.lightning_cli import expect_frozen_eval_modules, frozen_eval_mode_count, silence_third_party_noise
+from commands.console import expect_frozen_eval_modules, frozen_eval_mode_count, silence_third_party_noise
 
 REPO = Path(__file__).resolve().parents[1]
 NOISE = ("💡 Tip", "Trainer already configured with model summary callbacks", "to estimate number of stepping batches",

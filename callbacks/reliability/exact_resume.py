@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_mods.checkpointing import checkpoint_io
+from lightning_mods.compat import lightning_private
 
 
 def capture_rng_states() -> dict[str, Any]:
@@ -75,6 +76,9 @@ class ExactResume(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
         checkpoint_io.install(trainer)  # checkpoints whole or absent (lightning_mods/checkpointing/checkpoint_io.py)
+        untested = lightning_private.untested_lightning_warning()
+        if untested and stage == "fit":  # before the first step: a run is not resumed inexactly in silence
+            rank_zero_warn(f"ExactResume: {untested}")
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
@@ -118,7 +122,7 @@ class ExactResume(Callback):
         # so its saved sum is added now; one logged only every few batches (the online probe's)
         # waits until it appears, and one that does not appear again in the epoch is logged at
         # its end from the saved sum alone, as the uninterrupted run logs it
-        results = trainer.fit_loop.epoch_loop._results
+        results = lightning_private.epoch_results(trainer)
         waiting: dict[str, dict[str, Any]] = {}
         for key, saved in self._pending_sums.items():
             result = results.get(key)
@@ -127,8 +131,7 @@ class ExactResume(Callback):
             elif "metric_attribute" in saved:
                 metric = pl_module.get_submodule(saved["metric_attribute"])
                 states = {name: _to(state, metric.device) for name, state in saved["states"].items()}
-                metric._reduce_states(states)  # current + saved: the sum over the whole epoch
-                metric._computed = None
+                lightning_private.add_metric_states(metric, states)  # current + saved: the whole epoch's sum
             elif result is not None and result.is_tensor:
                 result.value = result.value + saved["value"].to(result.value.device)
                 if "cumulated_batch_size" in saved:
@@ -140,7 +143,7 @@ class ExactResume(Callback):
                 mean = "cumulated_batch_size" in saved  # synced across ranks as the original was)
                 pl_module.log(saved["name"], saved["value"].to(pl_module.device), on_step=False, on_epoch=True,
                               reduce_fx="mean" if mean else "sum", batch_size=1, sync_dist=saved.get("sync_dist", False))
-                relogged = results[f"{pl_module._current_fx_name}.{saved['name']}"]
+                relogged = results[f"{lightning_private.current_hook_name(pl_module)}.{saved['name']}"]
                 relogged.value = saved["value"].to(relogged.value.device)
                 if mean:
                     relogged.cumulated_batch_size = saved["cumulated_batch_size"].to(relogged.value.device)
@@ -153,7 +156,7 @@ def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
     if trainer.sanity_checking or loop.batch_progress.is_last_batch:
         return {}
     sums: dict[str, dict[str, Any]] = {}
-    for key, result in loop._results.items():
+    for key, result in lightning_private.epoch_results(trainer).items():
         meta = result.meta
         if not meta.on_epoch or result.has_reset:
             continue
@@ -165,7 +168,7 @@ def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
         elif isinstance(result.value, Metric) and meta.metric_attribute:
             metric = result.value
             sums[key] = {"metric_attribute": meta.metric_attribute,
-                         "states": {name: _detached(getattr(metric, name)) for name in metric._defaults}}
+                         "states": {name: _detached(getattr(metric, name)) for name in lightning_private.metric_state_names(metric)}}
         else:
             rank_zero_warn(f"ExactResume: the epoch value of {key!r} ({meta.reduce_fx}) will cover only the "
                            "batches after a resume from this mid-epoch checkpoint")

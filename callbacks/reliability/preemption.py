@@ -56,6 +56,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mods.checkpointing import checkpoint_io
+from lightning_mods.compat import lightning_private
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.schedule import check_step_cadence, every_n_steps_or_logging
 
@@ -112,7 +113,7 @@ class PreemptionCheckpoint(Callback):
         checkpoint_io.install(trainer)  # the pre-emption save is whole or absent, last.ckpt never half replaced
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if environment is None:  # a single-device strategy has none; Lightning's signal handlers read this one
-            environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+            environment = lightning_private.connector_cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment):  # its requeue handler saves mid-step: this one replaces it
             environment.auto_requeue = False
 
@@ -122,7 +123,7 @@ class PreemptionCheckpoint(Callback):
         _received, self.saved_path, self._noted, self._decided_step = None, None, [0, 0, 0], -1
         self._trainer = trainer
         if _distributed(trainer):  # the ranks' stop decision is this callback's all_reduce (module docstring)
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+            lightning_private.without_sigterm_broadcast(trainer)
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in HANDLED_SIGNALS + ((self.requeue_signal,) if self.requeue_signal else ()):
@@ -149,7 +150,7 @@ class PreemptionCheckpoint(Callback):
                       + (" (Ctrl+C again stops now, without a checkpoint)" if signum == signal.SIGINT else ""),
                       file=sys.stderr, flush=True)
         elif not _distributed(trainer):
-            trainer._signal_connector.received_sigterm = True
+            lightning_private.raise_stop_flag(trainer)
 
     def _signal_index(self, signum: int) -> int:
         return 2 if signum == self.requeue_signal else (1 if signum == signal.SIGINT else 0)
@@ -167,7 +168,7 @@ class PreemptionCheckpoint(Callback):
         term, interrupt, requeue = noted
         if term or interrupt or requeue:  # one signal for every rank: the same message and exit status
             _received = self.requeue_signal if requeue else (signal.SIGTERM if term else signal.SIGINT)
-            trainer._signal_connector.received_sigterm = True
+            lightning_private.raise_stop_flag(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -241,9 +242,7 @@ class PreemptionCheckpoint(Callback):
         in a process that goes on (Python, not the command)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        originals = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
-        if not isinstance(originals, dict):
-            originals = {}
+        originals = lightning_private.original_signal_handlers(trainer)
         for signum in (signal.SIGTERM,) + ((self.requeue_signal,) if self.requeue_signal else ()):
             previous = signal.signal(signum, signal.SIG_IGN)
             _ignored.setdefault(signum, originals.get(signum, previous))  # what was there before the fit

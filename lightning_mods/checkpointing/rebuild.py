@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import yaml
 from jsonargparse import ArgumentParser, Namespace
-from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
 from torch import nn
 
 from lightning_mods.backbone.residual import SHORTCUT_KEY, DecayedResidual
+from lightning_mods.compat import lightning_private
 
 
 def read_torch_file(path: str | os.PathLike, field: str, *, noun: str = "torch checkpoint", mmap: bool = False,
@@ -306,7 +306,7 @@ def _instantiate(parser: ArgumentParser, cfg: Namespace) -> nn.Module:
     (``_class_path`` + init args), not those of a LightningModule being built around it."""
     config = _dump(parser, cfg)
     hparams = {"_class_path": config["class_path"], **(config.get("init_args") or {})}
-    with _given_hyperparameters_context(hparams, instantiator="lightning.pytorch.cli.instantiate_module"):
+    with lightning_private.given_hyperparameters(hparams, instantiator="lightning.pytorch.cli.instantiate_module"):
         return parser.instantiate(cfg).module
 
 

@@ -1,0 +1,104 @@
+"""Every private Lightning (and torchmetrics) attribute the package touches, in one module.
+
+Exact resume and pre-emption need a few things Lightning keeps private: the running sums of
+the epoch's logged training metrics (to carry them across a mid-epoch checkpoint), the stop flag
+its signal handlers raise, and a LightningCLI step with no public hook. Each is reached only
+through a function here, so a Lightning release that moves one breaks this module's tests
+(``tests/test_lightning_private.py``) and not a resumed run in silence.
+
+``TESTED_LIGHTNING`` lists the Lightning releases the exact-resume, pre-emption and CLI tests
+pass on; :func:`untested_lightning_warning` is the one line ``ExactResume`` prints at the start
+of a fit on any other.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import lightning
+from lightning.pytorch.core.mixins import hparams_mixin
+from torchmetrics import Metric
+
+# the releases tests/test_resume.py, test_preemption.py and test_checkpoint_identity.py pass on
+TESTED_LIGHTNING = ("2.6.6",)
+
+
+def untested_lightning_warning(version: str = lightning.__version__) -> Optional[str]:
+    """One line when ``version`` is not among :data:`TESTED_LIGHTNING`, else None."""
+    if version.split("+")[0] in TESTED_LIGHTNING:
+        return None
+    return (f"Lightning {version} is not among the releases exact resume is tested on "
+            f"({', '.join(TESTED_LIGHTNING)}): a resumed run may differ from the uninterrupted one; "
+            "run tests/test_resume.py on it before trusting resumed results")
+
+
+# --- the epoch's logged training metrics (exact resume) ---------------------------------------
+def epoch_results(trainer: Any) -> Any:
+    """The training epoch's result collection: ``key -> result`` with ``.value``, ``.meta``,
+    ``.cumulated_batch_size``, ``.is_tensor`` and ``.has_reset`` (Lightning's
+    ``_ResultCollection``)."""
+    return trainer.fit_loop.epoch_loop._results
+
+
+def current_hook_name(pl_module: Any) -> str:
+    """The hook Lightning is running (the prefix of the result keys ``self.log`` writes)."""
+    return pl_module._current_fx_name
+
+
+def metric_state_names(metric: Metric) -> list[str]:
+    """The names of a torchmetrics ``Metric``'s states."""
+    return list(metric._defaults)
+
+
+def add_metric_states(metric: Metric, states: dict[str, Any]) -> None:
+    """Fold ``states`` into the metric's own (current + given, its reduction) and drop its
+    cached value."""
+    metric._reduce_states(states)
+    metric._computed = None
+
+
+# --- the stop flag and signal handling (pre-emption) ------------------------------------------
+def raise_stop_flag(trainer: Any) -> None:
+    """Lightning's flag that ends the fit at the next batch boundary (``trainer.received_sigterm``)."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def original_signal_handlers(trainer: Any) -> dict:
+    """The handlers Lightning put back at teardown (a dict it owns; empty when it has none)."""
+    originals = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+    return originals if isinstance(originals, dict) else {}
+
+
+def without_sigterm_broadcast(trainer: Any) -> None:
+    """Stop Lightning's per-step broadcast of the stop flag across ranks (a collective every
+    step); the caller decides the stop across ranks itself."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def connector_cluster_environment(trainer: Any) -> Any:
+    """The cluster environment Lightning's signal handlers read, also for a single-device
+    strategy (which has none of its own)."""
+    return getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+
+
+# --- LightningCLI and hyper-parameters (checkpoints rebuild their network) --------------------
+CLI_PARSE_CKPT_PATH = "_parse_ckpt_path"
+
+
+def override_parse_ckpt_path(cli_class: type, method: Callable[[Any], None]) -> None:
+    """Make ``method`` the step LightningCLI runs between ``parse_arguments`` and
+    ``before_instantiate_classes`` (its private ``_parse_ckpt_path``; there is no public hook).
+    Fails at import, in one line, if Lightning no longer has that step."""
+    if not callable(getattr(cli_class, CLI_PARSE_CKPT_PATH, None)):
+        raise RuntimeError(f"LightningCLI {lightning.__version__} has no {CLI_PARSE_CKPT_PATH}: shortcutlab's check "
+                           "of --ckpt_path against the config cannot run; use a Lightning release in "
+                           f"{', '.join(TESTED_LIGHTNING)}")
+    setattr(cli_class, CLI_PARSE_CKPT_PATH, method)
+
+
+@contextlib.contextmanager
+def given_hyperparameters(hparams: dict[str, Any], instantiator: str) -> Iterator[None]:
+    """Build a LightningModule inside this block and it records ``hparams`` (class path
+    included) as LightningCLI's instantiation does."""
+    with hparams_mixin._given_hyperparameters_context(hparams, instantiator=instantiator):
+        yield
