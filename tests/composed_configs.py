@@ -6,6 +6,7 @@ import contextlib
 import io
 from pathlib import Path
 
+import pytest
 import yaml
 
 from commands import lightning_cli as cli
@@ -30,6 +31,25 @@ def resolved_config(args: list[str]) -> dict:
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         cli.main(["fit", *args, "--print_config"])
     return yaml.safe_load(out.getvalue())
+
+
+# a narrow copy of a paper network, where a row checks that the config composes, trains and
+# evaluates, not what the network's real size costs (those rows: the full_size marker)
+NARROW = {"MaskedAutoencoder": dict(embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=2,
+                                    decoder_num_heads=2),
+          "DiffusionModule": dict(embed_dim=32, depth=3, num_heads=2, feature_block=1)}
+
+
+def sizes(names: list[str]) -> list:
+    """Each row as a narrow copy, and again at its real size under the ``full_size`` marker."""
+    return [pytest.param(n, False, id=n) for n in names] + \
+        [pytest.param(n, True, id=f"{n}-full_size", marks=pytest.mark.full_size) for n in names]
+
+
+def narrow_args(model_class_path: str, full_size: bool) -> list[str]:
+    """``--model.init_args.*`` overrides that make a paper network narrow (none at full size)."""
+    settings = {} if full_size else NARROW.get(model_class_path.rpartition(".")[2], {})
+    return [f"--model.init_args.{k}={v}" for k, v in settings.items()]
 
 
 def is_diffusion(name: str) -> bool:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from commands import lightning_cli as cli
-from composed_configs import CONFIG_DIR, REPO, ROWS, SINGLE_FILES, command_args, declared_section, is_diffusion
+from composed_configs import (CONFIG_DIR, REPO, ROWS, SINGLE_FILES, command_args, declared_section, is_diffusion,
+                              narrow_args, sizes)
 
 RUNS = list(ROWS) + SINGLE_FILES
 
@@ -50,10 +51,11 @@ def test_every_row_of_the_readme_is_a_composition_and_back():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in RUNS if not is_diffusion(n)])
-def test_fit_one_step(name, tmp_path, data_roots):
+@pytest.mark.parametrize("name, full_size", sizes([n for n in RUNS if not is_diffusion(n)]))
+def test_fit_one_step(name, full_size, tmp_path, data_roots):
     data = declared_section(name, "data")
     overrides = data_roots(data["class_path"], data["init_args"]) + probe_checkpoint(name, tmp_path / "ckpt")
+    overrides += narrow_args(declared_section(name, "model").get("class_path", ""), full_size)
     cli.main(["fit", *command_args(name), *overrides,
               "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",

@@ -15,12 +15,12 @@ import torch
 import yaml
 
 from commands import lightning_cli as cli
-from composed_configs import CONFIG_DIR, ROWS, SINGLE_FILES, command_args, is_diffusion, resolved_config
+from composed_configs import CONFIG_DIR, NARROW, ROWS, SINGLE_FILES, command_args, is_diffusion, resolved_config, sizes
 from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
 DIFFUSION_RUNS = [n for n in list(ROWS) + SINGLE_FILES if is_diffusion(n)]
-# the real-size U-ViT-Mid rows on VAE latents run from tests/test_latent_diffusion_configs.py: a
+# the U-ViT-Mid rows on VAE latents run from tests/test_latent_diffusion_configs.py: a
 # file of their own, so the suite's two workers share the slowest rows
 LATENT_RUNS = [n for n in DIFFUSION_RUNS if "latent" in n]
 
@@ -60,13 +60,15 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in DIFFUSION_RUNS if n not in LATENT_RUNS])
-def test_fit_one_step_then_validate_from_checkpoint(name, tmp_path, data_root, tiny_latents):
-    fit_one_step_then_validate(name, tmp_path, data_root, tiny_latents)
+@pytest.mark.parametrize("name, full_size", sizes([n for n in DIFFUSION_RUNS if n not in LATENT_RUNS]))
+def test_fit_one_step_then_validate_from_checkpoint(name, full_size, tmp_path, data_root, tiny_latents):
+    fit_one_step_then_validate(name, full_size, tmp_path, data_root, tiny_latents)
 
 
-def fit_one_step_then_validate(name: str, tmp_path: Path, data_root: dict, tiny_latents: dict) -> None:
+def fit_one_step_then_validate(name: str, full_size: bool, tmp_path: Path, data_root: dict, tiny_latents: dict) -> None:
     config = point_at_test_data(resolved_config(command_args(name)), tmp_path, data_root, tiny_latents)
+    if not full_size:  # a narrow copy of the network: the row's composition, training and FID, not its size
+        config["model"]["init_args"].update(NARROW["DiffusionModule"])
     test_config = tmp_path / "config.yaml"
     test_config.write_text(yaml.safe_dump(config))
     common = [f"--config={test_config}", "--trainer.accelerator=cpu", "--trainer.devices=1",
