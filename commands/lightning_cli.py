@@ -294,32 +294,54 @@ def main(args: Optional[list[str]] = None, parser_kwargs: Optional[dict[str, Any
 class _Parsed(Exception):
     """Raised by :class:`_ParseOnlyCLI` once the arguments are parsed: nothing is built."""
 
+    def __init__(self, cli: "ShortcutLabCLI") -> None:
+        super().__init__()
+        self.cli = cli
+
 
 class _ParseOnlyCLI(ShortcutLabCLI):
     def _set_seed(self) -> None:  # no global RNG draw in the checking process
         pass
 
     def before_instantiate_classes(self) -> None:
-        raise _Parsed
+        raise _Parsed(self)
+
+
+class ArgumentChecker:
+    """Parses ``shortcutlab`` training arguments (``["fit", "--config=...", ...]``) as a run would,
+    building and training nothing; the parser (every model, datamodule and callback class
+    signature) is built once and reused for every argument list checked."""
+
+    def __init__(self) -> None:
+        self._cli: Optional[_ParseOnlyCLI] = None
+
+    def __call__(self, args: list[str]) -> Optional[str]:
+        """None when ``args`` parse, else the one-line reason a run would give (an unknown key with
+        its "did you mean", a value of the wrong type, a missing file). Values only a class's
+        ``__init__`` checks (a range, say) show when the run builds it."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                if self._cli is None:
+                    _ParseOnlyCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
+                                  subclass_mode_data=True, parser_kwargs=raising_parsers(), args=list(args))
+                else:  # LightningCLI.__init__'s steps after the parser is built
+                    self._cli.parse_arguments(self._cli.parser, list(args))
+                    self._cli.check_ckpt_path_against_config()
+                    self._cli.before_instantiate_classes()
+            except _Parsed as parsed:
+                self._cli = parsed.cli
+                return None
+            except (ValueError, FileNotFoundError, MisconfigurationException) as err:
+                return root_message(err)
+            except SystemExit:  # --help or --print_config among the arguments
+                return "the arguments print help or a config instead of running"
+        return None
 
 
 def check_arguments(args: list[str]) -> Optional[str]:
-    """Parse ``shortcutlab`` training ``args`` (``["fit", "--config=...", ...]``) as a run would,
-    building and training nothing: None when they parse, else the one-line reason a run would
-    give (an unknown key with its "did you mean", a value of the wrong type, a missing file).
-    Values only a class's ``__init__`` checks (a range, say) show when the run builds it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            _ParseOnlyCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                          parser_kwargs=raising_parsers(), args=list(args))
-        except _Parsed:
-            return None
-        except (ValueError, FileNotFoundError, MisconfigurationException) as err:
-            return root_message(err)
-        except SystemExit:  # --help or --print_config among the arguments
-            return "the arguments print help or a config instead of running"
-    return None
+    """One :class:`ArgumentChecker` call: None when ``args`` parse as a run would, else why not."""
+    return ArgumentChecker()(args)
 
 
 def run_reporting_stops(args: Optional[list[str]] = None, **main_kwargs: Any) -> None:

@@ -197,8 +197,9 @@ def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -
     """Parse every point's composed config (and its ``--then`` fit's) as its run would, before any
     run starts or any line is printed: a bad key or value is a ValueError naming the point (one
     typo would otherwise fail every run of the grid, each after its start-up)."""
-    from commands.lightning_cli import check_arguments  # torch and Lightning: only when checking
+    from commands.lightning_cli import ArgumentChecker  # torch and Lightning: only when checking
 
+    check_arguments = ArgumentChecker()  # one parser for every point
     checked: set[tuple[str, ...]] = set()
     for point in points:
         what = [(f"grid point {run_name(point)}", fit_arguments(parsed.config, point, parsed.set))]

@@ -439,3 +439,27 @@ def test_several_knn_k_and_probe_rates_are_columns_of_their_own(tmp_path):
     row = [c.strip() for c in markdown.splitlines()[4].strip("|").split("|")]
     values = np.array(list(finals.values()), dtype=np.float64)
     assert row[2:] == [cell(values[:, i].mean(), values[:, i].std(ddof=1), 100.0, 1) for i in range(4)]
+
+
+def test_one_parser_checks_every_point_of_a_grid(monkeypatch):
+    """``sweep --print`` checks an 18-point grid with one parser (building one took about a second
+    a point), and a bad point after good ones is still refused with the fresh parser's reason."""
+    from commands import lightning_cli
+
+    built = []
+    original = lightning_cli.ShortcutLabCLI.init_parser
+    monkeypatch.setattr(lightning_cli.ShortcutLabCLI, "init_parser",
+                        lambda self, **kw: built.append(1) or original(self, **kw))
+    checker = lightning_cli.ArgumentChecker()
+    base = ["fit", "--config=configs/digits_mae.yaml"]
+    good = [base + [f"--model.shortcut.alpha_min={a}", f"--seed_everything={s}"]
+            for a in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0) for s in (0, 1, 2)]
+    assert checker(good[0]) is None
+    one_cli = len(built)  # LightningCLI builds a parser per subcommand
+    assert [checker(args) for args in good[1:]] == [None] * 17
+    bad = base + ["--model.shortcut.alpah_min=0.6"]
+    reason = checker(bad)
+    assert reason is not None and "alpha_min" in reason
+    assert checker(good[0]) is None
+    assert len(built) == one_cli
+    assert lightning_cli.check_arguments(bad) == reason and len(built) == 2 * one_cli
