@@ -85,6 +85,12 @@ def test_every_private_thing_is_where_the_fence_reaches_for_it(tmp_path):
     lightning_private.without_sigterm_broadcast(trainer)
     assert lightning_private.connector_cluster_environment(trainer) is not None
     assert callable(getattr(LightningCLI, lightning_private.CLI_PARSE_CKPT_PATH))
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path)
+    assert logger._default_hp_metric is True
+    lightning_private.without_hp_metric_placeholder(logger)
+    assert logger._default_hp_metric is False
 
 
 def test_an_untested_lightning_is_named_in_one_line_when_a_fit_starts(tmp_path, monkeypatch):

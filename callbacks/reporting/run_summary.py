@@ -1,6 +1,8 @@
 """The table a run ends with (the quickstart): final evaluation metrics, where the
 checkpoints are and where the pictures are. Printed by global rank 0 at the end of ``fit`` and
-written next to the logs as JSON."""
+written next to the logs as JSON. TensorBoard's hyper-parameter view gets the same final
+metrics as its columns (in place of Lightning's placeholder ``hp_metric`` of -1), so runs can be
+compared there."""
 from __future__ import annotations
 
 import json
@@ -10,7 +12,9 @@ from typing import Any, Optional, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_mods.compat import lightning_private
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from lightning_mods.pictures.grids import picture_dir, run_dir
@@ -76,14 +80,31 @@ class RunSummary(Callback):
         self.summary_file = summary_file
         self.summary: dict[str, Any] = {}
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # the final metrics take the placeholder's place (log_headline_metrics)
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    lightning_private.without_hp_metric_placeholder(logger)
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = collect_summary(trainer, self.metrics)
         if not trainer.is_global_zero:
             return
+        self.log_headline_metrics(trainer, pl_module)
         if self.summary_file:
             path = Path(self.summary["log_dir"]) / self.summary_file
             write_text_atomically(path, json.dumps(self.summary, indent=2) + "\n")
         self.print_table()
+
+    def log_headline_metrics(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The run's settings with its final metrics, for TensorBoard's hyper-parameter view."""
+        final = {name: value for name, value in self.summary["metrics"].items() if value is not None}
+        if not final:
+            return
+        settings = {**dict(getattr(trainer.datamodule, "hparams", None) or {}), **dict(pl_module.hparams)}
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.log_hyperparams(settings, metrics=final, step=trainer.global_step)
 
     def print_table(self) -> None:
         """The rich table of :attr:`summary` on the terminal."""

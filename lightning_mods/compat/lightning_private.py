@@ -102,3 +102,11 @@ def given_hyperparameters(hparams: dict[str, Any], instantiator: str) -> Iterato
     included) as LightningCLI's instantiation does."""
     with hparams_mixin._given_hyperparameters_context(hparams, instantiator=instantiator):
         yield
+
+
+# --- TensorBoard's hyper-parameter view -------------------------------------------------------
+def without_hp_metric_placeholder(logger: Any) -> None:
+    """A TensorBoardLogger that writes no ``hp_metric`` of -1 when the fit starts (its
+    ``default_hp_metric``, a constructor setting, read when the run's hyper-parameters are logged
+    after the setup hooks)."""
+    logger._default_hp_metric = False
