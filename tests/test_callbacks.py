@@ -378,7 +378,7 @@ def test_online_probe_learns_separable_data(tmp_path):
 
 def test_online_probe_state_dict_round_trip():
     probe = OnlineLinearProbe(num_classes=3, feature_dim=4, optimizer="sgd")
-    probe._build_heads(4)
+    probe.build_heads(4)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     torch.nn.functional.cross_entropy(probe.head(x), y).backward()
     probe.optimizer.step()
@@ -386,7 +386,7 @@ def test_online_probe_state_dict_round_trip():
     state = probe.state_dict()
     other = OnlineLinearProbe(num_classes=3, feature_dim=4, optimizer="sgd", seed=7)
     other.load_state_dict(state)  # before setup: applied when the head is built
-    other._build_heads(4)
+    other.build_heads(4)
     for a, b in zip(probe.head.state_dict().values(), other.head.state_dict().values()):
         assert torch.equal(a, b)
     assert str(other.optimizer.state_dict()) == str(probe.optimizer.state_dict())
@@ -398,18 +398,20 @@ def test_online_probe_refuses_a_head_trained_at_another_default_rate():
     """A single head's rate is in its state: when the default rate moves (1e-2 -> 2e-2), a
     checkpoint of the old default does not go on silently at the new one."""
     probe = OnlineLinearProbe(num_classes=3, feature_dim=4, lr=0.01)
-    probe._build_heads(4)
+    probe.build_heads(4)
     state = probe.state_dict()
-    assert state["lr"] == 0.01
+    assert [h["lr"] for h in state["heads"]] == [0.01]
     default = OnlineLinearProbe(num_classes=3, feature_dim=4)
     assert default.lr == 0.02
     default.load_state_dict(state)
     with pytest.raises(ValueError, match=r"trained at lr \[0.01\], this probe's are \[0.02\]"):
-        default._build_heads(4)
-    older = {k: v for k, v in state.items() if k != "lr"}  # written before the rate was saved
+        default.build_heads(4)
+    # a single head's earlier layout, written before the rate was saved
+    older = {**{k: v for k, v in state.items() if k != "heads"}, "head": state["heads"][0]["head"],
+             "optimizer": state["heads"][0]["optimizer"]}
     continued = OnlineLinearProbe(num_classes=3, feature_dim=4)
     continued.load_state_dict(older)
-    continued._build_heads(4)  # no rate saved: taken to be this probe's
+    continued.build_heads(4)  # no rate saved: taken to be this probe's
     assert torch.equal(continued.head.linear.weight, probe.head.linear.weight)
 
 
@@ -631,7 +633,7 @@ def test_online_probe_accuracies_on_a_hand_built_case():
     from types import SimpleNamespace
 
     probe = OnlineLinearProbe(num_classes=3, feature_dim=3, batch_norm=False, every_n_steps=1)
-    probe._build_heads(3)
+    probe.build_heads(3)
     with torch.no_grad():
         probe.head.linear.weight.copy_(torch.eye(3))
         probe.head.linear.bias.zero_()

@@ -235,7 +235,7 @@ def test_digits_config_fits_one_step_and_validates_from_its_checkpoint(tmp_path)
 def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):
     from types import SimpleNamespace
 
-    import lightning_mods.diffusion as diffusion
+    import lightning_mods.generation.samples as samples
 
     module = DiffusionModule(**{**TINY, "num_classes": 10, "class_conditional": True, "num_sample_images": 16,
                                 "sampler": "ddim", "num_sampling_steps": 50, "guidance_scale": 2.0})
@@ -249,7 +249,7 @@ def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):
     monkeypatch.setattr(module, "generate_images", lambda n, labels, **kwargs:
                         (labels.float() / 10).view(-1, 1, 1, 1).expand(n, 1, 8, 8))
     logged = {}
-    monkeypatch.setattr(diffusion, "log_picture", lambda trainer, tag, picture: logged.update({tag: picture}))
+    monkeypatch.setattr(samples, "log_picture", lambda trainer, tag, picture: logged.update({tag: picture}))
     module.log_sample_grid()
     ax = logged["diffusion/samples"].axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["zero", "three", "six", "nine"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from callbacks._utils.feature_replay import FeatureReplay
+from callbacks._utils.online_probe_heads import step_head
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
 
@@ -85,7 +86,7 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     0, 2 and 4 are probed. Reference: the same SGD steps in float64 on the rows those ages name."""
     probe = OnlineLinearProbe(num_classes=3, feature_dim=4, batch_norm=False, optimizer="sgd", momentum=0.0,
                               lr=0.5, every_n_steps=2, max_samples=3, replay_samples=6)
-    probe._build_heads(4)
+    probe.build_heads(4)
     weight = probe.head.linear.weight.detach().double().numpy().copy()
     bias = probe.head.linear.bias.detach().double().numpy().copy()
     module = FeaturesAsGiven()
@@ -114,7 +115,7 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_hand_written_head_step_equals_autograd_with_batch_norm(optimizer):
-    """``OnlineLinearProbe._step`` writes the head's gradients by hand (batch norm without affine
+    """``step_head`` (the online probe's head step) writes the head's gradients by hand (batch norm without affine
     parameters, then the linear layer): five steps equal torch autograd's on a copy of the head,
     weights, batch-norm running statistics, losses and logits."""
     import copy
@@ -122,7 +123,7 @@ def test_hand_written_head_step_equals_autograd_with_batch_norm(optimizer):
     import torch.nn.functional as F
 
     probe = OnlineLinearProbe(num_classes=4, feature_dim=6, optimizer=optimizer, lr=0.05)
-    probe._build_heads(6)
+    probe.build_heads(6)
     head, opt = probe.head, probe.optimizer
     twin = copy.deepcopy(head)
     twin_opt = copy.deepcopy(opt)  # the same settings, over the twin's parameters
@@ -131,7 +132,7 @@ def test_hand_written_head_step_equals_autograd_with_batch_norm(optimizer):
     for _ in range(5):
         features = torch.randn(16, 6, generator=draws) * 3 + 1
         labels = torch.randint(0, 4, (16,), generator=draws)
-        losses, logits = OnlineLinearProbe._step(head, opt, features, labels)
+        losses, logits = step_head(head, opt, features, labels)
         twin.train()
         twin_logits = twin(features)
         twin_losses = F.cross_entropy(twin_logits, labels, reduction="none")
@@ -142,7 +143,7 @@ def test_hand_written_head_step_equals_autograd_with_batch_norm(optimizer):
         torch.testing.assert_close(logits, twin_logits.detach(), rtol=0, atol=1e-6)
     for (name, got), want in zip(head.state_dict().items(), twin.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
-    assert not torch.equal(head.linear.weight, copy.deepcopy(probe)._new_heads(6)[0][0].linear.weight)  # it moved
+    assert not torch.equal(head.linear.weight, copy.deepcopy(probe).probe_heads._new_heads(6)[0][0].linear.weight)  # it moved
 
 
 def test_samples_waiting_for_their_check_survive_a_checkpoint():

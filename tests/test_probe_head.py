@@ -63,7 +63,7 @@ def test_the_head_is_mae_linprobe_s_head(batches):
 def test_every_probe_uses_that_head():
     """The online probe's heads and the offline probe's head are that class, seeded alike."""
     online = OnlineLinearProbe(num_classes=C, feature_dim=D, seed=3)
-    online._build_heads(D)
+    online.build_heads(D)
     with torch.random.fork_rng(devices=[]):
         expected = ProbeHead(D, C, generator=torch.Generator().manual_seed(3))
     assert type(online.head) is ProbeHead

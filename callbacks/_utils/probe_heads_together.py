@@ -5,7 +5,7 @@ quickstart 12 small heads, each taking its own batch norm, linear gradient and o
 4 times per probe: most of what the heads added to the probe's cost (the per-block probe went
 from 5.9-6.3 % of a quickstart run to 4.8-4.9 % with this, ``python -m benchmarks --only
 training``). Here the heads of one width and one rate take each step together, with the math
-of :meth:`OnlineLinearProbe._step`:
+of :func:`callbacks._utils.online_probe_heads.step_head`:
 
 - one ``batch_norm`` over the ``N x (heads x D)`` features (per-head, per-channel batch
   statistics, running statistics written back to each head's own buffers);
