@@ -12,7 +12,7 @@ from typing import Any
 from lightning.pytorch import seed_everything
 
 from callbacks.measurement.knn import KNNEvaluator
-from callbacks.measurement.shared_features import unshared
+from callbacks.measurement.shared_features import SharedEvaluation
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
 from .settings import Settings
@@ -33,7 +33,7 @@ class TimedKNN(KNNEvaluator):
     def evaluate(self, trainer, pl_module):  # noqa: ANN001, ANN201
         synchronize(pl_module.device)
         start = time.perf_counter()
-        with unshared(trainer):  # its own feature passes, as if it were alone
+        with SharedEvaluation.of(trainer).unshared():  # its own feature passes, as if it were alone
             result = super().evaluate(trainer, pl_module)
         synchronize(pl_module.device)
         self.seconds.append(time.perf_counter() - start)

@@ -63,7 +63,8 @@ def make_callbacks() -> list:
 def test_three_evaluations_embed_the_bank_and_the_validation_set_once(tmp_path):
     module, together, data = fit_with(make_callbacks(), tmp_path / "all")
     assert module.embedded == len(data.bank_dataset) + len(data.val_dataset)
-    assert shared._ENTRIES == {} or all(not v["entries"] for v in shared._ENTRIES.values())  # released
+    (pass_,) = [c for c in trainer_of(module).callbacks if isinstance(c, shared.SharedEvaluation)]  # one, added
+    assert pass_._entries == {}  # released when the validation ended
     seen = set()
     for i, callback in enumerate(make_callbacks()):  # each alone: its own passes, the same numbers
         alone_module, alone, _ = fit_with([callback], tmp_path / f"alone{i}")
@@ -76,8 +77,12 @@ def test_three_evaluations_embed_the_bank_and_the_validation_set_once(tmp_path):
     assert {"knn/top1", "rank/effective_rank", "online_probe/val_top1"} <= seen
 
 
+def trainer_of(module):  # noqa: ANN001, ANN201
+    return module.trainer
+
+
 class StubTrainer:
-    """What shared_features reads of a Trainer."""
+    """What the shared pass reads of a Trainer."""
 
     def __init__(self, dataset) -> None:  # noqa: ANN001
         import contextlib
@@ -85,6 +90,7 @@ class StubTrainer:
         self.state, self.sanity_checking, self.global_step, self.current_epoch = SimpleNamespace(fn="fit"), False, 3, 0
         self.precision_plugin = SimpleNamespace(forward_context=contextlib.nullcontext, precision="32")
         self.datamodule, self.fast_dev_run = SimpleNamespace(val_dataset=dataset), False
+        self.callbacks, self.strategy = [], SimpleNamespace(world_size=1)
 
 
 class Embedder(torch.nn.Module):
@@ -104,28 +110,24 @@ def test_a_changed_weight_or_step_is_never_served_stale_features():
     dataset = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.arange(10) % 3)
     module = Embedder()
     trainer = StubTrainer(dataset)
-    first = shared.shared_features(trainer, module, "val_dataset", "test", 4, 0)
-    again = shared.shared_features(trainer, module, "val_dataset", "test", 4, 0, gather=False)
+    evaluation = shared.SharedEvaluation.of(trainer)
+    assert trainer.callbacks == [evaluation] and shared.SharedEvaluation.of(trainer) is evaluation
+    first = evaluation.features(trainer, module, "val_dataset", "test", 4, 0)
+    again = evaluation.features(trainer, module, "val_dataset", "test", 4, 0, gather=False)
     assert module.calls == 3 and again.features is not None  # 3 batches of 4, once
     with torch.no_grad():
         module.linear.weight.add_(1.0)  # an in-place change (an optimiser step, an EMA swap)
-    changed = shared.shared_features(trainer, module, "val_dataset", "test", 4, 0)
+    changed = evaluation.features(trainer, module, "val_dataset", "test", 4, 0)
     assert module.calls == 6
     with torch.no_grad():
         torch.testing.assert_close(changed.features, module.linear(dataset.tensors[0]))
         assert not torch.allclose(first.features, changed.features)
     trainer.global_step = 4
-    shared.shared_features(trainer, module, "val_dataset", "test", 4, 0)
+    evaluation.features(trainer, module, "val_dataset", "test", 4, 0)
     assert module.calls == 9
-    shared.shared_features(trainer, module, "val_dataset", "test", 5, 0)  # another batch size: its own pass
+    evaluation.features(trainer, module, "val_dataset", "test", 5, 0)  # another batch size: its own pass
     assert module.calls == 11
-    shared.release(trainer)
-    shared.shared_features(trainer, module, "val_dataset", "test", 4, 0)
+    evaluation.release()
+    evaluation.features(trainer, module, "val_dataset", "test", 4, 0)
     assert module.calls == 14
 
-
-@pytest.fixture(autouse=True)
-def no_leftover_entries():
-    yield
-    shared._ENTRIES.clear()
-    shared._NEEDS.clear()

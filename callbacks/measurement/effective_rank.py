@@ -37,12 +37,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from callbacks._utils.distributed import broadcast_from_rank_zero, log_identical
 from callbacks._utils.feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
-from callbacks.measurement import shared_features as shared
-from callbacks.measurement.shared_features import shared_features
+from callbacks.measurement.shared_features import SharedEvaluation
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from lightning_mods.pictures.grids import log_picture, run_dir
-from lightning_mods.evaluation.over_depth import mark_for_writing, write_pending
+from lightning_mods.evaluation.over_depth import DepthRows, write_pending
 from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
@@ -228,6 +227,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         # one entry per evaluation of fit: epoch, step, the logged values and the per-block
         # effective ranks ("profile") and entropies ("entropy_profile")
         self.history: list[dict[str, Any]] = []
+        self.over_depth = DepthRows()  # only its flag: the rows come from the history (depth_rows)
         # the last evaluation's per-block values (fit or validate): {"entropy": [...], "effective_rank": [...]}
         self.last_profile: dict[str, list[float]] = {}
         self._validate_entries: list[dict[str, Any]] = []  # the last validate's evaluation
@@ -242,7 +242,6 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
                 "max_samples": self.max_samples}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
         write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
@@ -270,7 +269,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         if self.per_block:
             require_blocks(pl_module, "EffectiveRank: per_block")
         if self.max_samples is None:
-            shared.will_need(trainer, "val_dataset", self.per_block)
+            SharedEvaluation.of(trainer).need("val_dataset", self.per_block)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not evaluation_due(trainer, self.every_n_epochs):
@@ -287,7 +286,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         self.last_profile = profile
         if not self.per_block:
             return
-        mark_for_writing(trainer)
+        self.over_depth.unwritten = True  # its profile joins the per-block table
         if not trainer.is_global_zero:
             return
         # validate: Lightning does not restore the fit's history, the file holds this evaluation
@@ -308,7 +307,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
             collected = collect_features(pl_module, subset, batch_size, num_workers, with_blocks=self.per_block,
                                          forward_context=trainer.precision_plugin.forward_context)
         else:  # the whole validation set: one pass shared with kNN and the online probe
-            collected = shared_features(trainer, pl_module, "val_dataset", "EffectiveRank", batch_size, num_workers,
+            collected = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "EffectiveRank", batch_size, num_workers,
                                         with_blocks=self.per_block, dataset=dataset)
         matrices = [collected.features] + (collected.blocks or [])
         values = torch.zeros(len(matrices), 2, dtype=torch.float64, device=collected.features.device)

@@ -28,8 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_mods.evaluation import metric_names
 from callbacks._utils.distributed import all_reduce_sum, log_identical
 from callbacks._utils.feature_collection import loader_settings
-from callbacks.measurement import shared_features as shared
-from callbacks.measurement.shared_features import shared_features
+from callbacks.measurement.shared_features import SharedEvaluation
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
@@ -204,7 +203,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         if self.blocks is not None:
             require_blocks(pl_module, "KNNEvaluator: blocks")
         for name in ("bank_dataset", "val_dataset"):
-            shared.will_need(trainer, name, self.blocks is not None)
+            SharedEvaluation.of(trainer).need(name, self.blocks is not None)
 
     @property
     def ks(self) -> list[int]:
@@ -215,7 +214,6 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         return {"k": self.k, "temperature": self.temperature, **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
         write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
@@ -252,9 +250,9 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         batch_size, num_workers = loader_settings(trainer, self.batch_size, self.num_workers)
         with_blocks = self.blocks is not None
         # one pass per dataset and evaluation, shared with the other evaluation callbacks
-        bank = shared_features(trainer, pl_module, "bank_dataset", "KNNEvaluator", batch_size, num_workers,
+        bank = SharedEvaluation.of(trainer).features(trainer, pl_module, "bank_dataset", "KNNEvaluator", batch_size, num_workers,
                                with_blocks=with_blocks)
-        queries = shared_features(trainer, pl_module, "val_dataset", "KNNEvaluator", batch_size, num_workers,
+        queries = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "KNNEvaluator", batch_size, num_workers,
                                   with_blocks=with_blocks, gather=False)
         tops = (1, 5) if num_classes > 5 else (1,)
         names = [self.metric_name(k, top) for k in self.ks for top in tops]

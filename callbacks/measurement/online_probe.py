@@ -50,8 +50,7 @@ from callbacks._utils.distributed import all_reduce_sum, distributed_padding_mas
 from callbacks._utils.feature_collection import loader_settings
 from callbacks._utils.online_probe_heads import OnlineProbeHeads, ValidationScores, check_settings
 from callbacks._utils.probed_samples import Probed, gather_probed, nonfinite_flag_to_host
-from callbacks.measurement import shared_features as shared
-from callbacks.measurement.shared_features import shared_features
+from callbacks.measurement.shared_features import SharedEvaluation
 from callbacks.settings_key import SettingsKeyed, check_name, format_setting
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation.eval_mode import isolated_eval
@@ -190,7 +189,6 @@ class OnlineLinearProbe(SettingsKeyed):
                 **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        shared.release(trainer)  # every callback has read them (on_validation_epoch_end)
         write_pending(trainer)  # the per-block table and picture, once all contributors have added their rows
 
     def depth_rows(self, trainer: Trainer) -> list[dict[str, Any]]:
@@ -217,7 +215,7 @@ class OnlineLinearProbe(SettingsKeyed):
         if self.blocks is not None:
             require_blocks(pl_module, "OnlineLinearProbe: blocks")
         self._device = trainer.strategy.root_device
-        shared.will_need(trainer, "val_dataset", self.blocks is not None)
+        SharedEvaluation.of(trainer).need("val_dataset", self.blocks is not None)
         if self.num_classes is None:
             self.num_classes = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
             if not self.num_classes:
@@ -360,7 +358,7 @@ class OnlineLinearProbe(SettingsKeyed):
             return
         if self._shares_validation_features(trainer):  # this rank's strided shard of the shared pass
             batch_size, num_workers = loader_settings(trainer, None, None)
-            collected = shared_features(trainer, pl_module, "val_dataset", "OnlineLinearProbe", batch_size,
+            collected = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "OnlineLinearProbe", batch_size,
                                         num_workers, with_blocks=self.blocks is not None, gather=False)
             features, blocks = self._chosen(collected.features, collected.blocks or [])
             self._scores.score(features, collected.labels.to(self._device), blocks)

@@ -2,8 +2,10 @@
 
 kNN embeds the bank and the validation set, effective rank the validation set, the online
 probe scores its heads on the validation set: the same network, the same images, the same
-``forward_features`` (and, for per-block evaluations, ``forward_intermediates``). Through
-:func:`shared_features` the first of them to ask for a dataset's features runs
+``forward_features`` (and, for per-block evaluations, ``forward_intermediates``). One
+:class:`SharedEvaluation` per Trainer holds the pass: each measurement callback declares at
+``setup`` what it will read (:meth:`SharedEvaluation.of` finds the Trainer's, adding it to the
+Trainer's callbacks the first time), the first to ask for a dataset's features runs
 :func:`~callbacks._utils.feature_collection.collect_features` and the others read its result.
 
 - **When a result is reused.** Only within one evaluation of one set of weights: the entry
@@ -12,88 +14,131 @@ probe scores its heads on the validation set: the same network, the same images,
   the precision's forward context; a request with another stamp computes afresh. The batch
   size is part of the key (a matmul's rounding may depend on it), the loader's workers are not.
 - **Blocks.** A callback that will want per-block features says so at ``setup``
-  (:func:`will_need`), so the first pass over that dataset collects the blocks for everyone;
+  (:meth:`SharedEvaluation.need`), so the first pass over that dataset collects the blocks for everyone;
   a request without blocks is served from an entry with them.
 - **Ranks.** An entry holds this rank's strided shard; a gathered request (the whole set on
-  every rank, in dataset order) gathers it once and keeps that too.
-- **Memory.** Entries are dropped by :func:`release` (each user calls it in
-  ``on_validation_end``, after every callback's ``on_validation_epoch_end``), and whenever the
-  stamp changes.
+  every rank, in dataset order) gathers it once, through ``trainer.strategy``, and keeps that too.
+- **Memory.** Entries are dropped when the validation ends (``on_validation_end``, after every
+  callback's ``on_validation_epoch_end`` read them), and whenever the stamp changes.
 
 Every callback still works alone: it then runs the pass itself, as before.
 """
 from __future__ import annotations
 
 import contextlib
-import weakref
+import math
 from typing import Any, Iterator, Optional
 
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import Dataset
 
-from callbacks._utils.distributed import gather_strided
+from callbacks._utils.distributed import strided_shard
 from callbacks._utils.feature_collection import Features, collect_features, datamodule_dataset, smoke_test_subset
 
-_ENTRIES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()  # trainer -> {stamp, entries}
-_NEEDS: "weakref.WeakKeyDictionary[Any, dict[str, bool]]" = weakref.WeakKeyDictionary()  # trainer -> blocks wanted
+
+def gather_strided(strategy: Any, local: torch.Tensor, total: int) -> torch.Tensor:
+    """Every rank's strided shard (``rank, rank + W, ...`` of ``total`` rows) back in dataset
+    order on every rank, through ``strategy.all_gather``: shards padded to ``ceil(total / W)``
+    rows, gathered, the padding dropped, so exactly ``total`` rows."""
+    world_size = int(getattr(strategy, "world_size", 1) or 1)
+    if world_size == 1:
+        return local
+    largest = math.ceil(total / world_size)
+    padded = local.new_zeros((largest, *local.shape[1:]))
+    padded[:len(local)] = local
+    parts = strategy.all_gather(padded.to(strategy.root_device))  # world_size x largest x ...
+    out = local.new_empty((total, *local.shape[1:]))
+    for rank in range(world_size):
+        out[rank::world_size] = parts[rank][:len(strided_shard(total, rank, world_size))].to(local.device)
+    return out
 
 
-def will_need(trainer: Any, dataset_name: str, with_blocks: bool) -> None:
-    """Declare (at ``setup``) that this trainer's evaluations will read ``dataset_name``'s
-    features, with or without the blocks."""
-    needs = _NEEDS.setdefault(trainer, {})
-    needs[dataset_name] = needs.get(dataset_name, False) or bool(with_blocks)
+class SharedEvaluation(Callback):
+    """The evaluation pass a Trainer's measurement callbacks share (see the module docstring).
 
+    A callback of one's own uses it as the shipped ones do::
 
-def release(trainer: Any) -> None:
-    """Drop this trainer's shared features (after the evaluation that used them)."""
-    _ENTRIES.pop(trainer, None)
+        def setup(self, trainer, pl_module, stage):
+            SharedEvaluation.of(trainer).need("val_dataset", with_blocks=False)
 
+        def on_validation_epoch_end(self, trainer, pl_module):
+            found = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "Mine", 128, 0)
+    """
 
-@contextlib.contextmanager
-def unshared(trainer: Any) -> Iterator[None]:
-    """Inside, a request computes its own features, only what it asks for, and keeps nothing:
-    the cost of one callback as if it were alone (the benchmarks time it so)."""
-    needs, entries = _NEEDS.pop(trainer, None), _ENTRIES.pop(trainer, None)
-    try:
-        yield
-    finally:
-        _ENTRIES.pop(trainer, None)
-        if needs is not None:
-            _NEEDS[trainer] = needs
-        if entries is not None:
-            _ENTRIES[trainer] = entries
+    def __init__(self) -> None:
+        super().__init__()
+        self.needs: dict[str, bool] = {}  # dataset name -> blocks wanted
+        self._stamp: Optional[tuple] = None
+        self._entries: dict[tuple, dict[str, Any]] = {}
 
+    @classmethod
+    def of(cls, trainer: Trainer) -> "SharedEvaluation":
+        """The Trainer's shared pass: the one among its callbacks, else a new one added to them
+        (after the callbacks that read it, whose hooks then run first)."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, cls):
+                return callback
+        shared = cls()
+        trainer.callbacks.append(shared)
+        return shared
 
-def _stamp(trainer: Any, module: Any) -> tuple:
-    versions = sum(t._version for t in module.parameters()) + sum(t._version for t in module.buffers())
-    context = type(trainer.precision_plugin).__name__, getattr(trainer.precision_plugin, "precision", None)
-    return (str(trainer.state.fn), bool(trainer.sanity_checking), int(trainer.global_step),
-            int(trainer.current_epoch), id(module), versions, context)
+    def need(self, dataset_name: str, with_blocks: bool) -> None:
+        """Declare (at ``setup``) that an evaluation will read ``dataset_name``'s features, with or
+        without the blocks: the pass collects what every declared reader wants."""
+        self.needs[dataset_name] = self.needs.get(dataset_name, False) or bool(with_blocks)
 
+    def release(self) -> None:
+        """Drop the features kept (after the evaluation that read them)."""
+        self._stamp, self._entries = None, {}
 
-def shared_features(trainer: Any, module: Any, dataset_name: str, owner: str, batch_size: int, num_workers: int,
-                    with_blocks: bool = False, gather: bool = True, dataset: Optional[Dataset] = None) -> Features:
-    """``collect_features`` of the datamodule's ``dataset_name`` (``bank_dataset`` or
-    ``val_dataset``), computed at most once per evaluation for all the callbacks that ask (see
-    the module docstring). Under ``fast_dev_run`` the first batches only, as
-    ``collect_features`` callers do. ``dataset`` overrides the lookup (the caller resolved it)."""
-    if dataset is None:
-        dataset = datamodule_dataset(trainer, dataset_name, owner)
-    subset = smoke_test_subset(trainer, dataset, batch_size)
-    stamp = _stamp(trainer, module)
-    cache = _ENTRIES.get(trainer)
-    if cache is None or cache["stamp"] != stamp:
-        cache = _ENTRIES[trainer] = {"stamp": stamp, "entries": {}}
-    key = (dataset_name, id(dataset), len(subset), batch_size)
-    entry = cache["entries"].get(key)
-    if entry is None or (with_blocks and entry["local"].blocks is None):
-        blocks = with_blocks or _NEEDS.get(trainer, {}).get(dataset_name, False)
-        local = collect_features(module, subset, batch_size, num_workers, with_blocks=blocks, gather=False,
-                                 forward_context=trainer.precision_plugin.forward_context)
-        entry = cache["entries"][key] = {"local": local, "gathered": None}
-    if gather and entry["gathered"] is None:
-        local, total = entry["local"], len(subset)
-        entry["gathered"] = Features(gather_strided(local.features, total), gather_strided(local.labels, total),
-                                     None if local.blocks is None else [gather_strided(b, total) for b in local.blocks])
-    found = entry["gathered"] if gather else entry["local"]
-    return found if with_blocks or found.blocks is None else found._replace(blocks=None)
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.release()  # every reader has read them (on_validation_epoch_end)
+
+    @contextlib.contextmanager
+    def unshared(self) -> Iterator[None]:
+        """Inside, a request computes its own features, only what it asks for, and keeps nothing:
+        the cost of one callback as if it were alone (the benchmarks time it so)."""
+        saved = self.needs, self._stamp, self._entries
+        self.needs, self._stamp, self._entries = {}, None, {}
+        try:
+            yield
+        finally:
+            self.needs, self._stamp, self._entries = saved
+
+    @staticmethod
+    def stamp(trainer: Trainer, module: Any) -> tuple:
+        """What one set of weights in one evaluation is: stage, step, epoch, the module and its
+        tensors' in-place versions (a weight swap changes them), the precision's forward context."""
+        versions = sum(t._version for t in module.parameters()) + sum(t._version for t in module.buffers())
+        context = type(trainer.precision_plugin).__name__, getattr(trainer.precision_plugin, "precision", None)
+        return (str(trainer.state.fn), bool(trainer.sanity_checking), int(trainer.global_step),
+                int(trainer.current_epoch), id(module), versions, context)
+
+    def features(self, trainer: Trainer, module: Any, dataset_name: str, owner: str, batch_size: int,
+                 num_workers: int, with_blocks: bool = False, gather: bool = True,
+                 dataset: Optional[Dataset] = None) -> Features:
+        """``collect_features`` of the datamodule's ``dataset_name`` (``bank_dataset`` or
+        ``val_dataset``), computed at most once per evaluation for every reader. Under
+        ``fast_dev_run`` the first batches only, as ``collect_features`` callers do. ``dataset``
+        overrides the lookup (the caller resolved it)."""
+        if dataset is None:
+            dataset = datamodule_dataset(trainer, dataset_name, owner)
+        subset = smoke_test_subset(trainer, dataset, batch_size)
+        stamp = self.stamp(trainer, module)
+        if stamp != self._stamp:
+            self._stamp, self._entries = stamp, {}
+        key = (dataset_name, id(dataset), len(subset), batch_size)
+        entry = self._entries.get(key)
+        if entry is None or (with_blocks and entry["local"].blocks is None):
+            blocks = with_blocks or self.needs.get(dataset_name, False)
+            local = collect_features(module, subset, batch_size, num_workers, with_blocks=blocks, gather=False,
+                                     forward_context=trainer.precision_plugin.forward_context)
+            entry = self._entries[key] = {"local": local, "gathered": None}
+        if gather and entry["gathered"] is None:
+            local, total, strategy = entry["local"], len(subset), trainer.strategy
+            entry["gathered"] = Features(
+                gather_strided(strategy, local.features, total), gather_strided(strategy, local.labels, total),
+                None if local.blocks is None else [gather_strided(strategy, b, total) for b in local.blocks])
+        found = entry["gathered"] if gather else entry["local"]
+        return found if with_blocks or found.blocks is None else found._replace(blocks=None)

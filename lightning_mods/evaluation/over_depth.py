@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import weakref
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -122,38 +121,42 @@ def accuracy_columns(rows: Iterable[dict[str, Any]]) -> list[str]:
 class DepthRows:
     """The per-block rows of one contributor: every evaluation of ``fit`` (:attr:`depth_history`,
     which the contributor keeps in its checkpoint state) or the last ``validate``'s (Lightning
-    does not restore a fit's callback states there)."""
+    does not restore a fit's callback states there). A contributor keeps one as ``over_depth``
+    and answers ``depth_rows(trainer)`` from it; :attr:`unwritten` says it has rows the table
+    does not show yet."""
 
     def __init__(self) -> None:
         self.depth_history: list[dict[str, Any]] = []
         self.validate_rows: list[dict[str, Any]] = []
+        self.unwritten = False
 
     def record(self, trainer: Any, rows: list[dict[str, Any]]) -> None:
-        """Keep this evaluation's ``rows`` and have the table written at the end of the validation."""
+        """Keep this evaluation's ``rows``; the table is written at the end of the validation."""
         if trainer.state.fn == TrainerFn.FITTING:
             self.depth_history += rows
         else:
             self.validate_rows = rows
-        mark_for_writing(trainer)
+        self.unwritten = True
 
     def rows(self, trainer: Any) -> list[dict[str, Any]]:
         return self.depth_history if trainer.state.fn == TrainerFn.FITTING else self.validate_rows
 
 
-_pending: "weakref.WeakSet[Any]" = weakref.WeakSet()  # trainers with new rows to write
-
-
-def mark_for_writing(trainer: Any) -> None:
-    """A contributor has new rows: the table is written once, at the end of this validation
-    (:func:`write_pending`, from every contributor's ``on_validation_end``), not once per contributor."""
-    _pending.add(trainer)
+def contributors(trainer: Any) -> list[Any]:
+    """The callbacks (and the module) that keep per-block rows (an ``over_depth`` :class:`DepthRows`)."""
+    return [c for c in [*trainer.callbacks, trainer.lightning_module] if isinstance(getattr(c, "over_depth", None),
+                                                                                   DepthRows)]
 
 
 def write_pending(trainer: Any, title: str = "evaluation over depth") -> Optional[Path]:
-    """:func:`write_over_depth` when a contributor marked new rows since the last write."""
-    if trainer not in _pending:
+    """:func:`write_over_depth` once per validation, when a contributor has unwritten rows: every
+    contributor calls it in its ``on_validation_end``, after all of them recorded their rows
+    (``on_validation_epoch_end``); the first call writes, the others find nothing new."""
+    found = contributors(trainer)
+    if not any(c.over_depth.unwritten for c in found):
         return None
-    _pending.discard(trainer)
+    for contributor in found:
+        contributor.over_depth.unwritten = False
     return write_over_depth(trainer, title)
 
 
