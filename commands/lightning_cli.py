@@ -171,7 +171,7 @@ class ShortcutLabCLI(LightningCLI):
         Its version would replace the config's model by the checkpoint's silently and
         ``torch.load`` the whole checkpoint a second time (gigabytes; ours was read once, memory
         mapped, by ``parse_arguments``). If Lightning renamed or stopped calling it, the
-        refusals would be lost: ``tests/test_checkpoint_identity.py::
+        refusals would be lost: ``tests/lightning_mods/test_checkpoint_identity.py::
         test_ckpt_path_of_another_class_is_a_one_line_error`` fails then.
         """
         self._ckpt_weights: Optional[tuple[str, dict]] = None

@@ -10,11 +10,16 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+import folders
+
+sys.path[:0] = [p for p in folders.PATHS if p not in sys.path]  # test modules import each other by name
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, and for their subprocesses
     os.environ.setdefault("OMP_NUM_THREADS", "1")

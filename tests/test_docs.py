@@ -129,7 +129,7 @@ def test_relative_links_between_pages_resolve():
 def as_run_here(code: str, root_dir: Path) -> str:
     """A shell block as this test runs it: continuation lines joined, each fit/validate/predict
     with a short budget (and the quickstart MAE with 2 encoder blocks), a sweep with ``--print`` (every run's config parsed, one line per run,
-    nothing trained), ``report`` left out (it needs the finished sweep: tests/test_sweep_report.py),
+    nothing trained), ``report`` left out (it needs the finished sweep: tests/commands/test_sweep_report.py),
     ``make demo`` with a short budget and ``make test`` left out (.ci/run runs it)."""
     script = []
     for line in code.replace("\\\n", " ").splitlines():

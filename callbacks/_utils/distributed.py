@@ -7,12 +7,13 @@ the backend's device for the collective and back to where they were afterwards.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_mods.evaluation.distributed_eval import padding_mask as distributed_padding_mask  # noqa: F401 (the callbacks use it)
 
 
 def is_distributed() -> bool:
@@ -117,22 +118,6 @@ def gather_strided(local: torch.Tensor, total: int) -> torch.Tensor:
     for r, part in enumerate(all_gather_rows(padded).split(largest)):
         out[r::world_size] = part[:len(strided_shard(total, r, world_size))]
     return out
-
-
-def distributed_padding_mask(dataloader: object, start: int, batch_size: int) -> Optional[torch.Tensor]:
-    """Which samples of a batch are real, not the duplicates a DistributedSampler pads with.
-
-    ``start`` is the position of the batch's first sample in this rank's stream of the epoch.
-    A ``DistributedSampler`` (drop_last off) appends the first indices of its list again to
-    make every rank's share equal, then gives rank ``r`` positions ``r, r + W, ...``; sample
-    ``j`` of rank ``r`` is a duplicate when ``r + j * W >= len(dataset)``, shuffled or not.
-    Returns ``None`` when the loader has no such sampler (every sample is real).
-    """
-    sampler = getattr(dataloader, "sampler", None) if isinstance(dataloader, DataLoader) else None
-    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
-        return None
-    positions = torch.arange(start, start + batch_size)
-    return sampler.rank + positions * sampler.num_replicas < len(sampler.dataset)
 
 
 def log_identical(pl_module: LightningModule, metrics: dict[str, float], **log_kwargs) -> None:

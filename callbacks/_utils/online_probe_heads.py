@@ -33,7 +33,7 @@ def step_head(head: ProbeHead, optimizer: torch.optim.Optimizer, features: torch
     The gradients are written by hand, without an autograd graph (it took a quarter of a head
     step's time on the quickstart): the head's batch norm has no affine parameters, so only the
     linear layer learns, and the mean cross-entropy's gradient at the logits is
-    ``(softmax - onehot) / N``; ``tests/test_feature_replay.py`` checks the steps against torch
+    ``(softmax - onehot) / N``; ``tests/callbacks/test_feature_replay.py`` checks the steps against torch
     autograd (with batch norm) and float64 numpy (without)."""
     if not head.training:  # after a validation
         head.train()

@@ -15,7 +15,7 @@ of :func:`callbacks._utils.online_probe_heads.step_head`:
   head's own optimiser's, so checkpoints keep their per-head layout.
 
 Every head's result depends only on its own features: a head trained with others equals the
-same head trained alone (``tests/test_probe_heads_together.py`` checks this, and the steps against
+same head trained alone (``tests/callbacks/test_probe_heads_together.py`` checks this, and the steps against
 torch autograd on separate ``ProbeHead``s).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 When one DDP process dies (killed, out of memory, a crashed node), the next collective of every
 other rank fails: gloo sees the closed connection at once ("Connection reset by peer", 2 s after a
-SIGKILL in ``tests/test_lost_rank.py``), NCCL through its watchdog. Lightning then ends each
+SIGKILL in ``tests/callbacks/test_lost_rank.py``), NCCL through its watchdog. Lightning then ends each
 survivor with a multi-line traceback that does not say which rank went. :class:`LostRankReport`
 records every rank's host and process id when the fit starts (one ``all_gather_object``), and when
 a distributed operation fails, finds the ranks whose process is gone (on this host: from the

@@ -48,7 +48,7 @@ autograd graph on both kinds of step (``f * m`` with ``m`` all zeros, ``f * (1 -
 reducer's buckets fill on every rank. ``find_unused_parameters`` can stay off (Lightning's
 default). Returning ``f.detach()`` for an all-kept block instead would leave its parameters
 out of the graph on that rank: DDP then stops with its unused-parameters error or waits for
-the other ranks (tests/test_residual_droppath.py runs one sample per rank under DDP).
+the other ranks (tests/callbacks/test_residual_droppath.py runs one sample per rank under DDP).
 """
 from __future__ import annotations
 

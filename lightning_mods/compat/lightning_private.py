@@ -4,7 +4,7 @@ Exact resume and pre-emption need a few things Lightning keeps private: the runn
 the epoch's logged training metrics (to carry them across a mid-epoch checkpoint), the stop flag
 its signal handlers raise, and a LightningCLI step with no public hook. Each is reached only
 through a function here, so a Lightning release that moves one breaks this module's tests
-(``tests/test_lightning_private.py``) and not a resumed run in silence.
+(``tests/lightning_mods/test_lightning_private.py``) and not a resumed run in silence.
 
 ``TESTED_LIGHTNING`` lists the Lightning releases the exact-resume, pre-emption and CLI tests
 pass on; :func:`untested_lightning_warning` is the one line ``ExactResume`` prints at the start
@@ -19,7 +19,7 @@ import lightning
 from lightning.pytorch.core.mixins import hparams_mixin
 from torchmetrics import Metric
 
-# the releases tests/test_resume.py, test_preemption.py and test_checkpoint_identity.py pass on
+# the releases tests/callbacks/test_resume.py, test_preemption.py and test_checkpoint_identity.py pass on
 TESTED_LIGHTNING = ("2.6.6",)
 
 
@@ -29,7 +29,7 @@ def untested_lightning_warning(version: str = lightning.__version__) -> Optional
         return None
     return (f"Lightning {version} is not among the releases exact resume is tested on "
             f"({', '.join(TESTED_LIGHTNING)}): a resumed run may differ from the uninterrupted one; "
-            "run tests/test_resume.py on it before trusting resumed results")
+            "run tests/callbacks/test_resume.py on it before trusting resumed results")
 
 
 # --- the epoch's logged training metrics (exact resume) ---------------------------------------

@@ -7,7 +7,7 @@ affine parameters and ``eps=1e-6``, then ``Linear`` with weights drawn from a tr
 std 0.01 (cut at +-2, drawn by timm's inverse-CDF ``trunc_normal_``, which MAE's code calls; the
 rejection sampler of recent ``torch.nn.init.trunc_normal_`` draws other values from the same seed)
 and a zero bias. The features are detached inside the head, so no gradient of the probe
-ever reaches the backbone. ``tests/test_probe_head.py`` checks the head against one built as
+ever reaches the backbone. ``tests/lightning_mods/test_probe_head.py`` checks the head against one built as
 ``main_linprobe`` builds it.
 """
 from __future__ import annotations

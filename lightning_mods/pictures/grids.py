@@ -154,7 +154,7 @@ def labelled_grid(tiles: np.ndarray, title: str, row_labels: Optional[Sequence[s
 # labelled_grid's margins, in inches, from the text they hold (DejaVu Sans: a 9 pt title character
 # is about 0.07 in wide and a line 0.155 in high, an 8 pt label character 0.068 in): fixed margins
 # instead of constrained layout, which took a fifth of a picture's drawing time (it measures
-# every text's extent); tests/test_pictures.py renders the pictures and checks that every text
+# every text's extent); tests/lightning_mods/test_pictures.py renders the pictures and checks that every text
 # lies inside the figure and off the images
 _EDGE = 0.1  # blank border around everything
 _TITLE_CHAR, _TITLE_LINE, _TITLE_PAD = 0.07, 0.155, 0.1

@@ -3,6 +3,8 @@ subprocess writes a resumable ``last.ckpt`` and exits with 143 / 130; resuming f
 the uninterrupted fit's weights and optimiser state bit for bit."""
 from __future__ import annotations
 
+import folders
+
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from composed_configs import ROWS, SINGLE_FILES, declared_callbacks
 from test_cli import DIGITS, TINY_MAE
 from test_resume import assert_identical
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STOP_STEP = 3
 
 
@@ -31,7 +33,7 @@ def fit_args(root: Path) -> list[str]:
 
 def interrupted_fit(root: Path, signum: int) -> tuple[subprocess.CompletedProcess, Path]:
     ready = root / "ready"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": folders.PYTHONPATH}
     command = [str(Path(sys.executable).parent / "shortcutlab"), *fit_args(root),
                "--trainer.callbacks+=signal_helpers.WaitForSignal", f"--trainer.callbacks.step={STOP_STEP}",
                f"--trainer.callbacks.ready_file={ready}"]

@@ -1,6 +1,6 @@
 """The latent-diffusion compositions (ImageNet-100 U-ViT-Mid on VAE latents) fit one step and
 validate from the checkpoint they wrote, FID included: the latent rows of
-tests/test_diffusion_configs.py, in a file of their own so the suite's two workers share them
+tests/configs/test_diffusion_configs.py, in a file of their own so the suite's two workers share them
 (narrow by default, at U-ViT-Mid's real size under the ``full_size`` marker)."""
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.spiral_classifier import SpiralClassifier
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
-README = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def quiet_trainer(tmp_path, **kwargs) -> Trainer:

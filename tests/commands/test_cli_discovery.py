@@ -20,7 +20,7 @@ from datamodules.digits import Digits
 from commands import catalogue
 from commands import lightning_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # short names only: what the overview and the README teach
 TINY_MAE = ["--model", "MaskedAutoencoder", "--model.patch_size=8", "--model.embed_dim=16", "--model.depth=2",
             "--model.num_heads=2", "--model.decoder_embed_dim=8", "--model.decoder_depth=1",

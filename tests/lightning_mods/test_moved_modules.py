@@ -22,7 +22,7 @@ import lightning_mods
 from commands import lightning_cli as cli
 from lightning_mods.mae import MaskedAutoencoder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OLD_RUN = ROOT / "tests" / "data" / "written_by_0_1_0"
 MOVED = {**lightning_mods.MOVED, **callbacks.MOVED}
 

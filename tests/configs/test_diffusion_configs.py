@@ -20,7 +20,7 @@ from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
 DIFFUSION_RUNS = [n for n in list(ROWS) + SINGLE_FILES if is_diffusion(n)]
-# the U-ViT-Mid rows on VAE latents run from tests/test_latent_diffusion_configs.py: a
+# the U-ViT-Mid rows on VAE latents run from tests/configs/test_latent_diffusion_configs.py: a
 # file of their own, so the suite's two workers share the slowest rows
 LATENT_RUNS = [n for n in DIFFUSION_RUNS if "latent" in n]
 

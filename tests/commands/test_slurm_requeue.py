@@ -7,6 +7,8 @@ task exits 138; the same command as the requeued job (``SLURM_RESTART_COUNT=1``)
 itself and ends with the uninterrupted run's weights, optimiser state, logged metrics and step."""
 from __future__ import annotations
 
+import folders
+
 import csv
 import os
 import re
@@ -26,7 +28,7 @@ from commands.lightning_cli import resolve_auto_ckpt_path
 from test_callbacks_ddp import free_port
 from test_resume import assert_identical
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8  # 2 epochs of 4 batches
 BUDGET = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
           "--trainer.check_val_every_n_epoch=1", "--trainer.log_every_n_steps=1",
@@ -74,7 +76,7 @@ def slurm_environment(tmp_path: Path, restart: int = 0, tasks: int = 1, task: in
                         f"[ -f {tmp_path / 'tasks.pids'} ] && kill -TERM $(cat {tmp_path / 'tasks.pids'})\nexit 0\n")
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1",
+               PYTHONPATH=folders.PYTHONPATH, OMP_NUM_THREADS="1",
                SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NTASKS=str(tasks),
                SLURM_NTASKS_PER_NODE=str(tasks), SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID="0",
                SLURM_NNODES="1", SLURM_NODELIST="localhost", SLURM_RESTART_COUNT=str(restart),

@@ -23,7 +23,7 @@ from conftest import make_imagefolder
 from datamodules.imagenet import CorruptImageError, ImageNet
 from test_cli import TINY_MAE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false"]
 
 

@@ -3,10 +3,12 @@ processes on one node.
 
 Each "node" is its own ``torchrun --nnodes 2 --node_rank R --master_addr 127.0.0.1`` launcher,
 as on a cluster (docs/multi-gpu.md); the reference is ``torchrun --nnodes 1
---nproc_per_node 2``. Both train the tiny MAE of tests/test_callbacks_ddp.py with the online
+--nproc_per_node 2``. Both train the tiny MAE of tests/callbacks/test_callbacks_ddp.py with the online
 probe and must end with the same weights, probe head and logged values.
 """
 from __future__ import annotations
+
+import folders
 
 import json
 import os
@@ -25,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, sys, warnings
     from pathlib import Path
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     warnings.filterwarnings("ignore")
     from lightning.pytorch import Trainer, seed_everything
     from callbacks.measurement.online_probe import OnlineLinearProbe
@@ -45,7 +47,7 @@ SCRIPT = textwrap.dedent("""
              "val_loss": float(trainer.callback_metrics["val/loss"])}}
     (out / f"rank{{trainer.global_rank}}.json").write_text(json.dumps(seen))
     if trainer.is_global_zero:
-        torch.save({{"model": model.state_dict(), "probe": probe.state_dict()["head"]}}, out / "final.pt")
+        torch.save({{"model": model.state_dict(), "probe": probe.state_dict()["heads"][0]["head"]}}, out / "final.pt")
     # end the process group before exit: left to interpreter shutdown, gloo's threads sometimes
     # end a rank with "terminate called without an active exception" (exit -6)
     if torch.distributed.is_initialized():
@@ -68,7 +70,7 @@ def launch(script: Path, out: Path, nnodes: int, nproc: int, node_rank: int, por
 @pytest.mark.slow
 def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    script.write_text(SCRIPT.format(tests=folders.PATHS))
     multi_port, single_port = free_port(), free_port()
     # the two-node run first, the reference after it: three launchers at once sometimes raced for ports
     procs = {"node 0": launch(script, tmp_path / "multi", 2, 1, 0, multi_port),

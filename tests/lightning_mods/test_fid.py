@@ -21,7 +21,7 @@ from lightning_mods.generation.fid import (GeneratedImages, UInt8Images, extract
 from tiny_feature_extractor import IsOnlyExtractor, register_tiny_extractor
 
 TINY_EXTRACTOR = register_tiny_extractor()
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 
 
 class CountingImages(Dataset):

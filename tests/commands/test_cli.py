@@ -15,7 +15,7 @@ from commands import lightning_cli as cli
 from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
 from lightning_mods.mae import MaskedAutoencoder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.init_args.patch_size=8",
             "--model.init_args.embed_dim=32", "--model.init_args.depth=4", "--model.init_args.num_heads=2",
             "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=2",

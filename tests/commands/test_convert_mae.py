@@ -21,7 +21,7 @@ from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
 from mae_references import AuthorsMAE, OfficialMAE, randomise_
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIMS = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=32, num_heads=4, decoder_embed_dim=16,
             decoder_num_heads=2)
 HEADS = ["--num-heads=4", "--decoder-num-heads=2"]

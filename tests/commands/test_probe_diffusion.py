@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from commands.probe_diffusion import best_pair, main, probe_sweep, write_results
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 
 
 class InformativeAt:

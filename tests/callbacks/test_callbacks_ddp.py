@@ -8,6 +8,8 @@ runs ``validate`` in the test process on the weights the DDP run ended with.
 """
 from __future__ import annotations
 
+import folders
+
 import json
 import os
 import signal
@@ -27,8 +29,8 @@ from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 COMPARED = ("knn/top1", "knn/top5", "rank/entropy", "rank/effective_rank", "online_probe/val_top1")
 
 
@@ -76,7 +78,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys, warnings
     from pathlib import Path
     import torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     warnings.filterwarnings("ignore")
     from lightning.pytorch import Trainer, seed_everything
     from test_callbacks_ddp import ImageData, make_callbacks, make_model, COMPARED
@@ -118,7 +120,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process(tmp_path):
     script = tmp_path / "ddp_run.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    script.write_text(SCRIPT.format(tests=folders.PATHS))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",

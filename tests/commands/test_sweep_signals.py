@@ -16,7 +16,7 @@ import pytest
 
 from commands import sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # a tiny quickstart whose epochs take a moment, so a signal lands mid-run (last.ckpt every epoch)
 SLOW_ENOUGH = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
                "--set", "trainer.max_epochs=12", "--set", "trainer.limit_val_batches=1",

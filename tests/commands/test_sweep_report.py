@@ -20,7 +20,7 @@ import pytest
 
 from commands import report, sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # hand-written final values: alpha_min -> seed -> (knn, online probe, offline probe, effective rank)

@@ -22,7 +22,7 @@ from lightning_mods.backbone.shortcut import ShortcutSchedule
 from composed_configs import command_args
 from test_cli import DIGITS, TINY_MAE, run_fit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false"]
 
 

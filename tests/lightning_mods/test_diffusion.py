@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from commands import lightning_cli as cli
 from lightning_mods.diffusion import DiffusionModule, drop_labels, guided_noise
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 TINY = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
             pixel_mean=[0.5], pixel_std=[0.5], num_sampling_steps=4, zero_init_branches=False)
 

@@ -4,6 +4,8 @@ and the evaluation callbacks log NaN (with a warning) on non-finite features ins
 crashing."""
 from __future__ import annotations
 
+import folders
+
 import json
 import math
 import os
@@ -212,7 +214,7 @@ def test_evaluation_callbacks_log_nan_on_non_finite_features(tmp_path):
 
 DDP_SCRIPT = """
 import json, os, sys, warnings
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 warnings.filterwarnings("ignore")
 from commands import lightning_cli as cli
 from test_cli import DIGITS, TINY_MAE
@@ -246,8 +248,8 @@ def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path
     from test_callbacks_ddp import REPO, TESTS, free_port
 
     script = tmp_path / "diverge.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(TESTS), out=str(tmp_path)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]), OMP_NUM_THREADS="1",
+    script.write_text(DDP_SCRIPT.format(tests=folders.PATHS, out=str(tmp_path)))
+    env = dict(os.environ, PYTHONPATH=folders.PYTHONPATH, OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]

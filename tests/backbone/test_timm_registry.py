@@ -18,7 +18,7 @@ from lightning_mods.backbone.resnet import ResNet50d
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.mae import MaskedAutoencoder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = ROOT / "tests" / "data" / "written_by_0_1_0" / "last.ckpt"
 
 

@@ -18,7 +18,7 @@ from lightning_mods.pictures.patch_pca import patch_rgb, principal_components, u
 from test_over_depth import fit
 
 MIN_TILE = 96  # pixels per tile at least (lightning_mods.pictures.grids.labelled_grid)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README_CHECKPOINT = "runs/digits_mae/lightning_logs/version_0/checkpoints/last.ckpt"
 
 

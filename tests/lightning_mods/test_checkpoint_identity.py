@@ -264,7 +264,7 @@ def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
     path = tmp_path / "classifier.ckpt"
     write_checkpoint(path, FAMILIES["classifier"], 0.6)
     exe = Path(sys.executable).with_name("shortcutlab")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([str(exe), "fit", *TINY_MAE, *DIGITS, f"--ckpt_path={path}",
                           f"--trainer.default_root_dir={tmp_path / 'run'}"],
@@ -279,7 +279,7 @@ def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
 def test_probe_diffusion_rebuilds_the_model_from_its_checkpoint(tmp_path):
     from commands.probe_diffusion import load_model_and_data
 
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "digits_diffusion_quick.yaml")
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml")
     small = ["--model.init_args.depth=2", "--model.init_args.embed_dim=16", "--model.init_args.num_heads=2",
              "--model.init_args.feature_block=1"]
     writer, _ = load_model_and_data(config, None, small)

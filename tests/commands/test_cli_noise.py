@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from commands.console import expect_frozen_eval_modules, frozen_eval_mode_count, silence_third_party_noise
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOISE = ("💡 Tip", "Trainer already configured with model summary callbacks", "to estimate number of stepping batches",
          "LeafSpec", "module(s) in eval mode")
 

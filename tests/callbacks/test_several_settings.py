@@ -18,7 +18,7 @@ from commands import lightning_cli as cli
 from lightning_mods.evaluation import metric_names
 from test_callbacks import Passthrough, TinyData, TinyNet, tiny_trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def numpy_knn_scores(bank: np.ndarray, labels: np.ndarray, queries: np.ndarray, num_classes: int, k: int,

@@ -1,0 +1,46 @@
+"""Validation and test metrics over exactly the dataset under DDP.
+
+Lightning gives each rank of a DDP evaluation a ``DistributedSampler`` that repeats the first
+samples of the list until every rank has as many (``drop_last`` off), so the ranks' counts
+together hold some images twice whenever the set's size is not a multiple of the world size.
+:meth:`ExactEvaluation.real_samples` says which samples of a batch are the repeated ones, so
+the modules leave them out of every accuracy and loss, and sum counts (torchmetrics states)
+over ranks: a DDP evaluation reports the one-process number.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def padding_mask(dataloader: object, start: int, batch_size: int) -> Optional[torch.Tensor]:
+    """Which samples of a batch are real, not the duplicates a DistributedSampler pads with.
+
+    ``start`` is the position of the batch's first sample in this rank's stream of the epoch.
+    A ``DistributedSampler`` (drop_last off) appends the first indices of its list again to
+    make every rank's share equal, then gives rank ``r`` positions ``r, r + W, ...``; sample
+    ``j`` of rank ``r`` is a duplicate when ``r + j * W >= len(dataset)``, shuffled or not.
+    Returns ``None`` when the loader has no such sampler (every sample is real).
+    """
+    sampler = getattr(dataloader, "sampler", None) if isinstance(dataloader, DataLoader) else None
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return None
+    positions = torch.arange(start, start + batch_size)
+    return sampler.rank + positions * sampler.num_replicas < len(sampler.dataset)
+
+
+class ExactEvaluation:
+    """Mixin of a LightningModule whose evaluation steps count each image once under DDP."""
+
+    def real_samples(self, batch_size: int, batch_idx: int, dataloader_idx: int = 0) -> Optional[torch.Tensor]:
+        """The mask of this evaluation batch's real samples on this rank (``None``: all real).
+        Call it once per evaluation batch, from ``validation_step`` or ``test_step``."""
+        trainer = self.trainer
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
+        seen = self.__dict__.setdefault("_evaluation_seen", {})
+        start = 0 if batch_idx == 0 else seen.get(dataloader_idx, 0)  # a new loop starts at batch 0
+        seen[dataloader_idx] = start + batch_size
+        return padding_mask(loader, start, batch_size)
