@@ -68,7 +68,7 @@ def overview() -> str:
         "  shortcutlab fit --model.help NAME / --data.help NAME: a class's settings;",
         "  shortcutlab fit --config FILE --print_config: the full resolved config.",
         "",
-        "Models (--model NAME). The three families (README \"What the three model families do\") are",
+        "Models (--model NAME). The three families (docs/getting-started.md, \"What the three model families do\") are",
         "MaskedAutoencoder, ImageClassifier (+ the ResidualDroppath callback) and DiffusionModule:",
         *_rows([(f.name, f.summary) for f in catalogue.find("model")]),
         "",

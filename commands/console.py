@@ -19,7 +19,7 @@ def cpu_has_native_bf16() -> bool:
 
     AVX512-BF16 alone is not enough: on the 2-core reference machine, which has it, bf16 ran
     from 0.7x to ~24x the fp32 time depending on the torch build and the model
-    (``benchmarks/bf16_cpu.py``; numbers in the README).
+    (``benchmarks/bf16_cpu.py``; numbers in docs/performance.md).
     """
     try:
         with open("/proc/cpuinfo") as f:

@@ -58,7 +58,7 @@ LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 DEFAULT_CALLBACKS = [
     {"class_path": "callbacks.reporting.progress_bar.TrainingLossProgressBar"},
     {"class_path": "callbacks.reporting.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
-    # reliability (README "Reliability"); a config's callback list replaces these, so each
+    # reliability (docs/reliability.md); a config's callback list replaces these, so each
     # shipped config names them too
     {"class_path": "callbacks.reliability.exact_resume.ExactResume"},
     {"class_path": "callbacks.reliability.nonfinite_guard.NonFiniteGuard"},

@@ -1,4 +1,4 @@
-"""Run a grid of ``shortcutlab fit`` runs: the rows of a paper table (README "Reproduce a table").
+"""Run a grid of ``shortcutlab fit`` runs: the rows of a paper table (docs/reproducing.md, "Reproduce a table").
 
     shortcutlab sweep --experiment quickstart_seeds --config configs/digits_mae.yaml \\
         --grid model.shortcut.alpha_min=0.6,0.8,1.0 --grid seed_everything=0,1,2 \\
@@ -14,7 +14,7 @@ pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after a
 (they neither skip finished runs nor resume: ``shortcutlab sweep`` itself does both).
 
 A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
-newest checkpoint that loads (bit for bit, README "Reliability"; a truncated newer one is
+newest checkpoint that loads (bit for bit, docs/reliability.md; a truncated newer one is
 skipped with one line). ``--then CONFIG`` (repeatable) fits a second
 config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
 linear probe), logging to ``<run>/probe``. A failed run is reported and the others still run;

@@ -79,7 +79,8 @@ class MaskedAutoencoder(LightningModule):
             pixels" ablation); with ``mask_ratio=0`` a plain autoencoder. Default: masked patches only.
         feature_pool: evaluation features, ``mean`` of all tokens or the ``cls`` token.
         base_lr: learning rate per 256 samples of GLOBAL batch (peak = base_lr * batch / 256).
-        weight_decay, betas: AdamW; no decay on norms, biases, position embeddings, tokens.
+        weight_decay, betas: AdamW; no decay on 1-D parameters (norms, biases) and learnable
+            alphas; the cls and mask tokens are decayed, as in both MAE repositories.
         warmup_epochs: linear per-step warm-up, then cosine to ``min_lr_ratio * peak``.
         num_reconstructions: validation images drawn (original / masked / reconstruction).
     """

@@ -180,3 +180,21 @@ def test_the_blocks_this_file_runs_run(page, tmp_path):
             run = subprocess.run(["bash", "-euo", "pipefail", "-c", as_run_here(block["code"], folder)], cwd=folder,
                                  env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, f"{page_name(page)}:{block['line']}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+
+
+HISTORY = re.compile(r"\b[Ii]ssues? \d+|\b[Ss]essions?\b|\bruns? \d+(?![\d-])|\bSPEC\b|development checkout")
+
+
+def test_the_pages_speak_to_the_user_not_of_how_the_package_was_built():
+    """No issue numbers, work sessions, runs by number or files a user does not have (SPEC.md):
+    the papers' sections and commands anyone can rerun instead."""
+    pages = PAGES + sorted((ROOT / "configs").rglob("*.md")) + [ROOT / "benchmarks" / "results.md"]
+    found = [f"{page_name(page)}:{n}: {line.strip()[:80]}" for page in pages
+             for n, line in enumerate(page.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert found == []
+
+
+def test_the_history_check_sees_history():
+    assert HISTORY.search("as issue 18 asked") and HISTORY.search("in the seventh session")
+    assert HISTORY.search("runs 5 and 6") and HISTORY.search("SPEC section 2")
+    assert not HISTORY.search("classes run 0-4 and 5-9 along the rows")
