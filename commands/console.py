@@ -110,3 +110,15 @@ def expect_frozen_eval_modules(model: torch.nn.Module) -> None:
     if count is not None:
         warnings.filterwarnings("ignore", message=rf"Found {count} module\(s\) in eval mode at the start of training",
                                 category=PossibleUserWarning, module=r"lightning\.pytorch\.loops\.fit_loop")
+
+
+def answer_repeated_samples_warning(model: torch.nn.Module) -> None:
+    """Lightning warns that a DDP ``validate``/``test`` evaluates some samples twice (its
+    ``DistributedSampler`` evens out the ranks). A model that leaves those repeats out
+    (:class:`lightning_mods.evaluation.distributed_eval.ExactEvaluation`) reports the one-process
+    numbers, so the warning does not apply to it; any other model still gets it."""
+    from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+
+    if isinstance(model, ExactEvaluation):
+        warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "
+                                r"`trainer\.(validate|test)\(\)`", category=PossibleUserWarning)

@@ -39,7 +39,7 @@ from commands import catalogue
 from commands.ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
 from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
                                  root_message, unknown_class_message)
-from commands.console import (expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
+from commands.console import (answer_repeated_samples_warning, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
                               warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
@@ -234,6 +234,7 @@ class ShortcutLabCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         expect_frozen_eval_modules(self.model)
+        answer_repeated_samples_warning(self.model)
         self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
         self.trainer.callbacks.append(LostRankReport())
         if self.subcommand == "predict":

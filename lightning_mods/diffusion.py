@@ -27,6 +27,7 @@ import math
 from typing import Literal, Optional, Sequence
 
 import torch
+from torchmetrics import MeanMetric
 import torch.nn.functional as F
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
@@ -39,12 +40,13 @@ from lightning_mods.generation.samples import Samples
 from lightning_mods.training.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.uvit import UViT
+from lightning_mods.evaluation.distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
 
-class DiffusionModule(Samples, LightningModule):
+class DiffusionModule(Samples, ExactEvaluation, LightningModule):
     """U-ViT noise-prediction diffusion, pixel or latent, unconditional or class-conditional.
 
     Extension points: :meth:`corrupt` (the noise process of training), :meth:`loss_weight`
@@ -174,6 +176,7 @@ class DiffusionModule(Samples, LightningModule):
         if not 0 <= self.feature_block < num_blocks:
             raise ValueError(f"feature_block must be in [0, {num_blocks - 1}], got {feature_block}")
         self.num_features = embed_dim
+        self.val_loss_mean = MeanMetric()  # each validation image once, also under DDP
 
     # --- data space ------------------------------------------------------------------------
     @property
@@ -290,13 +293,17 @@ class DiffusionModule(Samples, LightningModule):
         self.log(metric_names.TRAIN_LOSS, loss, on_step=True, on_epoch=True, batch_size=images.shape[0])
         return loss
 
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, labels = batch[0], batch[1]
-        # fixed noise, timesteps and dropped labels per batch: comparable losses between epochs
-        generator = torch.Generator().manual_seed(1234 + batch_idx)
-        y = self.condition(labels, self.hparams.label_dropout, generator)
-        loss = self.diffusion_loss(self.to_model_space(images), y, generator)
-        self.log(metric_names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
+    def validation_step(self, batch, batch_idx: int) -> Optional[torch.Tensor]:
+        # the images a DDP sampler repeats are left out, and the batch means weighted by their
+        # images: the epoch value is the mean over the validation set, whatever the world size
+        count, images, labels = self.without_repeats(batch_idx, batch[0], batch[1])
+        loss = None
+        if count:  # fixed noise, timesteps and dropped labels per batch: comparable losses between epochs
+            generator = torch.Generator().manual_seed(1234 + batch_idx)
+            y = self.condition(labels, self.hparams.label_dropout, generator)
+            loss = self.diffusion_loss(self.to_model_space(images), y, generator)
+            self.val_loss_mean.update(loss, weight=count)
+        self.log(metric_names.VAL_LOSS, self.val_loss_mean, prog_bar=True, batch_size=count)
         return loss
 
     def on_validation_epoch_start(self) -> None:

@@ -196,7 +196,12 @@ class LinearProbe(ClassificationSteps, LightningModule):
             return super().validation_step(batch, batch_idx)
         images, labels = batch[0], batch[1]
         features, blocks = self._features_and_blocks(images)  # one backbone pass for every head
-        self.evaluate_logits(self.head(features), labels, "val", self.val_top1, self.val_top5)
+        self.evaluate_logits(self.head(features), labels, "val", self.val_top1, self.val_top5, batch_idx)
+        real = self.real_samples(len(labels), batch_idx)  # the block heads count each image once too
+        if real is not None:
+            labels, blocks = labels[real.to(labels.device)], {k: f[real.to(f.device)] for k, f in blocks.items()}
+        if not len(labels):
+            return
         for key, block_features in blocks.items():
             self.block_top1[key].update(self.block_heads[key](block_features), labels)
             self._block_norms[key] = self._block_norms.get(key, 0.0) + block_features.double().norm(dim=1).sum()

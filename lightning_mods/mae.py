@@ -28,6 +28,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
+from torchmetrics import MeanMetric
 from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -41,6 +42,7 @@ from lightning_mods.training.optim import (adamw, global_batch_size, param_group
 from lightning_mods.backbone.patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from lightning_mods.backbone.shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
 from lightning_mods.backbone.vit import DecayedVisionTransformer
+from lightning_mods.evaluation.distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 
@@ -57,7 +59,7 @@ def normalise_patches(target: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (target - mean) / (var + eps) ** 0.5
 
 
-class MaskedAutoencoder(LightningModule):
+class MaskedAutoencoder(ExactEvaluation, LightningModule):
     """MAE pre-training with decayed shortcuts; defaults follow the paper's recipe (ViT-B/16).
 
     Args:
@@ -172,6 +174,7 @@ class MaskedAutoencoder(LightningModule):
                 num_patches, embed_dim, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio, patch_dim,
                 zero_init=zero_init_branches)
         self.num_features = embed_dim
+        self.val_loss_mean = MeanMetric()  # each validation image once, also under DDP
         self._val_images: Optional[torch.Tensor] = None
 
     # --- encoder -------------------------------------------------------------------------
@@ -286,12 +289,17 @@ class MaskedAutoencoder(LightningModule):
         # a fixed mask per validation batch: comparable losses, no draw from the global RNG
         return torch.Generator(device=self.device).manual_seed(1234 + batch_idx)
 
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images = batch[0]
-        loss, _, _ = self(images, generator=self._val_generator(batch_idx))
-        self.log(metric_names.VAL_LOSS, loss, prog_bar=True, sync_dist=True, batch_size=images.shape[0])
+    def validation_step(self, batch, batch_idx: int) -> Optional[torch.Tensor]:
+        # the images a DDP sampler repeats are left out, and the batch means weighted by their
+        # images: the epoch value is the mean over the validation set, whatever the world size
+        count, images = self.without_repeats(batch_idx, batch[0])
+        loss = None
+        if count:
+            loss, _, _ = self(images, generator=self._val_generator(batch_idx))
+            self.val_loss_mean.update(loss, weight=count)
+        self.log(metric_names.VAL_LOSS, self.val_loss_mean, prog_bar=True, batch_size=count)
         if batch_idx == 0 and self._val_images is None:
-            self._val_images = images[: self.hparams.num_reconstructions].detach()
+            self._val_images = batch[0][: self.hparams.num_reconstructions].detach()
         return loss
 
     @torch.no_grad()

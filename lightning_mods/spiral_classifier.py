@@ -8,16 +8,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mods.evaluation import metric_names
 from lightning_mods.training.classification_steps import top_k_accuracy
 from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.evaluation.distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 
-class SpiralClassifier(LightningModule):
+class SpiralClassifier(ExactEvaluation, LightningModule):
     """Trains :class:`ResidualMLP` on the spiral: cross-entropy, Adam (the ResidualDroppath paper: lr 0.1, batch 256).
 
     Args:
@@ -39,6 +41,7 @@ class SpiralClassifier(LightningModule):
         self.train_acc = top_k_accuracy(num_classes, 1)
         self.val_acc = top_k_accuracy(num_classes, 1)
         self.test_acc = top_k_accuracy(num_classes, 1)
+        self.val_loss_mean, self.test_loss_mean = MeanMetric(), MeanMetric()
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         return self.net(points)
@@ -55,28 +58,37 @@ class SpiralClassifier(LightningModule):
         blocks = [layers[i] for i in take_indices(len(layers), indices)]
         return blocks if intermediates_only else (layers[-1], blocks)
 
-    def _step(self, batch, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
+    def _step(self, batch, stage: str, accuracy: MulticlassAccuracy, batch_idx: int = 0) -> torch.Tensor:
         points, labels = batch[0], batch[1]
         logits = self(points)
-        loss = F.cross_entropy(logits, labels)
-        accuracy.update(logits, labels)  # logged per epoch: no batch value to compute (Metric.forward)
-        # the classifier's way: the loss per step and as epoch mean, accuracies per epoch; no prog_bar for
-        # the training loss (callbacks/reporting/progress_bar.py shows it without a host read per step)
         training = stage == "train"
-        self.log(metric_names.LOSS[stage], loss, on_step=training, on_epoch=True,
-                 sync_dist=not training, batch_size=labels.shape[0])
+        if training:
+            loss = F.cross_entropy(logits, labels)
+            accuracy.update(logits, labels)  # logged per epoch: no batch value to compute (Metric.forward)
+            # the classifier's way: the loss per step and as epoch mean, accuracies per epoch; no prog_bar for
+            # the training loss (callbacks/reporting/progress_bar.py shows it without a host read per step)
+            self.log(metric_names.LOSS[stage], loss, on_step=True, on_epoch=True, batch_size=labels.shape[0])
+            count = labels.shape[0]
+        else:  # each point of the split once, also under DDP (lightning_mods.evaluation.distributed_eval)
+            count, logits, labels = self.without_repeats(batch_idx, logits, labels)
+            mean = self.val_loss_mean if stage == "val" else self.test_loss_mean
+            loss = F.cross_entropy(logits, labels, reduction="none")
+            if count:
+                mean.update(loss)
+                accuracy.update(logits, labels)
+            self.log(metric_names.LOSS[stage], mean, on_step=False, on_epoch=True, batch_size=count)
         self.log(metric_names.TOP1[stage], accuracy, prog_bar=not training, on_step=False, on_epoch=True,
-                 batch_size=labels.shape[0])
+                 batch_size=count)
         return loss
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train", self.train_acc)
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self._step(batch, "val", self.val_acc)
+        self._step(batch, "val", self.val_acc, batch_idx)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self._step(batch, "test", self.test_acc)
+        self._step(batch, "test", self.test_acc, batch_idx)
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self(batch[0] if isinstance(batch, (tuple, list)) else batch).softmax(dim=-1)

@@ -35,12 +35,28 @@ class ExactEvaluation:
     """Mixin of a LightningModule whose evaluation steps count each image once under DDP."""
 
     def real_samples(self, batch_size: int, batch_idx: int, dataloader_idx: int = 0) -> Optional[torch.Tensor]:
-        """The mask of this evaluation batch's real samples on this rank (``None``: all real).
-        Call it once per evaluation batch, from ``validation_step`` or ``test_step``."""
-        trainer = self.trainer
+        """The mask of this evaluation batch's real samples on this rank (``None``: all real),
+        from ``validation_step`` or ``test_step``; asking again for the same batch gives the same
+        mask."""
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None:  # called outside a Trainer: nothing is repeated
+            return None
         loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
         loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
-        seen = self.__dict__.setdefault("_evaluation_seen", {})
-        start = 0 if batch_idx == 0 else seen.get(dataloader_idx, 0)  # a new loop starts at batch 0
-        seen[dataloader_idx] = start + batch_size
+        seen = self.__dict__.setdefault("_evaluation_seen", {})  # loader -> its last batch: (index, start, size)
+        last_batch, last_start, last_size = seen.get(dataloader_idx, (None, 0, 0))
+        if batch_idx == last_batch:  # asked again for the same batch
+            start = last_start
+        else:  # a new loop starts at batch 0; the next batch where the last one ended
+            start = 0 if batch_idx == 0 else last_start + last_size
+        seen[dataloader_idx] = (batch_idx, start, batch_size)
         return padding_mask(loader, start, batch_size)
+
+    def without_repeats(self, batch_idx: int, *tensors: torch.Tensor, dataloader_idx: int = 0) -> tuple:
+        """``tensors`` (batch-first, one batch) without the samples a DistributedSampler repeated;
+        the count of real samples first."""
+        size = len(tensors[0])
+        real = self.real_samples(size, batch_idx, dataloader_idx)
+        if real is None:
+            return (size, *tensors)
+        return (int(real.sum()), *(t[real.to(t.device)] for t in tensors))

@@ -128,3 +128,19 @@ def test_model_summary_has_no_flops_column(tmp_path, capsys):
     for line in ("Trainable params: 25", "Non-trainable params: 6", "Total params: 31", "Modules in train mode: 5",
                  "Modules in eval mode: 1"):
         assert line in out, line
+
+
+def test_the_repeated_samples_warning_is_answered_only_for_models_that_leave_repeats_out():
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    from commands.console import answer_repeated_samples_warning
+    from lightning_mods.spiral_classifier import SpiralClassifier
+
+    message = ("Using `DistributedSampler` with the dataloaders. During `trainer.validate()`, it is recommended to "
+               "use `Trainer(devices=1, num_nodes=1)` to ensure each sample/batch gets evaluated exactly once.")
+    for model, shown in ((torch.nn.Linear(2, 2), 1), (SpiralClassifier(depth=2, width=4), 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            answer_repeated_samples_warning(model)
+            warnings.warn(message, PossibleUserWarning)
+        assert len(caught) == shown, model

@@ -1,0 +1,120 @@
+"""Distributed evaluation counts each image once: under DDP with 2 and 3 processes on the CPU,
+every validation metric of the classifier, the LinearProbe (its per-block heads too) and the
+spiral classifier equals the one-process value on a validation set of 37 samples (not a
+multiple of the world size, nor of the batch of 5); the MAE's and the diffusion model's
+validation losses count exactly the 37 images. Lightning's DistributedSampler repeats samples
+to even out the ranks; the modules leave the repeats out (lightning_mods/evaluation/distributed_eval.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import folders
+from test_callbacks_ddp import free_port
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys, warnings
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore")
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+    from lightning_mods.backbone.resnet import ResNet18Cifar
+    from lightning_mods.classifier import ImageClassifier
+    from lightning_mods.diffusion import DiffusionModule
+    from lightning_mods.linear_probe import LinearProbe
+    from lightning_mods.mae import MaskedAutoencoder
+    from lightning_mods.spiral_classifier import SpiralClassifier
+
+    out, world = Path(sys.argv[1]), int(sys.argv[2])
+    generator = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(37, 1, 8, 8, generator=generator), torch.arange(37) % 3
+    points, sides = torch.randn(37, 2, generator=generator), torch.arange(37) % 2
+
+    def loader(*tensors):
+        return DataLoader(TensorDataset(*tensors), batch_size=5)
+
+    def counting(cls):
+        class Counting(cls):
+            counted = 0
+
+            def without_repeats(self, batch_idx, *tensors, **kwargs):
+                found = super().without_repeats(batch_idx, *tensors, **kwargs)
+                self.counted += found[0]
+                return found
+        return Counting
+
+    torch.manual_seed(1)
+    mae = counting(MaskedAutoencoder)(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                                      decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)
+    torch.manual_seed(2)
+    runs = {
+        "classifier": (ImageClassifier(ResNet18Cifar(), num_classes=3, in_chans=1), loader(images, labels)),
+        "probe": (LinearProbe(backbone=MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2,
+                                                         num_heads=2, decoder_embed_dim=8, decoder_depth=1,
+                                                         decoder_num_heads=2), num_classes=3, blocks="all"),
+                  loader(images, labels)),
+        "spiral": (SpiralClassifier(depth=2, width=4), loader(points, sides)),
+        "mae": (mae, loader(images, labels)),
+        "diffusion": (counting(DiffusionModule)(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3,
+                                               num_heads=2, pixel_mean=[0.5], pixel_std=[0.5], num_sample_images=0),
+                      loader(images, labels)),
+    }
+    results = {}
+    for name, (model, data) in runs.items():
+        trainer = Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=out / name)
+        results[name] = trainer.validate(model, dataloaders=data, verbose=False)[0]
+        if name == "probe":
+            results["probe blocks"] = {str(r["block"]): r["val/top1"] for r in model.over_depth.validate_rows}
+        if hasattr(model, "counted"):
+            counted = torch.tensor([model.counted])
+            if dist.is_initialized():
+                dist.all_reduce(counted)
+            results[name]["images counted"] = int(counted)
+    if int(os.environ.get("RANK", 0)) == 0:
+        (out / f"world{world}.json").write_text(json.dumps(results))
+    if dist.is_initialized():  # every rank leaves together (gloo's threads abort a process that exits alone)
+        dist.barrier()
+        dist.destroy_process_group()
+''')
+
+
+def run(tmp_path, world: int) -> dict:
+    script = tmp_path / "evaluate.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=folders.PYTHONPATH, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(script), str(tmp_path), "1"] if world == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
+         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), str(world)]
+    proc = subprocess.Popen(cmd, cwd=folders.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+    assert proc.returncode == 0, output[-4000:]
+    return json.loads((tmp_path / f"world{world}.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_and_three_processes_report_the_one_process_metrics(tmp_path):
+    one = run(tmp_path, 1)
+    assert one["mae"]["images counted"] == one["diffusion"]["images counted"] == 37
+    assert set(one["probe blocks"]) == {"1", "2"}
+    for world in (2, 3):
+        many = run(tmp_path, world)
+        for name in ("classifier", "probe", "spiral"):
+            assert set(many[name]) == set(one[name]), name
+            for metric, value in one[name].items():
+                assert many[name][metric] == pytest.approx(value, rel=1e-6, abs=1e-7), (world, name, metric)
+        assert many["probe blocks"] == pytest.approx(one["probe blocks"], rel=1e-6), world
+        assert many["mae"]["images counted"] == many["diffusion"]["images counted"] == 37, world
