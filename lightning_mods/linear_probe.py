@@ -11,7 +11,7 @@ already extracted (e.g. the diffusion feature sweep).
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,8 @@ from torchmetrics.functional.classification import multiclass_accuracy
 from lightning_mods.training.classification_steps import ClassificationSteps
 from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
-from lightning_mods.training.optim import steps_from_epochs, warmup_cosine, warmup_cosine_scheduler
+from lightning_mods.training.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
+                                          warmup_cosine_scheduler)
 from lightning_mods.evaluation.probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
 from lightning_mods.evaluation import metric_names
 from lightning_mods.training.classification_steps import top_k_accuracy
@@ -105,7 +106,15 @@ class LinearProbe(ClassificationSteps, LightningModule):
         allow_backbone_override: build with the given ``backbone`` settings where they disagree
             with the checkpoint (a warning says so), on purpose.
         num_classes: linked from the datamodule by the CLI.
-        lr: peak learning rate (the decay paper: 1e-2 at batch 1024), cosine to 0 over the run.
+        lr: peak learning rate (the decay paper: 1e-2 at batch 1024), cosine to 0 over the run;
+            with ``reference_batch``, the rate per that many samples of global batch (MAE's
+            ImageNet-1K probe: 0.1 per 256).
+        optimizer: ``sgd`` (momentum; the decay paper's ImageNet-100 protocol) or ``lars`` (MAE's
+            ImageNet-1K protocol: the trust ratio on the weights only, no weight decay).
+        reference_batch: the batch ``lr`` is given for (linear scaling to the global batch:
+            per-device batch x devices x nodes x accumulation); ``None``: ``lr`` as it is.
+        feature_pool: the features the probe reads, ``cls`` (MAE's ``--cls_token``) or ``mean`` of
+            the tokens, for a backbone that has the setting (the MAE); ``None``: the backbone's own.
         batch_norm: BatchNorm without affine parameters before the linear layer.
         blocks: also probe every chosen block's pooled output (``"all"`` or a list of indices,
             1 = nearest the input, -1 = the last; the backbone's ``forward_intermediates``): one
@@ -119,7 +128,8 @@ class LinearProbe(ClassificationSteps, LightningModule):
     def __init__(self, backbone: Optional[dict] = None, checkpoint: Optional[str] = None,
                  num_classes: int = 1000, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
                  warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False,
-                 blocks: Union[None, str, list[int]] = None) -> None:
+                 blocks: Union[None, str, list[int]] = None, optimizer: Literal["sgd", "lars"] = "sgd",
+                 reference_batch: Optional[int] = None, feature_pool: Optional[Literal["mean", "cls"]] = None) -> None:
         super().__init__()
         check_blocks("LinearProbe", blocks)
         self.save_hyperparameters(ignore=["backbone"])
@@ -137,6 +147,18 @@ class LinearProbe(ClassificationSteps, LightningModule):
         # plain data, so a probe checkpoint says which network it probed (weights_only-safe)
         self.hparams["backbone"] = config
         require_features(backbone, "LinearProbe: backbone")
+        if optimizer not in ("sgd", "lars"):
+            raise ValueError(f"LinearProbe: optimizer must be 'sgd' or 'lars', got {optimizer!r}")
+        if optimizer == "lars" and weight_decay:
+            raise ValueError(f"LinearProbe: LARS (MAE's ImageNet-1K probe) takes no weight decay, got {weight_decay}")
+        if reference_batch is not None and reference_batch < 1:
+            raise ValueError(f"LinearProbe: reference_batch must be >= 1 or None, got {reference_batch!r}")
+        if feature_pool is not None:
+            pools = getattr(getattr(backbone, "hparams", None), "get", lambda key: None)("feature_pool")
+            if pools is None:
+                raise ValueError(f"LinearProbe: feature_pool needs a backbone with that setting (the MAE); "
+                                 f"{type(backbone).__name__} has none")
+            backbone.hparams.feature_pool = feature_pool  # what the probe reads, not the weights
         self.backbone = backbone
         self.backbone.requires_grad_(False)
         self.backbone.eval()
@@ -249,8 +271,14 @@ class LinearProbe(ClassificationSteps, LightningModule):
 
     def configure_optimizers(self):
         heads = [*self.head.parameters(), *self.block_heads.parameters()]  # the authors' layout: one step for all
-        optimizer = torch.optim.SGD(heads, lr=self.hparams.lr, momentum=self.hparams.momentum,
-                                    weight_decay=self.hparams.weight_decay)
+        lr = self.hparams.lr
+        if self.hparams.get("reference_batch"):
+            lr = scaled_lr(lr, global_batch_size(self.trainer), self.hparams.reference_batch)
+        if self.hparams.get("optimizer", "sgd") == "lars":
+            optimizer = lars(heads, lr=lr, momentum=self.hparams.momentum)
+        else:
+            optimizer = torch.optim.SGD(heads, lr=lr, momentum=self.hparams.momentum,
+                                        weight_decay=self.hparams.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(steps_from_epochs(self.trainer, self.hparams.warmup_epochs), max(0, total - 1))
         return {"optimizer": optimizer, "lr_scheduler": warmup_cosine_scheduler(optimizer, warmup, total)}

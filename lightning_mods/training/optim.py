@@ -136,3 +136,20 @@ def steps_from_epochs(trainer, epochs: float) -> int:  # noqa: ANN001 (Trainer)
     if max_epochs is None:
         return int(epochs)
     return int(round(total * float(epochs) / max_epochs))
+
+
+def lars(params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.9,
+         trust_coefficient: float = 0.001) -> torch.optim.Optimizer:
+    """MAE's LARS for the ImageNet-1K linear probe (``util/lars.py`` of facebookresearch/mae):
+    SGD with momentum whose step of each weight matrix (``ndim > 1``) is scaled by
+    ``trust_coefficient * |w| / |g|``; biases and norms take plain momentum steps; no weight
+    decay. timm's ``Lars`` with the trust ratio on the weights only (``always_adapt`` per group)
+    and ``eps=0`` computes exactly that (``tests/lightning_mods/test_optim.py`` checks it against
+    a float64 reference)."""
+    from timm.optim import Lars
+
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim > 1], "always_adapt": True},
+              {"params": [p for p in params if p.ndim <= 1], "always_adapt": False}]
+    return Lars([g for g in groups if g["params"]], lr=lr, momentum=momentum, weight_decay=0.0,
+                trust_coeff=trust_coefficient, eps=0.0)

@@ -2,6 +2,7 @@
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,3 +218,38 @@ def test_adamw_skips_the_capture_check_only_without_a_cuda_or_xpu_context(monkey
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     optimizer.step()
     assert checks == [1, 1]
+
+
+def lars_reference(weights: list[np.ndarray], grads_per_step: list[list[np.ndarray]], lr: float, momentum: float,
+                   trust: float) -> list[np.ndarray]:
+    """MAE's LARS (facebookresearch/mae util/lars.py) in float64 numpy: for ndim > 1,
+    ``g <- g * trust * |w| / |g|`` (1 where a norm is 0); then ``mu <- momentum * mu + g``,
+    ``w <- w - lr * mu``."""
+    weights = [w.astype(np.float64).copy() for w in weights]
+    mus = [np.zeros_like(w) for w in weights]
+    for grads in grads_per_step:
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            g = g.astype(np.float64)
+            if w.ndim > 1:
+                w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(g)
+                g = g * (trust * w_norm / g_norm if w_norm > 0 and g_norm > 0 else 1.0)
+            mus[i] = momentum * mus[i] + g
+            weights[i] = w - lr * mus[i]
+    return weights
+
+
+def test_lars_step_equals_maes_lars_in_float64():
+    from lightning_mods.training.optim import lars
+
+    draws = np.random.default_rng(0)
+    start = [draws.normal(size=(3, 4)), draws.normal(size=4), np.zeros((2, 2))]  # a zero weight: ratio 1
+    steps = [[draws.normal(size=w.shape) * 10 ** k for w in start] for k in (0, -2, 1)]
+    params = [torch.nn.Parameter(torch.tensor(w, dtype=torch.float64)) for w in start]
+    optimizer = lars(params, lr=6.4, momentum=0.9, trust_coefficient=0.001)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g, dtype=torch.float64)
+        optimizer.step()
+    for got, want in zip(params, lars_reference(start, steps, 6.4, 0.9, 0.001)):
+        np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-13, atol=1e-15)
+    assert not np.allclose(params[1].detach().numpy(), start[1])  # the bias moved by plain momentum steps
