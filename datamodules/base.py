@@ -61,6 +61,11 @@ def check_positive(owner: str, **fields: int | float) -> None:
             raise ValueError(f"{owner}: {name} must be > 0, got {value}")
 
 
+def _to_pil(image: Any) -> Any:
+    """timm's RandAugment works on PIL images: a uint8 or float tensor becomes one."""
+    return v2.functional.to_pil_image(image) if isinstance(image, torch.Tensor) else image
+
+
 class ImageDataModule(ResumableTrainData, L.LightningDataModule):
     """Image classification data with the MAE train augmentation and plain eval transforms.
 
@@ -81,6 +86,12 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
             batches go to a CUDA device: on a CPU run it would only cost time and a warning).
         drop_last_train: drop the last incomplete train batch (kept when it would be the only one).
         persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
+        rand_augment: timm's RandAugment policy for the train split (MAE's fine-tuning:
+            ``rand-m9-mstd0.5-inc1``), through timm's transforms factory with its
+            RandomResizedCrop (``crop_scale``, bicubic) and flip; ``None``: the MAE pre-training
+            augmentation above.
+        random_erasing: probability of timm's RandomErasing (pixel mode) after normalisation,
+            with ``rand_augment`` (MAE's fine-tuning: 0.25).
     """
 
     dataset_name: ClassVar[str] = "ImageDataModule"
@@ -106,6 +117,8 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
         pin_memory: bool = False,
         drop_last_train: bool = True,
         persistent_workers: bool = True,
+        rand_augment: str | None = None,
+        random_erasing: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -137,6 +150,11 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
                                  f"got {len(stats)}")
         if min(self.std) <= 0:
             raise ValueError(f"{name}: std values must be > 0, got {self.std}")
+        if not 0.0 <= random_erasing <= 1.0:
+            raise ValueError(f"{name}: random_erasing must be a probability in [0, 1], got {random_erasing}")
+        if random_erasing and rand_augment is None:
+            raise ValueError(f"{name}: random_erasing comes with rand_augment (timm's fine-tuning transform)")
+        self.rand_augment, self.random_erasing = rand_augment, float(random_erasing)
         self.pin_memory = pin_memory
         self.drop_last_train = drop_last_train
         self.persistent_workers = persistent_workers and num_workers > 0
@@ -165,13 +183,28 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
                 v2.Normalize(self.mean, self.std), v2.ToPureTensor()]
 
     def train_transform(self) -> Callable[[Any], torch.Tensor]:
-        """MAE augmentation: RandomResizedCrop(scale 0.2-1.0, bicubic) and optional flip."""
+        """MAE augmentation: RandomResizedCrop(scale 0.2-1.0, bicubic) and optional flip; with
+        ``rand_augment``, timm's fine-tuning transform instead."""
+        if self.rand_augment is not None:
+            return self.finetune_transform()
         steps: list[Callable] = [v2.RandomResizedCrop(self.image_size, scale=self.crop_scale,
                                                       interpolation=InterpolationMode.BICUBIC,
                                                       antialias=True)]
         if self.horizontal_flip:
             steps.append(v2.RandomHorizontalFlip())
         return v2.Compose(steps + self.to_normalised_tensor())
+
+    def finetune_transform(self) -> Callable[[Any], torch.Tensor]:
+        """timm's training transform as MAE's fine-tuning builds it (``create_transform``):
+        RandomResizedCrop (``crop_scale``, bicubic), flip, RandAugment, normalisation, RandomErasing."""
+        from timm.data import create_transform
+
+        timm_transform = create_transform(self.image_size, is_training=True, scale=self.crop_scale,
+                                          hflip=0.5 if self.horizontal_flip else 0.0, color_jitter=None,
+                                          auto_augment=self.rand_augment, interpolation="bicubic",
+                                          re_prob=self.random_erasing, re_mode="pixel", re_count=1,
+                                          mean=self.mean, std=self.std)
+        return v2.Compose([_to_pil, timm_transform])
 
     def eval_transform(self) -> Callable[[Any], torch.Tensor]:
         """Resize the short side to ``image_size / eval_crop_ratio`` (bicubic), centre crop."""

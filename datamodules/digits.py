@@ -75,12 +75,15 @@ class Digits(ImageDataModule):
         pin_memory: bool = False,
         drop_last_train: bool = True,
         persistent_workers: bool = True,
+        rand_augment: str | None = None,
+        random_erasing: float = 0.0,
     ) -> None:
         super().__init__(data_dir=None, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          num_workers=num_workers, image_size=image_size,
                          train_augmentation=train_augmentation, horizontal_flip=horizontal_flip, crop_scale=crop_scale, eval_crop_ratio=1.0,
                          mean=mean, std=std, pin_memory=pin_memory, drop_last_train=drop_last_train,
-                         persistent_workers=persistent_workers)
+                         persistent_workers=persistent_workers,
+                         rand_augment=rand_augment, random_erasing=random_erasing)
 
     def load_split(self, train: bool) -> Dataset:
         """The split's images, already resized and normalised, as one in-memory tensor."""

@@ -142,7 +142,8 @@ class ImageNet(ImageDataModule):
                  crop_scale: tuple[float, float] = (0.2, 1.0), eval_crop_ratio: float = 0.875,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  pin_memory: bool = True, drop_last_train: bool = True,
-                 persistent_workers: bool = True, skip_corrupt: bool = False,
+                 persistent_workers: bool = True, rand_augment: str | None = None,
+                 random_erasing: float = 0.0, skip_corrupt: bool = False,
                  decoder: Literal["torchvision", "pil"] = "torchvision") -> None:
         if decoder not in DECODERS:
             raise ValueError(f"ImageNet: decoder must be one of {tuple(DECODERS)}, got {decoder!r}")
@@ -157,7 +158,8 @@ class ImageNet(ImageDataModule):
                          num_workers=num_workers, image_size=image_size, train_augmentation=train_augmentation, horizontal_flip=horizontal_flip,
                          crop_scale=crop_scale, eval_crop_ratio=eval_crop_ratio, mean=mean, std=std,
                          pin_memory=pin_memory, drop_last_train=drop_last_train,
-                         persistent_workers=persistent_workers)
+                         persistent_workers=persistent_workers,
+                         rand_augment=rand_augment, random_erasing=random_erasing)
         self.class_list = class_list
         self.skip_corrupt = skip_corrupt
         self.decoder = decoder

@@ -70,12 +70,14 @@ class TorchvisionDataModule(ImageDataModule):
                  train_augmentation: bool = True, horizontal_flip: bool = True, crop_scale: tuple[float, float] = (0.2, 1.0),
                  eval_crop_ratio: float = 1.0, mean: Sequence[float] | None = None,
                  std: Sequence[float] | None = None, pin_memory: bool = False,
-                 drop_last_train: bool = True, persistent_workers: bool = True) -> None:
+                 drop_last_train: bool = True, persistent_workers: bool = True, rand_augment: str | None = None,
+                 random_erasing: float = 0.0) -> None:
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          num_workers=num_workers, image_size=image_size, train_augmentation=train_augmentation, horizontal_flip=horizontal_flip,
                          crop_scale=crop_scale, eval_crop_ratio=eval_crop_ratio, mean=mean, std=std,
                          pin_memory=pin_memory, drop_last_train=drop_last_train,
-                         persistent_workers=persistent_workers)
+                         persistent_workers=persistent_workers,
+                         rand_augment=rand_augment, random_erasing=random_erasing)
         self.download = download
 
     def prepare_data(self) -> None:
@@ -186,12 +188,14 @@ class MNIST(TorchvisionDataModule):
                  train_augmentation: bool = True, horizontal_flip: bool = False, crop_scale: tuple[float, float] = (0.2, 1.0),
                  eval_crop_ratio: float = 1.0, mean: Sequence[float] | None = None,
                  std: Sequence[float] | None = None, pin_memory: bool = False,
-                 drop_last_train: bool = True, persistent_workers: bool = True) -> None:
+                 drop_last_train: bool = True, persistent_workers: bool = True, rand_augment: str | None = None,
+                 random_erasing: float = 0.0) -> None:
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          num_workers=num_workers, image_size=image_size, download=download,
                          train_augmentation=train_augmentation, horizontal_flip=horizontal_flip, crop_scale=crop_scale,
                          eval_crop_ratio=eval_crop_ratio, mean=mean, std=std, pin_memory=pin_memory,
-                         drop_last_train=drop_last_train, persistent_workers=persistent_workers)
+                         drop_last_train=drop_last_train, persistent_workers=persistent_workers,
+                         rand_augment=rand_augment, random_erasing=random_erasing)
 
     def load_split(self, train: bool) -> Dataset:
         self.check_files()

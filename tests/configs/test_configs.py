@@ -17,8 +17,9 @@ RUNS = list(ROWS) + SINGLE_FILES
 
 
 def probe_checkpoint(name: str, folder: Path) -> list[str]:
-    """A linear-probe config takes its backbone from a checkpoint: a tiny MAE one of the data's geometry."""
-    if declared_section(name, "model").get("class_path") != "lightning_mods.linear_probe.LinearProbe":
+    """A linear-probe or fine-tuning config takes its network from a checkpoint: a tiny MAE one of the data's geometry."""
+    if declared_section(name, "model").get("class_path") not in ("lightning_mods.linear_probe.LinearProbe",
+                                                                  "lightning_mods.finetune.FineTuneClassifier"):
         return []
     import torch
 
