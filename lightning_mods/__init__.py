@@ -2,7 +2,8 @@
 
 The LightningModules (the class paths configs and checkpoints name):
 ``mae.MaskedAutoencoder``, ``diffusion.DiffusionModule``, ``classifier.ImageClassifier``,
-``linear_probe.LinearProbe`` and ``spiral_classifier.SpiralClassifier``. The sub-packages:
+``linear_probe.LinearProbe``, ``finetune.FineTuneClassifier`` and
+``spiral_classifier.SpiralClassifier``. The sub-packages:
 
 - ``backbone``: the decayed identity shortcut and the networks built on it;
 - ``checkpointing``: checkpoint files written whole, and the network a checkpoint rebuilds;
@@ -17,7 +18,7 @@ Modules that moved keep importing from their old paths (``lightning_mods.optim``
 """
 from lightning_mods._moved_modules import install as _install_moved_modules
 
-__all__ = ["backbone", "mae", "diffusion", "classifier", "linear_probe", "spiral_classifier",
+__all__ = ["backbone", "mae", "diffusion", "classifier", "linear_probe", "finetune", "spiral_classifier",
            "checkpointing", "compat", "evaluation", "generation", "pictures", "training"]
 
 # old module path -> new one

@@ -117,6 +117,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_to_end(cmd: list[str], env: dict, timeout: float) -> str:
+    """Run a launcher (torchrun and its workers) in its own session, to the end: on a timeout the
+    launcher and every worker are killed together, none left behind. Its output; fails the test
+    on a timeout or a non-zero exit."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail("the DDP run timed out (a collective that not every rank joined?):\n" + output[-5000:])
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process(tmp_path):
     script = tmp_path / "ddp_run.py"
@@ -125,16 +141,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
-    # own session: on a timeout the launcher and both workers are killed together, none left behind
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail("the DDP run timed out (a collective that not every rank joined?):\n" + output[-5000:])
-    assert proc.returncode == 0, output[-6000:]
+    run_to_end(cmd, env, timeout=180)
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["world_size"] == 2

@@ -56,7 +56,7 @@ def test_the_catalogue_read_from_the_source_is_the_imported_class_hierarchy(kind
 
 
 def test_the_three_families_and_the_datamodules_are_found():
-    assert {"MaskedAutoencoder", "ImageClassifier", "DiffusionModule", "LinearProbe", "SpiralClassifier"} <= \
+    assert {"MaskedAutoencoder", "ImageClassifier", "DiffusionModule", "LinearProbe", "FineTuneClassifier", "SpiralClassifier"} <= \
         {f.name for f in catalogue.find("model")}
     assert {"Digits", "CIFAR10", "CIFAR100", "MNIST", "ImageNet", "Latents", "Spiral"} <= \
         {f.name for f in catalogue.find("data")}
@@ -207,7 +207,7 @@ def test_an_unknown_class_name_is_one_line_naming_the_known_ones(args, start, ki
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"shortcutlab: error: {start}")
     known = lines[0].split("known: ")[1].removesuffix(" (or a full import path)").split(", ")
     assert known == [name for kind in kinds for name in
-                     ("DiffusionModule ImageClassifier LinearProbe MaskedAutoencoder SpiralClassifier" if kind == "model"
+                     ("DiffusionModule FineTuneClassifier ImageClassifier LinearProbe MaskedAutoencoder SpiralClassifier" if kind == "model"
                       else "CIFAR10 CIFAR100 Digits ImageNet Latents MNIST Spiral").split()]
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 import folders
-from test_callbacks_ddp import free_port
+from test_callbacks_ddp import free_port, run_to_end
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys, warnings
@@ -94,14 +92,7 @@ def run(tmp_path, world: int) -> dict:
     cmd = [sys.executable, str(script), str(tmp_path), "1"] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
          "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), str(world)]
-    proc = subprocess.Popen(cmd, cwd=folders.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    assert proc.returncode == 0, output[-4000:]
+    run_to_end(cmd, env, timeout=240)
     return json.loads((tmp_path / f"world{world}.json").read_text())
 
 

@@ -1,4 +1,5 @@
-"""Fine-tuning a pre-trained MAE (lightning_mods/finetune.py): the parameter groups of a ViT-B
+"""Fine-tuning a pre-trained MAE (lightning_mods/finetune.py; docs/reproducing.md, "In small, on
+the digits"): the parameter groups of a ViT-B
 carry MAE's layer-decay rates and weight-decay flags (against MAE's rule written out by hand,
 facebookresearch/mae util/lr_decay.py), the network keeps the encoder's weights and shortcut
 schedule, and on the digits, from an MAE checkpoint, a fit trains with mixup, reports top-1 and

@@ -1,4 +1,5 @@
-"""MAE's ImageNet-1K linear-probe protocol (configs/probe/mae_imagenet1k.yaml) on the digits,
+"""MAE's ImageNet-1K linear-probe protocol (configs/probe/mae_imagenet1k.yaml) on the digits
+(docs/reproducing.md, "In small, on the digits"),
 from an MAE checkpoint: it trains with LARS at the scaled rate, reads the cls token, reports
 top-1, and a run resumed from its mid-run checkpoint ends with the uninterrupted run's head."""
 from __future__ import annotations
