@@ -7,13 +7,12 @@ the backend's device for the collective and back to where they were afterwards.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 
-from lightning_mods.evaluation.distributed_eval import padding_mask as distributed_padding_mask  # noqa: F401 (the callbacks use it)
 
 
 def is_distributed() -> bool:
@@ -98,14 +97,18 @@ def strided_shard(total: int, rank: int, world_size: int) -> range:
     return range(rank, total, world_size)
 
 
-def gather_strided(local: torch.Tensor, total: int) -> torch.Tensor:
+def gather_strided(local: torch.Tensor, total: int, strategy: Any = None) -> torch.Tensor:
     """Undo :func:`strided_shard`: every rank's rows, back in dataset order, on every rank.
 
     ``local`` holds this rank's rows (``len(strided_shard(total, rank, W))`` of them). Ranks
     pad to the largest shard, ``ceil(total / W)``, all-gather, then drop the padding, so the
-    result has exactly ``total`` rows and is identical on every rank.
+    result has exactly ``total`` rows and is identical on every rank. With a Lightning
+    ``strategy`` the gather is its ``all_gather`` (as Lightning's own callbacks gather).
     """
-    rank, world_size = rank_and_world_size()
+    if strategy is None:
+        rank, world_size = rank_and_world_size()
+    else:
+        rank, world_size = int(strategy.global_rank), int(strategy.world_size)
     if len(local) != len(strided_shard(total, rank, world_size)):
         raise ValueError(f"gather_strided: rank {rank} holds {len(local)} rows, its shard of {total} has "
                          f"{len(strided_shard(total, rank, world_size))}")
@@ -115,7 +118,11 @@ def gather_strided(local: torch.Tensor, total: int) -> torch.Tensor:
     padded = local.new_zeros((largest, *local.shape[1:]))
     padded[:len(local)] = local
     out = local.new_empty((total, *local.shape[1:]))
-    for r, part in enumerate(all_gather_rows(padded).split(largest)):
+    if strategy is None:
+        parts = all_gather_rows(padded).split(largest)
+    else:  # world_size x largest x ...
+        parts = strategy.all_gather(padded.to(strategy.root_device)).to(local.device)
+    for r, part in enumerate(parts):
         out[r::world_size] = part[:len(strided_shard(total, r, world_size))]
     return out
 

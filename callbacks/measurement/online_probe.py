@@ -46,13 +46,14 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 
-from callbacks._utils.distributed import all_reduce_sum, distributed_padding_mask, is_distributed, log_identical
+from callbacks._utils.distributed import all_reduce_sum, is_distributed, log_identical
 from callbacks._utils.feature_collection import loader_settings
 from callbacks._utils.online_probe_heads import OnlineProbeHeads, ValidationScores, check_settings
 from callbacks._utils.probed_samples import Probed, gather_probed, nonfinite_flag_to_host
 from callbacks.measurement.shared_features import SharedEvaluation
 from callbacks.settings_key import SettingsKeyed, check_name, format_setting
 from lightning_mods.evaluation import metric_names
+from lightning_mods.evaluation.distributed_eval import padding_mask
 from lightning_mods.evaluation.eval_mode import isolated_eval
 from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
@@ -344,7 +345,7 @@ class OnlineLinearProbe(SettingsKeyed):
         images, labels = batch[0], batch[1].to(self._device)
         loaders = trainer.val_dataloaders
         loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
-        real = distributed_padding_mask(loader, self._val_seen, len(labels))
+        real = padding_mask(loader, self._val_seen, len(labels))
         self._val_seen += len(labels)
         features, blocks = self._features(trainer, pl_module, images)
         if real is not None:  # the duplicates a DistributedSampler pads with are not counted

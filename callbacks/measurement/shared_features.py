@@ -26,32 +26,13 @@ Every callback still works alone: it then runs the pass itself, as before.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Optional
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import Dataset
 
-from callbacks._utils.distributed import strided_shard
+from callbacks._utils.distributed import gather_strided
 from callbacks._utils.feature_collection import Features, collect_features, datamodule_dataset, smoke_test_subset
-
-
-def gather_strided(strategy: Any, local: torch.Tensor, total: int) -> torch.Tensor:
-    """Every rank's strided shard (``rank, rank + W, ...`` of ``total`` rows) back in dataset
-    order on every rank, through ``strategy.all_gather``: shards padded to ``ceil(total / W)``
-    rows, gathered, the padding dropped, so exactly ``total`` rows."""
-    world_size = int(getattr(strategy, "world_size", 1) or 1)
-    if world_size == 1:
-        return local
-    largest = math.ceil(total / world_size)
-    padded = local.new_zeros((largest, *local.shape[1:]))
-    padded[:len(local)] = local
-    parts = strategy.all_gather(padded.to(strategy.root_device))  # world_size x largest x ...
-    out = local.new_empty((total, *local.shape[1:]))
-    for rank in range(world_size):
-        out[rank::world_size] = parts[rank][:len(strided_shard(total, rank, world_size))].to(local.device)
-    return out
 
 
 class SharedEvaluation(Callback):
@@ -138,7 +119,7 @@ class SharedEvaluation(Callback):
         if gather and entry["gathered"] is None:
             local, total, strategy = entry["local"], len(subset), trainer.strategy
             entry["gathered"] = Features(
-                gather_strided(strategy, local.features, total), gather_strided(strategy, local.labels, total),
-                None if local.blocks is None else [gather_strided(strategy, b, total) for b in local.blocks])
+                gather_strided(local.features, total, strategy), gather_strided(local.labels, total, strategy),
+                None if local.blocks is None else [gather_strided(b, total, strategy) for b in local.blocks])
         found = entry["gathered"] if gather else entry["local"]
         return found if with_blocks or found.blocks is None else found._replace(blocks=None)

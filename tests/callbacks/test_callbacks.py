@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from callbacks._utils.distributed import distributed_padding_mask
+from lightning_mods.evaluation.distributed_eval import padding_mask as distributed_padding_mask
 from callbacks.measurement.effective_rank import (EffectiveRank, effective_rank, entropy, rank_measures, read_profiles,
                                      singular_values)
 from callbacks._utils.feature_collection import collect_features, isolated_eval
