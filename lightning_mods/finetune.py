@@ -16,7 +16,7 @@ image once under DDP.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -33,7 +33,7 @@ from lightning_mods.training.optim import adamw, global_batch_size, scaled_lr, s
 
 MAE_CLASS = "lightning_mods.mae.MaskedAutoencoder"
 NEW_PARTS = ("head.", "fc_norm.")  # built here, not pre-trained
-DROPPED_PARTS = ("norm.",)  # the encoder's final norm: the pooled LayerNorm takes its place
+FINAL_NORM = "norm."  # the encoder's final norm: with the average pool, the pooled LayerNorm takes its place
 
 
 def fine_tuning_network(mae: nn.Module, num_classes: int, drop_path_rate: float, head_init_std: float,
@@ -47,9 +47,12 @@ def fine_tuning_network(mae: nn.Module, num_classes: int, drop_path_rate: float,
         in_chans=hp.in_chans, embed_dim=hp.embed_dim, depth=hp.depth, num_heads=hp.num_heads,
         mlp_ratio=hp.mlp_ratio, qkv_bias=True, num_classes=num_classes, global_pool=global_pool,
         fc_norm=global_pool == "avg", drop_path_rate=drop_path_rate)
-    state = {k: v for k, v in mae.encoder.state_dict().items() if not k.startswith(DROPPED_PARTS + NEW_PARTS)}
+    dropped = NEW_PARTS + ((FINAL_NORM,) if global_pool == "avg" else ())
+    state = {k: v for k, v in mae.encoder.state_dict().items() if not k.startswith(dropped)}
     missing, unexpected = network.load_state_dict(state, strict=False)
-    not_new = [k for k in missing if not k.startswith(NEW_PARTS) and not (k.startswith("norm.") and global_pool != "avg")]
+    # a new final norm is expected only where the encoder had none (the U-Net-skip MAE's)
+    new = NEW_PARTS + (() if any(k.startswith(FINAL_NORM) for k in state) else (FINAL_NORM,))
+    not_new = [k for k in missing if not k.startswith(new)]
     if not_new or unexpected:
         raise ValueError(f"fine-tuning: the encoder's weights do not fit the network: missing {not_new[:3]}, "
                          f"unexpected {unexpected[:3]}")
@@ -124,7 +127,7 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
-        targets: Union[torch.Tensor, torch.Tensor] = labels
+        targets = labels
         if self.mixup is not None:
             if len(images) % 2:
                 raise ValueError(f"FineTuneClassifier: mixup needs an even batch, got {len(images)} images "

@@ -14,7 +14,7 @@ import torch
 import folders
 from commands import lightning_cli as cli
 from lightning_mods.backbone.residual import shortcut_alphas
-from lightning_mods.finetune import FineTuneClassifier
+from lightning_mods.finetune import FineTuneClassifier, fine_tuning_network
 from lightning_mods.mae import MaskedAutoencoder
 
 MAE_CKPT = folders.TESTS / "data" / "written_by_0_1_0" / "last.ckpt"
@@ -103,3 +103,23 @@ def test_fine_tuning_the_quickstart_checkpoint_trains_reports_and_resumes_exactl
     for name, value in straight.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
     assert float(resumed.trainer.callback_metrics["val/top1"]) == float(metrics["val/top1"])
+
+
+def test_the_cls_token_pool_keeps_the_encoders_final_norm():
+    """He et al.'s MAE (no U-Net skips) has a final encoder norm: fine-tuned on the cls token it
+    is kept, with its pre-trained weights; the average pool replaces it by a new LayerNorm."""
+    encoder = {"class_path": "lightning_mods.mae.MaskedAutoencoder",
+               "init_args": {"image_size": 8, "in_chans": 1, "patch_size": 4, "embed_dim": 16, "depth": 2,
+                             "num_heads": 2, "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2,
+                             "unet_skips": False, "encoder_final_norm": True}}
+    torch.manual_seed(0)
+    token = FineTuneClassifier(encoder=encoder, num_classes=3, global_pool="token")
+    torch.manual_seed(0)
+    mae = MaskedAutoencoder(**encoder["init_args"])
+    with torch.no_grad():
+        mae.encoder.norm.weight.add_(0.5)  # a norm unlike a fresh one
+    net = fine_tuning_network(mae, 3, 0.0, 2e-5, "token")
+    assert torch.equal(net.norm.weight, mae.encoder.norm.weight)
+    assert isinstance(token.model.fc_norm, torch.nn.Identity)
+    avg = fine_tuning_network(mae, 3, 0.0, 2e-5, "avg")
+    assert isinstance(avg.norm, torch.nn.Identity) and torch.equal(avg.fc_norm.weight, torch.ones(16))
