@@ -107,8 +107,9 @@ def gather_strided(local: torch.Tensor, total: int, strategy: Any = None) -> tor
     """
     if strategy is None:
         rank, world_size = rank_and_world_size()
-    else:
-        rank, world_size = int(strategy.global_rank), int(strategy.world_size)
+    else:  # one process: a single-device strategy (or a stand-in) need not know ranks
+        world_size = int(getattr(strategy, "world_size", 1) or 1)
+        rank = int(strategy.global_rank) if world_size > 1 else 0
     if len(local) != len(strided_shard(total, rank, world_size)):
         raise ValueError(f"gather_strided: rank {rank} holds {len(local)} rows, its shard of {total} has "
                          f"{len(strided_shard(total, rank, world_size))}")
