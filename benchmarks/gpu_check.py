@@ -39,9 +39,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_mods.checkpointing.atomic_files import write_atomically
+
+from . import fit_breakdown
+from .fit_breakdown import Throughput  # noqa: F401 (the fits name it as benchmarks.gpu_check.Throughput)
+from .settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
@@ -52,37 +55,10 @@ QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
 PAPER = {"ImageNet-100 MAE ViT-B/16": ("imagenet100_mae_vit_b16_alpha0.6", "imagenet100_mae_vit_b16_alpha1.0"),
          "CIFAR-100 U-ViT-S": ("cifar100_uvit_s_alpha0.6", "cifar100_uvit_s_alpha1.0")}
 PRECISIONS = ("32-true", "bf16-mixed")
-PARTS = ("quick", "ddp", "paper", "bench")
+PARTS = ("quick", "ddp", "paper", "breakdown", "bench")
+BREAKDOWN_EPOCH_STEPS = 100  # generated data of 100 steps an epoch at batch 128: the timed steps hold one epoch end
 WARMUP_STEPS = 20  # steps before the clock starts (cuDNN autotuning, allocator growth)
 NOT_RUN = {"status": None, "error": "not run"}
-
-
-class Throughput(Callback):
-    """Writes ``{"images_per_s", "peak_memory_gib", "steps", "loss"}`` of the fit to ``path``: images
-    per second from step ``WARMUP_STEPS`` to the end (two synchronisations in all)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._start: Optional[float] = None
-        self._images = 0
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == WARMUP_STEPS and self._start is None:
-            torch.cuda.synchronize()
-            self._start = time.perf_counter()
-        if self._start is not None:
-            self._images += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - self._start if self._start is not None else float("nan")
-        logged = trainer.callback_metrics  # the last epoch's mean where the module logs one
-        loss = next((logged[k] for k in ("train/loss_epoch", "train/loss", "train/loss_step") if k in logged), None)
-        record = {"images_per_s": self._images * trainer.world_size / seconds if self._start else None,
-                  "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
-                  "steps": int(trainer.global_step), "loss": None if loss is None else float(loss)}
-        if trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps(record))
 
 
 def fit(args: list[str], out: Path, steps: int, precision: str, devices: int = 1,
@@ -90,21 +66,11 @@ def fit(args: list[str], out: Path, steps: int, precision: str, devices: int = 1
     """One ``shortcutlab fit`` process (under ``strategy=ddp`` if ``ddp``); its Throughput record
     plus the exit status and seconds."""
     record_path = out / "throughput.json"
-    command = [sys.executable, "-m", "cli", "fit", *args, f"--trainer.max_steps={steps}",
-               "--trainer.max_epochs=-1", "--trainer.accelerator=gpu", f"--trainer.devices={devices}",
-               f"--trainer.precision={precision}", f"--trainer.default_root_dir={out}",
-               "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
-               "--trainer.callbacks+=benchmarks.gpu_check.Throughput", f"--trainer.callbacks.path={record_path}",
-               *(extra or [])]
-    if ddp:
-        command.append("--trainer.strategy=ddp")
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    result = {"command": " ".join(command[2:]), "status": done.returncode,
-              "seconds": round(time.perf_counter() - start, 1)}
-    if done.returncode != 0:
-        result["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-    elif record_path.is_file():
+    result = fit_breakdown.fit(args, out, steps, precision, "gpu",
+                               ["--trainer.callbacks+=benchmarks.gpu_check.Throughput",
+                                f"--trainer.callbacks.path={record_path}", *(extra or []),
+                                *(["--trainer.strategy=ddp"] if ddp else [])], devices=devices)
+    if result["status"] == 0 and record_path.is_file():
         result.update(json.loads(record_path.read_text()))
     return result
 
@@ -187,6 +153,18 @@ def report(results: dict, out: Path, bench_file: Path, jobs: int) -> str:
         for label, r in (("decayed", decayed), ("standard", standard)):
             lines.append(f"| {name} | {label} | {_status(r)} | {_num(r.get('images_per_s'))} | "
                          f"{_num(r.get('peak_memory_gib'), 2)} | {_num(ratio, 3) if label == 'decayed' else ''} |")
+    if "breakdown" in results.get("parts", PARTS):
+        results.setdefault("breakdown", [])
+        lines += ["", "## Where a fit's time goes (bf16-mixed)", "",
+                  f"`benchmarks/fit_breakdown.py` on each paper config (decayed), data generated at "
+                  f"{BREAKDOWN_EPOCH_STEPS} steps an epoch; fits with validation off, the clock started after "
+                  f"step {WARMUP_STEPS}. A callback's share is the time inside its hooks (synchronised) per step, "
+                  f"against the step alone; its epoch-end part (the checkpoint) counts once per "
+                  f"{BREAKDOWN_EPOCH_STEPS} steps here, against once per ~990 steps on the real ImageNet-100 "
+                  f"and ~390 on CIFAR-100 at batch 128.",
+                  *fit_breakdown.markdown(results["breakdown"])]
+        if any(row.median is None for row in results["breakdown"]):
+            lines.append("\nFAIL: a breakdown figure was not measured (its row says why)")
     ddp = results.get("ddp", {"ok": False, "summary": "FAIL: not run"})
     bench = results.get("bench", {"status": None, "summary": "not run"})
     lines += ["", "## DDP", "", ddp["summary"], "", "## Benchmarks", "",
@@ -223,6 +201,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--quick-steps", type=int, default=300)
     parser.add_argument("--paper-steps", type=int, default=200)
     parser.add_argument("--ddp-steps", type=int, default=200)
+    parser.add_argument("--breakdown-steps", type=int, default=BREAKDOWN_EPOCH_STEPS,
+                        help="timed steps of each breakdown figure (after the warm-up)")
     parser.add_argument("--ddp-tolerance", type=float, default=0.05, help="relative, on the final training loss")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results" / "gpu")
     parser.add_argument("--jobs", type=int, default=1,
@@ -253,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out, bench_file = args.out_dir / f"{stem}.md", args.out_dir / f"{stem}-benchmarks.md"
     given = sys.argv[1:] if argv is None else argv
     results: dict = {"command": "make gpu-check" + (f" ARGS={shlex.quote(shlex.join(given))}" if given else ""),
-                     "quick_steps": args.quick_steps, "paper_steps": args.paper_steps, "quick": {}, "paper": {}}
+                     "quick_steps": args.quick_steps, "paper_steps": args.paper_steps, "quick": {}, "paper": {},
+                     "parts": list(args.parts)}
     written = lambda: report(results, out, bench_file, args.jobs)  # noqa: E731 (after every part)
     written()
     with tempfile.TemporaryDirectory() as scratch:
@@ -269,6 +250,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                               args.paper_steps, "bf16-mixed") for row in rows]
                 print(f"gpu-check: {name}: {[_progress(r) for r in results['paper'][name]]}", file=sys.stderr)
                 written()
+        if "breakdown" in args.parts:
+            per_class = BREAKDOWN_EPOCH_STEPS * 128 // 100
+            data = {"imagenet100": write_imagenet100(scratch / "imagenet100-breakdown", per_class=per_class),
+                    "cifar100": write_cifar100(scratch / "cifar100-breakdown", n_train=BREAKDOWN_EPOCH_STEPS * 128)}
+            cases = [fit_breakdown.Case(name, composition(rows[0]) + paper_data_args(rows[0], data), WARMUP_STEPS,
+                                        args.breakdown_steps, "generated data of the real shapes")
+                     for name, rows in PAPER.items()]
+            results["breakdown"] = fit_breakdown.run_cases(cases, Settings(device="cuda", precision="bf16-mixed"))
+            written()
     if "bench" in args.parts:
         results["bench"] = benchmarks(args, bench_file, None if args.time_limit_s is None
                                       else args.time_limit_s - (time.perf_counter() - start) - 30)

@@ -59,14 +59,24 @@ class StandInGPU:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
         monkeypatch.setattr(gpu_check, "gpu_name", lambda: "Stand-in GPU 80GB")
-        monkeypatch.setattr(gpu_check, "write_imagenet100", lambda root: root)
-        monkeypatch.setattr(gpu_check, "write_cifar100", lambda root: root)
+        monkeypatch.setattr(gpu_check, "write_imagenet100", lambda root, **kw: root)
+        monkeypatch.setattr(gpu_check, "write_cifar100", lambda root, **kw: root)
         monkeypatch.setattr(gpu_check, "fit", self.fit)
+        self.breakdown_cases: list = []
+        monkeypatch.setattr(gpu_check.fit_breakdown, "run_cases", self.breakdown)
 
         def run(command, cwd, timeout=None):
             self.bench_timeouts.append(timeout)
             return subprocess.CompletedProcess(command, bench(command, timeout))
         monkeypatch.setattr(gpu_check.subprocess, "run", run)
+
+    def breakdown(self, cases, settings):
+        from benchmarks.fit_breakdown import Breakdown, rows
+
+        self.breakdown_cases += cases
+        return [row for case in cases for row in rows(Breakdown(
+            case, batch_size=128, steps_per_epoch=100, step=200.0, loader=400.0, bare_fit=180.0, shipped_fit=150.0,
+            callback_seconds={"EMA": {"per step": 0.032, "per epoch": 0.0}}))]
 
     def fit(self, args, out, steps, precision, devices=1, extra=None, ddp=False):
         self.fits.append({"args": args, "out": out, "steps": steps, "precision": precision, "ddp": ddp})
@@ -85,6 +95,11 @@ def test_every_part_run_writes_one_file_that_says_passed(tmp_path, monkeypatch):
     # 8 quick fits, the DDP pair, 4 paper fits; the DDP run is under strategy=ddp also on one GPU
     assert len(gpu.fits) == 14 and [f["out"].name for f in gpu.fits if f["ddp"]] == ["ddp-n"]
     assert "ok: 1 GPU(s) under DDP" in text and "0.5000 against 0.5100" in text
+    # the breakdown: both paper configs (decayed) on data of 100 steps an epoch; fractions of the step
+    decayed = [gpu_check.composition(rows[0]) for rows in gpu_check.PAPER.values()]
+    assert [c.fit_args[:len(args)] for c, args in zip(gpu.breakdown_cases, decayed)] == decayed
+    assert "| the fit as shipped | 150.0 | 0.750 |" in text
+    assert "| callback EMA | - | 5.0 % of a step | 32.00 ms a step" in text  # 0.032 s against 128 / 200 img/s = 0.64 s
 
 
 def test_a_run_stopped_part_way_leaves_the_parts_it_finished(tmp_path, monkeypatch):
@@ -134,7 +149,7 @@ def test_the_benchmark_part_keeps_to_the_time_limit(limit, bench, expected, tmp_
 
 def test_fit_puts_only_the_ddp_run_under_ddp(tmp_path, monkeypatch):
     commands = []
-    monkeypatch.setattr(gpu_check.subprocess, "run", lambda command, **kw: commands.append(command) or
+    monkeypatch.setattr(gpu_check.fit_breakdown.subprocess, "run", lambda command, **kw: commands.append(command) or
                         subprocess.CompletedProcess(command, 0, "", ""))
     gpu_check.fit(["--config=x.yaml"], tmp_path, 10, "32-true")
     gpu_check.fit(["--config=x.yaml"], tmp_path, 10, "32-true", devices=1, ddp=True)

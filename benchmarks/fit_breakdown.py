@@ -1,0 +1,372 @@
+"""Where a fit's time goes, for one config: ``python -m benchmarks --only breakdown`` (the quickstart
+configs, on the CPU or ``--device cuda``) and ``make gpu-check ARGS="--parts breakdown"`` (the paper
+configs on generated data of their real shapes).
+
+Each figure is in images per second and as a fraction of the first row:
+
+1. **the network's step alone**: the module's own ``training_step`` (forward and loss), backward and
+   the package's fused AdamW step, under the fit's precision, on one batch already on the device:
+   no Trainer, no loader, no callback;
+2. **the loader alone**: the config's training loader iterated and each batch copied to the
+   device (non-blocking, as Lightning does), nothing trained;
+3. **the fit without callbacks**: ``shortcutlab fit`` with ``--trainer.callbacks=[]`` and
+   Lightning's default checkpoint off;
+4. **the fit as shipped**: ``shortcutlab fit`` with the config's own callbacks;
+5. **each shipped callback's cost**: the seconds inside its hooks while the timed steps ran,
+   per step (synchronised before and after each hook on CUDA, so its GPU work is counted), from
+   a third fit; in milliseconds per step and as a share of the step alone's time.
+
+The fits run ``warmup + timed`` steps with validation off, their clock started after ``warmup``;
+the data's epoch length says how many epoch ends (and so epoch-end checkpoints) the timed steps
+hold, and the table says it. Fits are separate ``shortcutlab fit`` processes, one at a time.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from .settings import Settings
+from .timing import Row, skipped, synchronize
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "where a fit's time goes"
+
+
+@dataclass
+class Case:
+    """One config to break down: ``fit_args`` as ``shortcutlab fit`` takes them."""
+
+    name: str
+    fit_args: list[str]
+    warmup: int
+    timed: int
+    note: str = ""  # what the data is (generated, its epoch length)
+
+
+@dataclass
+class Breakdown:
+    """The figures of one :class:`Case` (images per second; callback seconds per timed step)."""
+
+    case: Case
+    batch_size: int = 0
+    steps_per_epoch: Optional[int] = None
+    step: Optional[float] = None
+    loader: Optional[float] = None
+    bare_fit: Optional[float] = None
+    shipped_fit: Optional[float] = None
+    callback_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+# --- the two callbacks the fits carry ----------------------------------------------------------
+class Throughput(Callback):
+    """Writes ``{"images_per_s", "peak_memory_gib", "steps", "loss"}`` to ``path``: images per second
+    from step ``warmup_steps`` to the end (two synchronisations in all)."""
+
+    def __init__(self, path: str, warmup_steps: int = 20) -> None:
+        self.path = path
+        self.warmup_steps = warmup_steps
+        self._start: Optional[float] = None
+        self._images = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.warmup_steps and self._start is None:
+            synchronize(trainer.strategy.root_device)
+            self._start = time.perf_counter()
+        if self._start is not None:
+            self._images += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        device = trainer.strategy.root_device
+        synchronize(device)
+        seconds = time.perf_counter() - self._start if self._start is not None else float("nan")
+        logged = trainer.callback_metrics  # the last epoch's mean where the module logs one
+        loss = next((logged[k] for k in ("train/loss_epoch", "train/loss", "train/loss_step") if k in logged), None)
+        record = {"images_per_s": self._images * trainer.world_size / seconds if self._start else None,
+                  "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30
+                  if device.type == "cuda" else None,
+                  "steps": int(trainer.global_step), "loss": None if loss is None else float(loss),
+                  "steps_per_epoch": trainer.num_training_batches
+                  if isinstance(trainer.num_training_batches, int) else None}
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(record))
+
+
+class CallbackClock(Callback):
+    """Seconds inside every other callback's hooks while steps ``warmup_steps`` onwards run,
+    written to ``path`` as ``{"steps": n, "seconds": {callback: {"per step": s, "per epoch": s}}}``.
+    "per epoch" holds the epoch, validation, checkpoint and end hooks; "per step" the others. On
+    CUDA each hook is synchronised before and after, so the GPU work it queues counts."""
+
+    STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+                  "on_before_optimizer_step", "on_before_zero_grad")
+
+    def __init__(self, path: str, warmup_steps: int = 20) -> None:
+        self.path = path
+        self.warmup_steps = warmup_steps
+        self.seconds: dict[str, dict[str, float]] = {}
+        self._first_step: Optional[int] = None
+        self._device = torch.device("cpu")
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._device = trainer.strategy.root_device
+        names: dict[str, int] = {}
+        for callback in trainer.callbacks:
+            if callback is self or isinstance(callback, Throughput):
+                continue
+            name = type(callback).__name__
+            if getattr(callback, "filename", None):  # ModelCheckpoint: which one
+                name += f"({callback.filename})"
+            names[name] = names.get(name, 0) + 1
+            label = name if names[name] == 1 else f"{name} #{names[name]}"
+            hooks = [hook for hook in dir(Callback) if hook.startswith("on_") and hook != "on_exception"
+                     and getattr(type(callback), hook) is not getattr(Callback, hook)]
+            for hook in hooks:
+                kind = "per step" if hook in self.STEP_HOOKS else "per epoch"
+                setattr(callback, hook, self._timed(label, kind, getattr(callback, hook)))
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._first_step is None and trainer.global_step >= self.warmup_steps:
+            self._first_step = int(trainer.global_step)
+
+    def _timed(self, label: str, kind: str, method: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._first_step is None:
+                return method(*args, **kwargs)
+            synchronize(self._device)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                synchronize(self._device)
+                spent = self.seconds.setdefault(label, {"per step": 0.0, "per epoch": 0.0})
+                spent[kind] += time.perf_counter() - start
+        return timed
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        steps = int(trainer.global_step) - (self._first_step if self._first_step is not None else trainer.global_step)
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps({"steps": steps, "seconds": self.seconds}))
+
+
+# --- the five measurements ---------------------------------------------------------------------
+def fit(args: list[str], out: Path, steps: int, precision: str, accelerator: str, extra: list[str],
+        devices: int = 1) -> dict:
+    """One ``shortcutlab fit`` process of ``steps`` steps, validation off; its exit status, seconds
+    and last error line."""
+    command = [sys.executable, "-m", "cli", "fit", *args, f"--trainer.max_steps={steps}",
+               "--trainer.max_epochs=-1", f"--trainer.accelerator={accelerator}", f"--trainer.devices={devices}",
+               f"--trainer.precision={precision}", f"--trainer.default_root_dir={out}",
+               "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", *extra]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = {"command": " ".join(command[2:]), "status": done.returncode,
+              "seconds": round(time.perf_counter() - start, 1)}
+    if done.returncode != 0:
+        result["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return result
+
+
+def timed_fit(case: Case, out: Path, settings: Settings, callbacks: str) -> dict:
+    """A fit of ``case`` with ``callbacks``: ``"none"``, ``"shipped"`` or ``"clocked"`` (shipped
+    plus :class:`CallbackClock`); its :class:`Throughput` record (and the clock's) merged in."""
+    out.mkdir(parents=True, exist_ok=True)
+    record, clock = out / "throughput.json", out / "clock.json"
+    extra = ["--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"] if callbacks == "none" else []
+    extra += ["--trainer.callbacks+=benchmarks.fit_breakdown.Throughput", f"--trainer.callbacks.path={record}",
+              f"--trainer.callbacks.warmup_steps={case.warmup}"]
+    if callbacks == "clocked":
+        extra += ["--trainer.callbacks+=benchmarks.fit_breakdown.CallbackClock", f"--trainer.callbacks.path={clock}",
+                  f"--trainer.callbacks.warmup_steps={case.warmup}"]
+    accelerator = "gpu" if settings.on_cuda else "cpu"
+    result = fit(case.fit_args, out, case.warmup + case.timed, settings.precision, accelerator, extra)
+    if result["status"] == 0 and record.is_file():
+        result.update(json.loads(record.read_text()))
+    if result["status"] == 0 and clock.is_file():
+        result["clock"] = json.loads(clock.read_text())
+    return result
+
+
+def built(case: Case, settings: Settings) -> tuple[LightningModule, Any]:
+    """The config's model and datamodule, as ``shortcutlab fit`` builds them (nothing run)."""
+    from lightning.pytorch import LightningDataModule
+
+    from commands.lightning_cli import ShortcutLabCLI
+
+    accelerator = "gpu" if settings.on_cuda else "cpu"
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
+                             subclass_mode_data=True, run=False, save_config_callback=None,
+                             args=[*case.fit_args, f"--trainer.accelerator={accelerator}",
+                                   f"--trainer.default_root_dir={root}", "--trainer.logger=false"])
+    return cli.model, cli.datamodule
+
+
+def step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int, timed: int) -> float:
+    """Images per second of forward + loss (``training_step``), backward and a fused AdamW step on
+    ``batch``, already on the device."""
+    from lightning_mods.training.optim import adamw, param_groups_weight_decay
+
+    model.to(settings.torch_device).train()
+    optimizer = adamw(param_groups_weight_decay(model, 0.05), lr=1e-4)
+
+    def step(index: int) -> None:
+        with settings.autocast():
+            loss = model.training_step(batch, index)
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        for index in range(warmup):
+            step(index)
+        synchronize(settings.torch_device)
+        start = time.perf_counter()
+        for index in range(timed):
+            step(warmup + index)
+        synchronize(settings.torch_device)
+    return timed * len(batch[0]) / (time.perf_counter() - start)
+
+
+def loader_alone(loader: Any, settings: Settings, warmup: int, timed: int) -> float:
+    """Images per second of the loader's batches copied to the device (a new epoch's iterator
+    where one ends); the worker start-up is inside the ``warmup`` batches."""
+    def batches():
+        while True:
+            yield from loader
+
+    stream = batches()
+    for _ in range(warmup):
+        move_data_to_device(next(stream), settings.torch_device)
+    synchronize(settings.torch_device)
+    start, images = time.perf_counter(), 0
+    for _ in range(timed):
+        batch = move_data_to_device(next(stream), settings.torch_device)
+        images += len(batch[0])
+    synchronize(settings.torch_device)
+    return images / (time.perf_counter() - start)
+
+
+def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
+    """The five figures of ``case``; a figure that failed is None, its error kept."""
+    result = Breakdown(case)
+    try:
+        model, data = built(case, settings)
+        data.prepare_data()
+        data.setup("fit")
+        loader = data.train_dataloader()
+        result.batch_size = loader.batch_size
+        result.steps_per_epoch = len(loader)
+        result.loader = loader_alone(loader, settings, max(2, case.warmup // 4), case.timed)
+        batch = move_data_to_device(next(iter(loader)), settings.torch_device)
+        result.step = step_alone(model, batch, settings, case.warmup, case.timed)
+        del model, data, loader, batch
+    except Exception as err:  # noqa: BLE001 (the error goes into the table)
+        result.errors.append(f"step/loader: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    finally:
+        if settings.on_cuda:
+            torch.cuda.empty_cache()
+    for callbacks in ("none", "shipped", "clocked"):
+        record = timed_fit(case, scratch / f"{callbacks}", settings, callbacks)
+        if record["status"] != 0:
+            result.errors.append(f"fit ({callbacks}): {record.get('error')}")
+            continue
+        if callbacks == "none":
+            result.bare_fit = record.get("images_per_s")
+        elif callbacks == "shipped":
+            result.shipped_fit = record.get("images_per_s")
+            result.steps_per_epoch = record.get("steps_per_epoch") or result.steps_per_epoch
+        else:
+            clock = record.get("clock") or {}
+            steps = max(1, clock.get("steps", 0))
+            result.callback_seconds = {name: {kind: seconds / steps for kind, seconds in spent.items()}
+                                       for name, spent in clock.get("seconds", {}).items()}
+    return result
+
+
+# --- the rows ----------------------------------------------------------------------------------
+def rows(breakdown: Breakdown) -> list[Row]:
+    """The table rows of one case: img/s in ``raw``, the fraction of the step alone as the value."""
+    case, section = breakdown.case, f"{SECTION}: {breakdown.case.name}"
+    epochs = (f"{case.timed / breakdown.steps_per_epoch:.2f} epochs" if breakdown.steps_per_epoch
+              else "epoch length unknown")
+    context = (f"batch {breakdown.batch_size}, {case.timed} timed steps after {case.warmup} = {epochs} "
+               f"({breakdown.steps_per_epoch} steps each){'; ' + case.note if case.note else ''}")
+    step = breakdown.step
+    out = []
+    figures = (("the network's step alone (batch on the device, fused AdamW)", breakdown.step, context),
+               ("the training loader alone (to the device, nothing trained)", breakdown.loader, ""),
+               ("the fit without callbacks", breakdown.bare_fit, ""),
+               ("the fit as shipped", breakdown.shipped_fit, ""))
+    for name, rate, detail in figures:
+        if rate is None:
+            out.append(skipped(section, name, "; ".join(breakdown.errors) or "not measured"))
+            continue
+        fraction = rate / step if step else None
+        out.append(Row(section, name, fraction, fraction, None, "x",
+                       f"{rate:.1f} img/s" + (f"; {detail}" if detail else ""), {"images_per_s": rate}))
+    step_seconds = breakdown.batch_size / step if step else None
+    for callback, spent in sorted(breakdown.callback_seconds.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(spent.values())
+        share = total / step_seconds if step_seconds else None
+        out.append(Row(section, f"callback {callback}", share, share, None, "share",
+                       f"{1e3 * total:.2f} ms a step ({1e3 * spent['per step']:.2f} in per-step hooks, "
+                       f"{1e3 * spent['per epoch']:.2f} in epoch, checkpoint and end hooks)",
+                       {"seconds_per_step": spent}))
+    return out
+
+
+def markdown(rows_: list[Row]) -> list[str]:
+    """The rows as Markdown tables, one per case: img/s, the fraction of the step alone, detail."""
+    lines, section = [], None
+    for row in rows_:
+        if row.section != section:
+            section = row.section
+            lines += ["", f"### {section.split(': ', 1)[-1]}", "",
+                      "| figure | img/s | / step alone | detail |", "|---|---|---|---|"]
+        rate = row.raw.get("images_per_s")
+        value = "-" if row.median is None else (f"{100 * row.median:.1f} % of a step" if row.unit == "share"
+                                                 else f"{row.median:.3f}")
+        lines.append(f"| {row.name} | {'-' if rate is None else f'{rate:.1f}'} | {value} | {row.detail} |")
+    return lines
+
+
+def quickstart_cases(settings: Settings) -> list[Case]:
+    """The CPU (and any-device) cases: the quickstart MAE and the quick U-ViT on the digits."""
+    warmup, timed = settings.pick((5, 30), (2, 4))
+    cases = [Case("quickstart MAE (configs/digits_mae.yaml)", ["--config=configs/digits_mae.yaml"], warmup, timed,
+                  "the bundled digits")]
+    if not settings.quick:
+        cases.append(Case("quick U-ViT (configs/digits_diffusion_quick.yaml)",
+                          ["--config=configs/digits_diffusion_quick.yaml"], warmup, timed, "the bundled digits"))
+    return cases
+
+
+def run_cases(cases: list[Case], settings: Settings) -> list[Row]:
+    out = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, case in enumerate(cases):
+            breakdown = measure(case, settings, Path(scratch) / str(index))
+            print(f"breakdown: {case.name}: step {breakdown.step}, loader {breakdown.loader}, fit without "
+                  f"callbacks {breakdown.bare_fit}, shipped {breakdown.shipped_fit} img/s"
+                  + (f"; errors: {breakdown.errors}" if breakdown.errors else ""), file=sys.stderr)
+            out += rows(breakdown)
+    return out
+
+
+def run(settings: Settings) -> list[Row]:
+    return run_cases(quickstart_cases(settings), settings)
