@@ -12,6 +12,8 @@ Each figure is in images per second and as a fraction of the first row:
 3. **the fit without callbacks**: ``shortcutlab fit`` with ``--trainer.callbacks=[]`` and
    Lightning's default checkpoint off;
 4. **the fit as shipped**: ``shortcutlab fit`` with the config's own callbacks;
+   (with ``--compile``, also the step with the residual blocks compiled, as ``CompileBlocks``
+   does, and the seconds its compiles took);
 5. **each shipped callback's cost**: the seconds inside its hooks while the timed steps ran,
    per step (synchronised before and after each hook on CUDA, so its GPU work is counted), from
    a third fit; in milliseconds per step and as a share of the step alone's time.
@@ -22,6 +24,7 @@ hold, and the table says it. Fits are separate ``shortcutlab fit`` processes, on
 """
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -34,7 +37,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from .settings import Settings
 from .timing import Row, skipped, synchronize
@@ -52,6 +54,7 @@ class Case:
     warmup: int
     timed: int
     note: str = ""  # what the data is (generated, its epoch length)
+    fits: tuple[str, ...] = ("none", "shipped", "clocked")  # the fits to make (see timed_fit)
 
 
 @dataclass
@@ -62,6 +65,8 @@ class Breakdown:
     batch_size: int = 0
     steps_per_epoch: Optional[int] = None
     step: Optional[float] = None
+    compiled_step: Optional[float] = None
+    compile_seconds: Optional[float] = None
     loader: Optional[float] = None
     bare_fit: Optional[float] = None
     shipped_fit: Optional[float] = None
@@ -242,20 +247,35 @@ def step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: i
     return timed * len(batch[0]) / (time.perf_counter() - start)
 
 
-def loader_alone(loader: Any, settings: Settings, warmup: int, timed: int) -> float:
-    """Images per second of the loader's batches copied to the device (a new epoch's iterator
-    where one ends); the worker start-up is inside the ``warmup`` batches."""
+def compiled_step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int,
+                        timed: int) -> tuple[float, float]:
+    """:func:`step_alone` with every residual block compiled in place (``CompileBlocks``); its
+    images per second and the seconds of its warm-up steps (the compiles)."""
+    from lightning_mods.backbone.residual import residual_blocks
+
+    for block in residual_blocks(model):
+        block.compile()
+    start = time.perf_counter()
+    step_alone(model, batch, settings, max(warmup, 3), 1)  # the compiles (forward and backward)
+    compile_seconds = time.perf_counter() - start
+    return step_alone(model, batch, settings, 2, timed), compile_seconds
+
+
+def loader_alone(loader: Any, to_device: Callable[[Any], Any], settings: Settings, warmup: int, timed: int) -> float:
+    """Images per second of the loader's batches through ``to_device`` (the datamodule's
+    ``transfer_batch_to_device``: a copy, or a decode on the device), a new epoch's iterator where
+    one ends; the worker start-up is inside the ``warmup`` batches."""
     def batches():
         while True:
             yield from loader
 
     stream = batches()
     for _ in range(warmup):
-        move_data_to_device(next(stream), settings.torch_device)
+        to_device(next(stream))
     synchronize(settings.torch_device)
     start, images = time.perf_counter(), 0
     for _ in range(timed):
-        batch = move_data_to_device(next(stream), settings.torch_device)
+        batch = to_device(next(stream))
         images += len(batch[0])
     synchronize(settings.torch_device)
     return images / (time.perf_counter() - start)
@@ -271,16 +291,20 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
         loader = data.train_dataloader()
         result.batch_size = loader.batch_size
         result.steps_per_epoch = len(loader)
-        result.loader = loader_alone(loader, settings, max(2, case.warmup // 4), case.timed)
-        batch = move_data_to_device(next(iter(loader)), settings.torch_device)
+        to_device = functools.partial(data.transfer_batch_to_device, device=settings.torch_device, dataloader_idx=0)
+        result.loader = loader_alone(loader, to_device, settings, max(2, case.warmup // 4), case.timed)
+        batch = to_device(next(iter(loader)))
         result.step = step_alone(model, batch, settings, case.warmup, case.timed)
+        if settings.compile:
+            result.compiled_step, result.compile_seconds = compiled_step_alone(model, batch, settings, case.warmup,
+                                                                               case.timed)
         del model, data, loader, batch
     except Exception as err:  # noqa: BLE001 (the error goes into the table)
         result.errors.append(f"step/loader: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
     finally:
         if settings.on_cuda:
             torch.cuda.empty_cache()
-    for callbacks in ("none", "shipped", "clocked"):
+    for callbacks in case.fits:
         record = timed_fit(case, scratch / f"{callbacks}", settings, callbacks)
         if record["status"] != 0:
             result.errors.append(f"fit ({callbacks}): {record.get('error')}")
@@ -310,6 +334,8 @@ def rows(breakdown: Breakdown) -> list[Row]:
     out = []
     figures = (("the network's step alone (batch on the device, fused AdamW)", breakdown.step, context),
                ("the training loader alone (to the device, nothing trained)", breakdown.loader, ""),
+               *((("the network's step alone, residual blocks compiled (CompileBlocks)", breakdown.compiled_step,
+                   f"compiling took {breakdown.compile_seconds:.0f} s"),) if breakdown.compiled_step else ()),
                ("the fit without callbacks", breakdown.bare_fit, ""),
                ("the fit as shipped", breakdown.shipped_fit, ""))
     for name, rate, detail in figures:
@@ -356,8 +382,10 @@ def quickstart_cases(settings: Settings) -> list[Case]:
     return cases
 
 
-def run_cases(cases: list[Case], settings: Settings) -> list[Row]:
-    out = []
+def run_cases(cases: list[Case], settings: Settings,
+              after_case: Callable[[list[Row]], None] = lambda rows_so_far: None) -> list[Row]:
+    """The rows of every case, in order; ``after_case(rows so far)`` after each (to write them)."""
+    out: list[Row] = []
     with tempfile.TemporaryDirectory() as scratch:
         for index, case in enumerate(cases):
             breakdown = measure(case, settings, Path(scratch) / str(index))
@@ -365,6 +393,7 @@ def run_cases(cases: list[Case], settings: Settings) -> list[Row]:
                   f"callbacks {breakdown.bare_fit}, shipped {breakdown.shipped_fit} img/s"
                   + (f"; errors: {breakdown.errors}" if breakdown.errors else ""), file=sys.stderr)
             out += rows(breakdown)
+            after_case(out)
     return out
 
 

@@ -43,7 +43,7 @@ import torch
 from lightning_mods.checkpointing.atomic_files import write_atomically
 
 from . import fit_breakdown
-from .fit_breakdown import Throughput  # noqa: F401 (the fits name it as benchmarks.gpu_check.Throughput)
+from .fit_breakdown import Throughput  # noqa: F401  (the fits name it benchmarks.gpu_check.Throughput)
 from .settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +201,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--quick-steps", type=int, default=300)
     parser.add_argument("--paper-steps", type=int, default=200)
     parser.add_argument("--ddp-steps", type=int, default=200)
+    parser.add_argument("--breakdown-compile", action="store_true",
+                        help="the breakdown also times the step with the residual blocks compiled")
     parser.add_argument("--breakdown-steps", type=int, default=BREAKDOWN_EPOCH_STEPS,
                         help="timed steps of each breakdown figure (after the warm-up)")
     parser.add_argument("--ddp-tolerance", type=float, default=0.05, help="relative, on the final training loss")
@@ -257,7 +259,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             cases = [fit_breakdown.Case(name, composition(rows[0]) + paper_data_args(rows[0], data), WARMUP_STEPS,
                                         args.breakdown_steps, "generated data of the real shapes")
                      for name, rows in PAPER.items()]
-            results["breakdown"] = fit_breakdown.run_cases(cases, Settings(device="cuda", precision="bf16-mixed"))
+            imagenet = cases[0]  # its training images decoded and augmented on the GPU: the loader and the fit
+            cases.insert(1, fit_breakdown.Case(f"{imagenet.name}, data.decoder=gpu",
+                                               imagenet.fit_args + ["--data.init_args.decoder=gpu"], WARMUP_STEPS,
+                                               args.breakdown_steps, imagenet.note, fits=("shipped",)))
+
+            def keep(rows_so_far: list) -> None:
+                results["breakdown"] = rows_so_far
+                written()
+            fit_breakdown.run_cases(cases, Settings(device="cuda", precision="bf16-mixed",
+                                                    compile=args.breakdown_compile), after_case=keep)
             written()
     if "bench" in args.parts:
         results["bench"] = benchmarks(args, bench_file, None if args.time_limit_s is None

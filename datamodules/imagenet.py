@@ -13,6 +13,7 @@ readable image of the split in its place, so batch sizes and epoch length stay t
 """
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from typing import Any, Callable, Literal, Sequence
@@ -25,6 +26,7 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.functional import pil_to_tensor
 
 from datamodules.base import ImageDataModule
+from datamodules.gpu_decode import EncodedCrop, collate_encoded, transfer_encoded
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -126,6 +128,10 @@ class ImageNet(ImageDataModule):
         decoder: ``"torchvision"`` (``torchvision.io.decode_image`` to a uint8 tensor, the
             transforms run on tensors; the faster, ``benchmarks/data_pipeline.py``) or ``"pil"``.
             The two resample slightly differently, so the pixels differ in the last few levels.
+            ``"gpu"``: the training images are decoded, cropped, flipped and normalised on the
+            device the batch goes to (``datamodules.gpu_decode``; nvJPEG on CUDA, the workers
+            only read files); evaluation keeps ``"torchvision"``. Needs the MAE augmentation
+            (not ``rand_augment``).
         pin_memory: default on (page-locked batches; applied only when they go to a CUDA device).
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
         centre-crops.
@@ -144,9 +150,12 @@ class ImageNet(ImageDataModule):
                  pin_memory: bool = True, drop_last_train: bool = True,
                  persistent_workers: bool = True, rand_augment: str | None = None,
                  random_erasing: float = 0.0, skip_corrupt: bool = False,
-                 decoder: Literal["torchvision", "pil"] = "torchvision") -> None:
-        if decoder not in DECODERS:
-            raise ValueError(f"ImageNet: decoder must be one of {tuple(DECODERS)}, got {decoder!r}")
+                 decoder: Literal["torchvision", "pil", "gpu"] = "torchvision") -> None:
+        if decoder not in (*DECODERS, "gpu"):
+            raise ValueError(f"ImageNet: decoder must be one of {(*DECODERS, 'gpu')}, got {decoder!r}")
+        if decoder == "gpu" and (rand_augment is not None or not train_augmentation):
+            raise ValueError("ImageNet: decoder='gpu' does the MAE pre-training augmentation on the device; "
+                             "use decoder='torchvision' with rand_augment or without train_augmentation")
         classes = read_class_list(class_list) if class_list is not None else None
         if num_classes is not None and num_classes <= 0:
             raise ValueError(f"ImageNet: num_classes must be > 0, got {num_classes}")
@@ -191,12 +200,36 @@ class ImageNet(ImageDataModule):
             self.classes = found
         return self.classes
 
+    def make_train_datasets(self) -> tuple[Dataset, Dataset]:
+        if self.decoder != "gpu":
+            return super().make_train_datasets()
+        samples = self.load_split(train=True)
+        encoded = copy.copy(samples)  # the same file list; the workers read bytes and draw the crops
+        encoded.loader = EncodedCrop(self.crop_scale, self.horizontal_flip)
+        return self.wrap_eval(samples), encoded
+
+    def train_dataloader(self) -> Any:
+        if self.decoder != "gpu":
+            return super().train_dataloader()
+        if self.train_dataset is None:
+            raise RuntimeError("ImageNet: call setup('fit') before asking for its loader")
+        drop_last = self.drop_last_train and len(self.train_dataset) >= self.batch_size
+        return self.resumable_train_loader(self.train_dataset, self.batch_size, drop_last=drop_last,
+                                           num_workers=self.num_workers, collate_fn=collate_encoded,
+                                           persistent_workers=self.persistent_workers)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Encoded training batches are decoded and augmented on ``device``; others move as they are."""
+        decoded = transfer_encoded(batch, device, self.image_size, self.mean, self.std)
+        return decoded if decoded is not None else super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def load_split(self, train: bool) -> Dataset:
         classes = self.resolve_classes()
         self.class_folders(train)
+        decoder = DECODERS["torchvision" if self.decoder == "gpu" else self.decoder]
         try:
             return SelectedClassFolder(self.split_dir(train), classes, skip_corrupt=self.skip_corrupt,
-                                       loader=DECODERS[self.decoder])
+                                       loader=decoder)
         except FileNotFoundError as err:  # torchvision: "Found no valid file for the classes ..."
             first = str(err).strip().splitlines()[0][:300]
             raise FileNotFoundError(f"ImageNet: class folders without images under '{self.split_dir(train)}' "

@@ -70,13 +70,16 @@ class StandInGPU:
             return subprocess.CompletedProcess(command, bench(command, timeout))
         monkeypatch.setattr(gpu_check.subprocess, "run", run)
 
-    def breakdown(self, cases, settings):
+    def breakdown(self, cases, settings, after_case):
         from benchmarks.fit_breakdown import Breakdown, rows
 
         self.breakdown_cases += cases
-        return [row for case in cases for row in rows(Breakdown(
-            case, batch_size=128, steps_per_epoch=100, step=200.0, loader=400.0, bare_fit=180.0, shipped_fit=150.0,
-            callback_seconds={"EMA": {"per step": 0.032, "per epoch": 0.0}}))]
+        out = []
+        for case in cases:
+            out += rows(Breakdown(case, batch_size=128, steps_per_epoch=100, step=200.0, loader=400.0, bare_fit=180.0,
+                                  shipped_fit=150.0, callback_seconds={"EMA": {"per step": 0.032, "per epoch": 0.0}}))
+            after_case(out)
+        return out
 
     def fit(self, args, out, steps, precision, devices=1, extra=None, ddp=False):
         self.fits.append({"args": args, "out": out, "steps": steps, "precision": precision, "ddp": ddp})
@@ -97,7 +100,9 @@ def test_every_part_run_writes_one_file_that_says_passed(tmp_path, monkeypatch):
     assert "ok: 1 GPU(s) under DDP" in text and "0.5000 against 0.5100" in text
     # the breakdown: both paper configs (decayed) on data of 100 steps an epoch; fractions of the step
     decayed = [gpu_check.composition(rows[0]) for rows in gpu_check.PAPER.values()]
-    assert [c.fit_args[:len(args)] for c, args in zip(gpu.breakdown_cases, decayed)] == decayed
+    imagenet, on_gpu, cifar = gpu.breakdown_cases
+    assert [imagenet.fit_args[:len(decayed[0])], cifar.fit_args[:len(decayed[1])]] == decayed
+    assert on_gpu.fit_args == imagenet.fit_args + ["--data.init_args.decoder=gpu"] and on_gpu.fits == ("shipped",)
     assert "| the fit as shipped | 150.0 | 0.750 |" in text
     assert "| callback EMA | - | 5.0 % of a step | 32.00 ms a step" in text  # 0.032 s against 128 / 200 img/s = 0.64 s
 

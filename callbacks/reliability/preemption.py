@@ -223,6 +223,7 @@ class PreemptionCheckpoint(Callback):
                     callback.last_model_path = str(self.saved_path)  # fit in this folder replaces it, not last-v1.ckpt
             try:  # the full resumable state, said explicitly
                 trainer.save_checkpoint(self.saved_path, weights_only=False)
+                checkpoint_io.finish_writes(trainer)  # on disk before the process exits
             except NonFiniteTrainingError as diverged:  # NonFiniteGuard's read before the file is opened
                 self.saved_path = None
                 message = f"shortcutlab: stopped by {name} at step {trainer.global_step}; no checkpoint ({diverged})"

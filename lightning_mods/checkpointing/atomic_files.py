@@ -61,8 +61,19 @@ def describe(err: OSError, path: Path, size: Optional[int]) -> str:
 def write_atomically(path: PathLike, write: Callable[[IO[bytes]], None], size: Optional[int] = None) -> Path:
     """Write ``path`` whole or not at all: ``write(file)`` fills a temporary file beside it,
     which replaces ``path`` only once flushed and synced. ``size``: the bytes it will take (for
-    the error message). Missing folders are created."""
+    the error message). Missing folders are created, also when the folder is removed while the
+    file is written (once more, from the start)."""
     path = Path(path)
+    for attempt in (1, 2):
+        try:
+            return _write_once(path, write, size)
+        except FileNotFoundError:
+            if attempt == 2 or path.parent.is_dir():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _write_once(path: Path, write: Callable[[IO[bytes]], None], size: Optional[int]) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -9,19 +9,32 @@ central directory"), and a failed copy over ``last.ckpt`` would destroy the run'
 fsync, ``os.replace``): every checkpoint is whole or absent, the previous one of that name
 intact, and a disk error is a one-line :class:`~lightning_mods.checkpointing.atomic_files.DiskWriteError`.
 
-Installed by the CLI (``trainer.plugins``) and, for a Trainer built in Python, by the
-reliability callbacks (:func:`install`) when the strategy still has Lightning's default.
-Remote paths (``s3://`` ...) keep Lightning's fsspec path.
+:class:`BackgroundCheckpointIO` is the one a fit gets: the training loop waits only while the
+checkpoint is copied to host memory (every tensor, GPU ones through one synchronisation, and the
+structure around them), then a background thread serialises and writes it atomically. One write
+at a time: a save that comes while the previous one is still writing waits for it, and removals
+of older checkpoints are queued behind the writes, so a file is never deleted before its
+successor is whole. The writes are finished before the fit ends (the strategy's teardown), after
+a pre-emption checkpoint (SIGTERM, SIGINT, SIGUSR1) and at interpreter exit; a write that failed
+(a full disk) is raised at the next save or at the end, as the one-line
+:class:`~lightning_mods.checkpointing.atomic_files.DiskWriteError`.
+
+Installed by the reliability callbacks (:func:`install`) when the strategy still has Lightning's
+default; ``--trainer.plugins=lightning_mods.checkpointing.checkpoint_io.AtomicCheckpointIO`` keeps
+the writes in the loop. Remote paths (``s3://`` ...) keep Lightning's fsspec path.
 """
 from __future__ import annotations
 
+import copy
 import io
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_mods.checkpointing import atomic_files
 
@@ -45,9 +58,85 @@ def save_torch_atomically(obj: Any, path: Any) -> Path:
     return atomic_files.write_atomically(path, lambda f: f.write(data), len(data))
 
 
+def host_snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``checkpoint`` that shares nothing with the live training state: every tensor
+    copied to host memory (one synchronisation for those on an accelerator), every container and
+    value around them deep-copied."""
+    on_accelerator: list[torch.device] = []
+    copies: dict[int, torch.Tensor] = {}  # a tensor under two names (tied weights) stays one
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            if tensor.device.type != "cpu":
+                on_accelerator.append(tensor.device)
+            copies[id(tensor)] = tensor.detach().to("cpu", non_blocking=True, copy=True)
+        return copies[id(tensor)]
+
+    copied = apply_to_collection(checkpoint, torch.Tensor, to_host)
+    for device in set(on_accelerator):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            torch.accelerator.synchronize(device)
+    memo: dict[int, Any] = {}
+    apply_to_collection(copied, torch.Tensor, lambda t: memo.setdefault(id(t), t))  # the copies stay as they are
+    return copy.deepcopy(copied, memo)
+
+
+class BackgroundCheckpointIO(AtomicCheckpointIO):
+    """:class:`AtomicCheckpointIO` whose serialising and writing run in a background thread, from a
+    host snapshot taken when the save is asked for (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or get_protocol(str(path)) != "file":
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        self.wait()  # one write at a time; a failed one is raised here
+        snapshot = host_snapshot(checkpoint)
+        self._submit(AtomicCheckpointIO.save_checkpoint, self, snapshot, path)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.wait()  # after the write that replaced it is whole
+        super().remove_checkpoint(path)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.wait()
+        return super().load_checkpoint(path, *args, **kwargs)
+
+    def _submit(self, function: Any, *args: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending = self._executor.submit(function, *args)
+
+    def wait(self) -> None:
+        """Block until the write in progress is on disk; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def finish_writes(trainer: Any) -> None:
+    """Wait for ``trainer``'s background checkpoint write, if one is in progress."""
+    writer = getattr(trainer.strategy, "checkpoint_io", None)
+    if isinstance(writer, BackgroundCheckpointIO):
+        writer.wait()
+
+
 def install(trainer: Any) -> None:
-    """Give ``trainer``'s strategy an :class:`AtomicCheckpointIO` when it has Lightning's default
+    """Give ``trainer``'s strategy a :class:`BackgroundCheckpointIO` when it has Lightning's default
     ``TorchCheckpointIO`` (a plugin of the user's own stays)."""
     strategy = trainer.strategy
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
-        strategy.checkpoint_io = AtomicCheckpointIO()
+        strategy.checkpoint_io = BackgroundCheckpointIO()

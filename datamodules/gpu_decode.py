@@ -1,0 +1,105 @@
+"""JPEG decoding and the MAE train augmentation on the accelerator (the decay paper, section 4, data).
+
+The CPU path decodes every image and crops it in a loader worker: at a ViT-B/16 step rate that
+needs more cores than a GPU host has. Here the workers only read each file and draw the
+augmentation (RandomResizedCrop's box from the image size in the JPEG header, nothing decoded,
+and the flip); the batch goes to the device as encoded bytes, where ``torchvision.io.decode_jpeg``
+decodes the whole batch at once (nvJPEG on CUDA), and each image is cropped, resized to
+``image_size`` (bicubic, antialiased), flipped and normalised there. The idea is timm's
+prefetcher's (uint8 over the bus, normalised on the device), with the decoding moved too.
+
+The crop box comes from the same ``RandomResizedCrop.get_params`` the CPU transform draws from,
+and the resized pixels are rounded to whole levels as the CPU path's uint8 result is: given the
+same box and flip, the two agree within resampling rounding (tested). A file nvJPEG cannot read
+(not a JPEG, or CMYK) is decoded in the worker instead and travels as pixels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision import transforms
+from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
+GPU_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG decodes to RGB
+
+
+@dataclass
+class EncodedImages:
+    """A batch as the workers hand it over: per image the JPEG bytes (1-D uint8) or, for a file the
+    device cannot decode, its ``3 x H x W`` uint8 pixels; the crop boxes ``(top, left, height,
+    width)`` as a ``B x 4`` int64 tensor and the flips as a ``B`` bool tensor."""
+
+    data: list[torch.Tensor]
+    boxes: torch.Tensor
+    flips: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class EncodedCrop:
+    """The loader of one training image (for an ImageFolder): its bytes and the augmentation drawn
+    for it, ``(data, box, flip)``; decoding is left to :func:`decode_and_augment`."""
+
+    def __init__(self, scale: Sequence[float], horizontal_flip: bool,
+                 ratio: Sequence[float] = (3 / 4, 4 / 3)) -> None:
+        self.scale, self.ratio, self.horizontal_flip = list(scale), list(ratio), horizontal_flip
+
+    def __call__(self, path: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        from datamodules.imagenet import read_rgb_image, read_rgb_tensor
+
+        try:
+            with Image.open(path) as header:  # the size and mode only: nothing decoded
+                size, decodable = header.size, header.format == "JPEG" and header.mode in GPU_DECODABLE_MODES
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+            read_rgb_image(path)  # raises the one-line CorruptImageError naming the file
+            raise
+        data = read_file(path) if decodable else read_rgb_tensor(path)
+        width, height = size
+        shape_only = torch.empty(1, 1, 1).expand(1, height, width)  # get_params reads the size alone
+        box = transforms.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
+        flip = self.horizontal_flip and bool(torch.rand(1) < 0.5)
+        return data, torch.tensor(box, dtype=torch.int64), flip
+
+
+def collate_encoded(samples: list[tuple[tuple[torch.Tensor, torch.Tensor, bool], int]]) -> tuple[EncodedImages, torch.Tensor]:
+    """``[((data, box, flip), label), ...]`` -> ``(EncodedImages, labels)``."""
+    data = [sample[0][0] for sample in samples]
+    boxes = torch.stack([sample[0][1] for sample in samples])
+    flips = torch.tensor([sample[0][2] for sample in samples], dtype=torch.bool)
+    return EncodedImages(data, boxes, flips), torch.tensor([int(sample[1]) for sample in samples], dtype=torch.int64)
+
+
+def decode_and_augment(images: EncodedImages, device: torch.device, image_size: int, mean: Sequence[float],
+                       std: Sequence[float]) -> torch.Tensor:
+    """The ``B x 3 x image_size x image_size`` float32 batch on ``device``: decoded (the JPEGs in one
+    call), cropped, resized (bicubic, antialiased, rounded to whole levels), flipped, normalised."""
+    device = torch.device(device)
+    jpegs = [i for i, item in enumerate(images.data) if item.ndim == 1]
+    decoded = dict(zip(jpegs, decode_jpeg([images.data[i] for i in jpegs], mode=ImageReadMode.RGB,
+                                          device=device))) if jpegs else {}
+    boxes = images.boxes.tolist()  # a host tensor: no synchronisation
+    out = torch.empty(len(images), 3, image_size, image_size, device=device)
+    for i, (top, left, height, width) in enumerate(boxes):
+        image = decoded[i] if i in decoded else images.data[i].to(device, non_blocking=True)
+        crop = image[:, top:top + height, left:left + width].unsqueeze(0).float()
+        out[i] = F.interpolate(crop, size=(image_size, image_size), mode="bicubic", antialias=True,
+                               align_corners=False)[0]
+    out = out.round_().clamp_(0, 255)
+    flips = images.flips.to(device, non_blocking=True).view(-1, 1, 1, 1)
+    out = torch.where(flips, out.flip(-1), out)
+    mean_ = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+    std_ = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
+    return (out - mean_) / std_
+
+
+def transfer_encoded(batch: Any, device: torch.device, image_size: int, mean: Sequence[float],
+                     std: Sequence[float]) -> Any:
+    """``(EncodedImages, labels)`` decoded and augmented on ``device``; any other batch: None."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], EncodedImages):
+        return decode_and_augment(batch[0], device, image_size, mean, std), batch[1].to(device, non_blocking=True)
+    return None

@@ -1,0 +1,102 @@
+"""Checkpoints written in the background (lightning_mods/checkpointing/checkpoint_io.py): the file holds
+the state of the moment the save was asked for, writes go one at a time, a removal waits for the
+write before it, a failed write is raised, and a fit's checkpoints are on disk when it returns."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_mods.checkpointing import atomic_files, checkpoint_io
+from lightning_mods.checkpointing.atomic_files import DiskWriteError
+from lightning_mods.checkpointing.checkpoint_io import BackgroundCheckpointIO, host_snapshot
+
+
+class HeldWrites:
+    """``write_atomically`` stand-in that waits for ``release`` before each write (then writes)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: BaseException | None = None) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.fail = fail
+        self.written: list[str] = []
+        real = atomic_files.write_atomically
+
+        def held(path, write, size=None):  # noqa: ANN001, ANN202
+            self.started.set()
+            assert self.release.wait(10), "the test never released the write"
+            if self.fail is not None:
+                raise self.fail
+            self.written.append(str(path))
+            return real(path, write, size)
+        monkeypatch.setattr(atomic_files, "write_atomically", held)
+
+
+def test_the_file_holds_the_state_when_the_save_was_asked_for(tmp_path, monkeypatch):
+    held = HeldWrites(monkeypatch)
+    io = BackgroundCheckpointIO()
+    weight, steps = torch.zeros(4), [1, 2]
+    io.save_checkpoint({"state_dict": {"w": weight}, "nested": {"steps": steps}}, tmp_path / "a.ckpt")
+    assert held.started.wait(10)
+    weight.add_(5.0)  # the loop goes on while the file is written
+    steps.append(3)
+    held.release.set()
+    io.teardown()
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    assert torch.equal(saved["state_dict"]["w"], torch.zeros(4)) and saved["nested"]["steps"] == [1, 2]
+    assert atomic_files.last_good_checkpoint == tmp_path / "a.ckpt"
+
+
+def test_one_write_at_a_time_and_a_removal_after_the_write_before_it(tmp_path, monkeypatch):
+    held = HeldWrites(monkeypatch)
+    io = BackgroundCheckpointIO()
+    (tmp_path / "old.ckpt").write_bytes(b"old")
+    io.save_checkpoint({"step": 1}, tmp_path / "new.ckpt")
+    assert held.started.wait(10)
+    second = threading.Thread(target=io.save_checkpoint, args=({"step": 2}, tmp_path / "next.ckpt"))
+    remover = threading.Thread(target=io.remove_checkpoint, args=(tmp_path / "old.ckpt",))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and held.written == []  # waits for the first write, not doubled
+    held.release.set()
+    second.join(10)
+    remover.start()
+    remover.join(10)
+    io.teardown()
+    assert held.written == [str(tmp_path / "new.ckpt"), str(tmp_path / "next.ckpt")]
+    assert not (tmp_path / "old.ckpt").exists()
+    assert torch.load(tmp_path / "next.ckpt", weights_only=False) == {"step": 2}
+
+
+def test_a_failed_background_write_is_raised_at_the_end(tmp_path, monkeypatch):
+    held = HeldWrites(monkeypatch, fail=DiskWriteError(28, "cannot write x.ckpt: no space left on the device"))
+    held.release.set()
+    io = BackgroundCheckpointIO()
+    io.save_checkpoint({"step": 1}, tmp_path / "x.ckpt")
+    with pytest.raises(DiskWriteError, match="no space left"):
+        io.teardown()
+
+
+def test_the_snapshot_copies_every_tensor_and_container():
+    live = {"a": torch.ones(2), "b": [torch.zeros(1), {"c": 3}], "same": None}
+    live["same"] = live["a"]  # one tensor under two keys stays one tensor
+    snap = host_snapshot(live)
+    assert snap["a"].data_ptr() != live["a"].data_ptr() and snap["same"] is snap["a"]
+    assert snap["b"] is not live["b"] and snap["b"][1] is not live["b"][1]
+    assert torch.equal(snap["b"][0], live["b"][0])
+
+
+def test_a_fit_s_checkpoint_is_on_disk_and_loadable_when_fit_returns(tmp_path):
+    trainer = Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, default_root_dir=tmp_path,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False)
+    checkpoint_io.install(trainer)
+    assert isinstance(trainer.strategy.checkpoint_io, BackgroundCheckpointIO)
+    model = BoringModel()
+    trainer.fit(model)
+    (saved,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    state = torch.load(saved, weights_only=False)
+    assert state["global_step"] == 6
+    assert all(torch.equal(state["state_dict"][k], v) for k, v in model.state_dict().items())
