@@ -338,7 +338,10 @@ def rows(breakdown: Breakdown) -> list[Row]:
                    f"compiling took {breakdown.compile_seconds:.0f} s"),) if breakdown.compiled_step else ()),
                ("the fit without callbacks", breakdown.bare_fit, ""),
                ("the fit as shipped", breakdown.shipped_fit, ""))
+    made = {"the fit without callbacks": "none", "the fit as shipped": "shipped"}
     for name, rate, detail in figures:
+        if name in made and made[name] not in case.fits:
+            continue
         if rate is None:
             out.append(skipped(section, name, "; ".join(breakdown.errors) or "not measured"))
             continue

@@ -29,16 +29,35 @@ GPU_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG decodes to RGB
 
 @dataclass
 class EncodedImages:
-    """A batch as the workers hand it over: per image the JPEG bytes (1-D uint8) or, for a file the
-    device cannot decode, its ``3 x H x W`` uint8 pixels; the crop boxes ``(top, left, height,
-    width)`` as a ``B x 4`` int64 tensor and the flips as a ``B`` bool tensor."""
+    """A batch as the workers hand it over, in few tensors (one shared-memory handle each between
+    processes, not one per image): ``payload`` holds each image's JPEG bytes, or for a file the
+    device cannot decode its ``3 x H x W`` uint8 pixels, at ``offsets[i]:offsets[i + 1]``;
+    ``shapes[i]`` is ``(3, H, W)`` for such pixels and zeros for a JPEG; ``boxes`` the crop boxes
+    ``(top, left, height, width)`` (``B x 4`` int64), ``flips`` a ``B`` bool tensor."""
 
-    data: list[torch.Tensor]
+    payload: torch.Tensor
+    offsets: torch.Tensor
+    shapes: torch.Tensor
     boxes: torch.Tensor
     flips: torch.Tensor
 
     def __len__(self) -> int:
-        return len(self.data)
+        return len(self.boxes)
+
+    @classmethod
+    def of(cls, data: Sequence[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor) -> "EncodedImages":
+        """From per-image JPEG bytes (1-D) or pixels (``3 x H x W``)."""
+        sizes = torch.tensor([0] + [item.numel() for item in data], dtype=torch.int64)
+        shapes = torch.tensor([list(item.shape) if item.ndim == 3 else [0, 0, 0] for item in data], dtype=torch.int64)
+        payload = torch.cat([item.reshape(-1) for item in data]) if data else torch.empty(0, dtype=torch.uint8)
+        return cls(payload, sizes.cumsum(0), shapes.view(-1, 3), boxes, flips)
+
+    def item(self, index: int) -> torch.Tensor:
+        """Image ``index``: its JPEG bytes or its ``3 x H x W`` pixels (a view of the payload)."""
+        start, end = self.offsets[index].item(), self.offsets[index + 1].item()
+        flat = self.payload[start:end]
+        shape = self.shapes[index].tolist()
+        return flat.view(shape) if shape[0] else flat
 
 
 class EncodedCrop:
@@ -71,7 +90,8 @@ def collate_encoded(samples: list[tuple[tuple[torch.Tensor, torch.Tensor, bool],
     data = [sample[0][0] for sample in samples]
     boxes = torch.stack([sample[0][1] for sample in samples])
     flips = torch.tensor([sample[0][2] for sample in samples], dtype=torch.bool)
-    return EncodedImages(data, boxes, flips), torch.tensor([int(sample[1]) for sample in samples], dtype=torch.int64)
+    labels = torch.tensor([int(sample[1]) for sample in samples], dtype=torch.int64)
+    return EncodedImages.of(data, boxes, flips), labels
 
 
 def decode_and_augment(images: EncodedImages, device: torch.device, image_size: int, mean: Sequence[float],
@@ -79,13 +99,13 @@ def decode_and_augment(images: EncodedImages, device: torch.device, image_size: 
     """The ``B x 3 x image_size x image_size`` float32 batch on ``device``: decoded (the JPEGs in one
     call), cropped, resized (bicubic, antialiased, rounded to whole levels), flipped, normalised."""
     device = torch.device(device)
-    jpegs = [i for i, item in enumerate(images.data) if item.ndim == 1]
-    decoded = dict(zip(jpegs, decode_jpeg([images.data[i] for i in jpegs], mode=ImageReadMode.RGB,
+    items = [images.item(i) for i in range(len(images))]  # host tensors: no synchronisation
+    jpegs = [i for i, item in enumerate(items) if item.ndim == 1]
+    decoded = dict(zip(jpegs, decode_jpeg([items[i] for i in jpegs], mode=ImageReadMode.RGB,
                                           device=device))) if jpegs else {}
-    boxes = images.boxes.tolist()  # a host tensor: no synchronisation
     out = torch.empty(len(images), 3, image_size, image_size, device=device)
-    for i, (top, left, height, width) in enumerate(boxes):
-        image = decoded[i] if i in decoded else images.data[i].to(device, non_blocking=True)
+    for i, (top, left, height, width) in enumerate(images.boxes.tolist()):
+        image = decoded[i] if i in decoded else items[i].to(device, non_blocking=True)
         crop = image[:, top:top + height, left:left + width].unsqueeze(0).float()
         out[i] = F.interpolate(crop, size=(image_size, image_size), mode="bicubic", antialias=True,
                                align_corners=False)[0]

@@ -49,7 +49,7 @@ def test_the_boxes_are_the_cpu_transform_s_draws(jpegs):
 def test_pixels_equal_the_cpu_path_within_resampling_rounding(jpegs, flip):
     paths = sorted((jpegs / "train" / "n1").glob("*.JPEG"))[:2]
     boxes = [(10, 20, 200, 150), (0, 0, 300, 333)]
-    batch = EncodedImages([read_file(str(p)) for p in paths], torch.tensor(boxes), torch.tensor([flip, flip]))
+    batch = EncodedImages.of([read_file(str(p)) for p in paths], torch.tensor(boxes), torch.tensor([flip, flip]))
     got = decode_and_augment(batch, torch.device("cpu"), 224, IMAGENET_MEAN, IMAGENET_STD)
     expected = torch.stack([cpu_path(p, b, flip) for p, b in zip(paths, boxes)])
     levels = ((got - expected).abs() * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255).round()
@@ -64,9 +64,11 @@ def test_a_non_jpeg_travels_decoded_and_a_corrupt_file_is_one_line(tmp_path, jpe
     Image.open(next((jpegs / "train" / "n0").glob("*.JPEG"))).save(png)
     data, box, flip = EncodedCrop((1.0, 1.0), horizontal_flip=False)(str(png))
     assert data.shape[0] == 3 and data.dtype == torch.uint8 and flip is False
-    images, labels = collate_encoded([((data, box, flip), 4)])
+    jpeg = EncodedCrop((1.0, 1.0), horizontal_flip=False)(str(next((jpegs / "train" / "n0").glob("*.JPEG"))))
+    images, labels = collate_encoded([((data, box, flip), 4), (jpeg, 1)])
+    assert torch.equal(images.item(0), data) and images.item(1).ndim == 1  # pixels and bytes in one payload
     out = decode_and_augment(images, torch.device("cpu"), 32, IMAGENET_MEAN, IMAGENET_STD)
-    assert out.shape == (1, 3, 32, 32) and labels.tolist() == [4]
+    assert out.shape == (2, 3, 32, 32) and labels.tolist() == [4, 1]
     (tmp_path / "bad.JPEG").write_bytes(b"\xff\xd8 not a jpeg")
     with pytest.raises(CorruptImageError, match="bad.JPEG") as err:
         EncodedCrop((0.2, 1.0), horizontal_flip=True)(str(tmp_path / "bad.JPEG"))
@@ -74,7 +76,7 @@ def test_a_non_jpeg_travels_decoded_and_a_corrupt_file_is_one_line(tmp_path, jpe
 
 
 def test_the_datamodule_hands_the_fit_decoded_batches(jpegs):
-    data = ImageNet(data_dir=str(jpegs), num_classes=2, batch_size=4, decoder="gpu", image_size=64)
+    data = ImageNet(data_dir=str(jpegs), num_classes=2, batch_size=4, decoder="gpu", image_size=64, num_workers=2)
     data.setup("fit")
     raw = next(iter(data.train_dataloader()))
     assert isinstance(raw[0], EncodedImages) and len(raw[0]) == 4
