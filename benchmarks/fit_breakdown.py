@@ -214,7 +214,7 @@ def built(case: Case, settings: Settings) -> tuple[LightningModule, Any]:
         warnings.simplefilter("ignore")
         cli = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                              subclass_mode_data=True, run=False, save_config_callback=None,
-                             args=[*case.fit_args, f"--trainer.accelerator={accelerator}",
+                             args=[*case.fit_args, f"--trainer.accelerator={accelerator}", "--trainer.devices=1",
                                    f"--trainer.default_root_dir={root}", "--trainer.logger=false"])
     return cli.model, cli.datamodule
 

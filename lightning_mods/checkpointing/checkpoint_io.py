@@ -58,22 +58,40 @@ def save_torch_atomically(obj: Any, path: Any) -> Path:
     return atomic_files.write_atomically(path, lambda f: f.write(data), len(data))
 
 
-def host_snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def host_snapshot(checkpoint: dict[str, Any], pool: Optional[list[torch.Tensor]] = None) -> dict[str, Any]:
     """A copy of ``checkpoint`` that shares nothing with the live training state: every tensor
     copied to host memory (one synchronisation for those on an accelerator), every container and
-    value around them deep-copied."""
-    on_accelerator: list[torch.device] = []
+    value around them deep-copied. ``pool``: host buffers of an earlier snapshot that is no longer
+    read, reused in the same order (page-locked for CUDA tensors: a fast, asynchronous copy);
+    it is filled with this snapshot's buffers."""
+    on_accelerator: set[torch.device] = set()
     copies: dict[int, torch.Tensor] = {}  # a tensor under two names (tied weights) stays one
+    reused = list(pool or [])
+    if pool is not None:
+        pool.clear()
+
+    def buffer_for(tensor: torch.Tensor) -> torch.Tensor:
+        if reused:
+            candidate = reused.pop(0)
+            if (candidate.shape, candidate.dtype, candidate.stride()) == (tensor.shape, tensor.dtype, tensor.stride()):
+                return candidate
+        pinned = tensor.device.type == "cuda"
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu",
+                                   pin_memory=pinned)
 
     def to_host(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in copies:
             if tensor.device.type != "cpu":
-                on_accelerator.append(tensor.device)
-            copies[id(tensor)] = tensor.detach().to("cpu", non_blocking=True, copy=True)
+                on_accelerator.add(tensor.device)
+            if pool is None or tensor.is_sparse or tensor.layout != torch.strided:
+                copies[id(tensor)] = tensor.detach().to("cpu", non_blocking=True, copy=True)
+            else:
+                copies[id(tensor)] = buffer_for(tensor).copy_(tensor.detach(), non_blocking=True)
+                pool.append(copies[id(tensor)])
         return copies[id(tensor)]
 
     copied = apply_to_collection(checkpoint, torch.Tensor, to_host)
-    for device in set(on_accelerator):
+    for device in on_accelerator:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         else:
@@ -90,18 +108,20 @@ class BackgroundCheckpointIO(AtomicCheckpointIO):
     def __init__(self) -> None:
         super().__init__()
         self._executor: Optional[ThreadPoolExecutor] = None
-        self._pending: Optional[Future] = None
+        self._pending: list[Future] = []
+        self._buffers: list[torch.Tensor] = []  # the last snapshot's host buffers, reused once it is written
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
-        self.wait()  # one write at a time; a failed one is raised here
-        snapshot = host_snapshot(checkpoint)
+        self.wait()  # one write at a time (and the buffers free again); a failed one is raised here
+        snapshot = host_snapshot(checkpoint, self._buffers)
         self._submit(AtomicCheckpointIO.save_checkpoint, self, snapshot, path)
 
     def remove_checkpoint(self, path: Any) -> None:
-        self.wait()  # after the write that replaced it is whole
-        super().remove_checkpoint(path)
+        if get_protocol(str(path)) != "file":
+            return super().remove_checkpoint(path)
+        self._submit(AtomicCheckpointIO.remove_checkpoint, self, path)  # runs after the write before it
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.wait()
@@ -110,13 +130,13 @@ class BackgroundCheckpointIO(AtomicCheckpointIO):
     def _submit(self, function: Any, *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._pending = self._executor.submit(function, *args)
+        self._pending.append(self._executor.submit(function, *args))
 
     def wait(self) -> None:
-        """Block until the write in progress is on disk; raise its error if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Block until the writes and removals queued are done; raise the first error if one failed."""
+        pending, self._pending = self._pending, []
+        for task in pending:
+            task.result()
 
     def teardown(self) -> None:
         try:

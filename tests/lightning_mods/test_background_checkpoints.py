@@ -56,19 +56,32 @@ def test_one_write_at_a_time_and_a_removal_after_the_write_before_it(tmp_path, m
     (tmp_path / "old.ckpt").write_bytes(b"old")
     io.save_checkpoint({"step": 1}, tmp_path / "new.ckpt")
     assert held.started.wait(10)
+    io.remove_checkpoint(tmp_path / "old.ckpt")  # queued: returns while the write is held
+    assert (tmp_path / "old.ckpt").exists()  # never deleted before its successor is whole
     second = threading.Thread(target=io.save_checkpoint, args=({"step": 2}, tmp_path / "next.ckpt"))
-    remover = threading.Thread(target=io.remove_checkpoint, args=(tmp_path / "old.ckpt",))
     second.start()
     second.join(0.3)
     assert second.is_alive() and held.written == []  # waits for the first write, not doubled
     held.release.set()
     second.join(10)
-    remover.start()
-    remover.join(10)
     io.teardown()
     assert held.written == [str(tmp_path / "new.ckpt"), str(tmp_path / "next.ckpt")]
     assert not (tmp_path / "old.ckpt").exists()
     assert torch.load(tmp_path / "next.ckpt", weights_only=False) == {"step": 2}
+
+
+def test_buffers_reused_by_the_next_snapshot_never_change_a_written_file(tmp_path):
+    io = BackgroundCheckpointIO()
+    weight = torch.zeros(3)
+    io.save_checkpoint({"w": weight, "steps": 1}, tmp_path / "a.ckpt")
+    first_buffer = io._buffers[0]
+    weight.fill_(2.0)
+    io.save_checkpoint({"w": weight, "steps": 2}, tmp_path / "b.ckpt")
+    assert io._buffers[0] is first_buffer  # the same host memory, once the first file was whole
+    weight.fill_(3.0)
+    io.teardown()
+    assert torch.equal(torch.load(tmp_path / "a.ckpt")["w"], torch.zeros(3))
+    assert torch.equal(torch.load(tmp_path / "b.ckpt")["w"], torch.full((3,), 2.0))
 
 
 def test_a_failed_background_write_is_raised_at_the_end(tmp_path, monkeypatch):

@@ -156,6 +156,9 @@ class RemoveCheckpointsAfterEpoch0(Callback):
         if trainer.current_epoch == 1:
             import shutil
 
+            from lightning_mods.checkpointing.checkpoint_io import finish_writes
+
+            finish_writes(trainer)  # removed between writes (a removal during one is retried once, not raced here)
             shutil.rmtree(trainer.checkpoint_callback.dirpath)
 
 
