@@ -3,9 +3,11 @@
     shortcutlab report runs/quickstart_seeds            # -> runs/quickstart_seeds/report/
 
 Reads every run folder of the experiment (``shortcutlab sweep``), groups the runs by all grid
-keys except ``seed`` and writes ``report.md`` (one row per group: kNN, online probe and offline
-probe top-1 in percent, a classifier's own val top-1, and the effective rank, each mean ± sample
-std over the seeds), ``report.json`` (the raw numbers) and the figures: each metric against
+keys except ``seed`` and writes ``report.md`` (one row per group: kNN top-1, the top-1 of each
+evaluation of the run's checkpoint (``sweep --evaluate``: fine-tuning and the linear-probe
+protocols side by side, the decay paper's Table 1), online probe and offline probe top-1 in
+percent, a classifier's own val top-1, and the effective rank, each mean ± sample std over the
+seeds), ``report.json`` (the raw numbers) and the figures: each metric against
 alpha_min, the effective rank over epochs per alpha_min, and probe accuracy against effective
 rank with the Pearson r (the decay paper's Figure 5c). A run's value of a metric is the last
 one logged in its ``metrics.csv``. A run the sweep planned but never started, one without
@@ -126,10 +128,11 @@ def format_cell(metric: ReportedMetric, summary: Optional[Summary], row_n: int) 
 
 
 def problems_of(group: Group) -> list[str]:
-    """One line per run of ``group`` that is missing, failed, or lacks its probe."""
+    """One line per run of ``group`` that is missing, failed, or lacks its probe or an evaluation."""
     lines = [f"{name}: missing (no run folder)" for name in group.missing]
     lines += [f"{run.name}: {run.problem}" for run in group.runs if run.problem]
     lines += [f"{run.name}: {run.probe_problem}" for run in group.counted if run.probe_problem]
+    lines += [f"{run.name}: {problem}" for run in group.counted for problem in run.evaluation_problems.values()]
     return lines
 
 
@@ -142,6 +145,8 @@ def not_counted_cell(group: Group) -> str:
     cells += [f"{short(run.name)} ({run.problem.split(' ')[0]})" for run in group.runs if run.problem]
     cells += [f"{short(run.name)} (probe {run.probe_problem.split(' ')[1]})" for run in group.counted
               if run.probe_problem]
+    cells += [f"{short(run.name)} ({name} {problem.split(' ')[1]})" for run in group.counted
+              for name, problem in run.evaluation_problems.items()]
     return ", ".join(cells)
 
 
@@ -149,12 +154,10 @@ def with_variants(metrics: Sequence[ReportedMetric], runs: Sequence[Run]) -> lis
     """``metrics`` with, after each, the variants the runs logged of it: ``knn/top1@k=10`` of a
     ``KNNEvaluator(k=[10, 20])`` or of a second kNN in the Trainer (:mod:`lightning_mods.evaluation.metric_names`),
     each its own column labelled with its setting."""
-    logged = {name for run in runs for name in run.metrics}
-    probe_logged = {name for run in runs for name in run.probe_metrics}
     columns: list[ReportedMetric] = []
     for metric in metrics:
         columns.append(metric)
-        names = probe_logged if metric.probe else logged
+        names = {name for run in runs for name in run.logged(metric.probe)}
         variants = sorted((n for n in names if metric_names.base_name(n) == metric.name and metric_names.variant_tag(n)),
                           key=lambda n: [_sort_key(part.partition("=")[2] or part)
                                          for part in metric_names.variant_tag(n).split(",")])
@@ -163,6 +166,17 @@ def with_variants(metrics: Sequence[ReportedMetric], runs: Sequence[Run]) -> lis
             label = f"{head} @{metric_names.variant_tag(name)}" + (f" ({unit}" if unit else "")
             columns.append(ReportedMetric(name, label, metric.percent, metric.probe))
     return columns
+
+
+def evaluation_metrics(runs: Sequence[Run]) -> list[ReportedMetric]:
+    """One column per named evaluation the runs have (``sweep --evaluate``): its ``val/top1``."""
+    names = sorted({name for run in runs for name in (*run.evaluation_metrics, *run.evaluation_problems)})
+    return [ReportedMetric("val/top1", f"{name} top-1 (%)", percent=True, probe=name) for name in names]
+
+
+def table_metrics(runs: Sequence[Run]) -> list[ReportedMetric]:
+    """The table's columns: kNN, then the evaluations of the runs' checkpoints, then the rest."""
+    return with_variants((TABLE_METRICS[0], *evaluation_metrics(runs), *TABLE_METRICS[1:]), runs)
 
 
 def present_metrics(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list[ReportedMetric]:
@@ -197,7 +211,7 @@ def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
     lines += ["", "Each cell: mean ± sample standard deviation (ddof=1) over the n seeds of the row (no ± for "
               "one seed; `(n=k)` where only k of them logged the metric). A run's value is its final value: "
               "the last value of the metric logged in its `metrics.csv` (the offline probe's: the last "
-              "`val/top1` in `<run>/probe/metrics.csv`). Accuracies in percent; effective rank "
+              "`val/top1` in `<run>/probe/metrics.csv`; an evaluation's, in `<run>/<evaluation>/metrics.csv`). Accuracies in percent; effective rank "
               "`rank/effective_rank` (exp of the singular-value entropy)."]
     if correlation.get("n"):
         r = correlation["r"]
@@ -225,16 +239,22 @@ def stale_values(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list
         for metric in metrics:
             epoch = run.stale_epoch(metric.name, metric.probe)
             if epoch is not None and run.final(metric.name, metric.probe) is not None:
-                where = "its probe's" if metric.probe else "its"
+                where = {True: "its probe's", False: "its"}.get(metric.probe, f"its {metric.probe}'s")
                 lines.append(f"{run.name}: {metric.label.split(' (')[0]} from epoch {epoch}; {where} last logged "
                              f"epoch is {run.last_epoch(metric.probe)}")
     return lines
 
 
+def column_key(metric: ReportedMetric) -> str:
+    """``val/top1``, ``probe/val/top1`` or ``<evaluation>/val/top1``: a metric's key in report.json."""
+    return metric.name if not metric.probe else ("probe" if metric.probe is True else metric.probe) + "/" + metric.name
+
+
 def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict,
                 stale: list[str]) -> dict:
     """The raw numbers of the report (fractions for accuracies, as logged)."""
-    metrics = with_variants((*TABLE_METRICS, *EXTRA_METRICS), [run for group in groups for run in group.runs])
+    runs = [run for group in groups for run in group.runs]
+    metrics = table_metrics(runs) + with_variants(EXTRA_METRICS, runs)
 
     def stats(summary: Optional[Summary]) -> Optional[dict]:
         return None if summary is None else {"mean": summary.mean, "std": summary.std, "n": summary.n,
@@ -246,14 +266,15 @@ def report_data(experiment: str, group_keys: list[str], groups: list[Group], cor
         "final_value": "the last value logged for the metric in the run's metrics.csv",
         "std": "sample standard deviation (ddof=1) over seeds; null for one seed",
         "groups": [{"group": group.key, "n": len(group.counted), "runs": [r.name for r in group.counted],
-                    "metrics": {m.name if not m.probe else "probe/" + m.name: stats(group.summary(m))
-                                for m in metrics},
+                    "metrics": {column_key(m): stats(group.summary(m)) for m in metrics},
                     "problems": problems_of(group)} for group in groups],
         "stale_values": stale,
         "runs": [{"name": run.name, "grid": run.grid, "counted": run.counted, "problem": run.problem,
-                  "probe_problem": run.probe_problem,
+                  "probe_problem": run.probe_problem, "evaluation_problems": run.evaluation_problems,
                   "final": {**{m.name: run.final(m.name) for m in metrics if not m.probe},
-                            "probe/val/top1": run.final(OFFLINE_PROBE.name, probe=True)}}
+                            "probe/val/top1": run.final(OFFLINE_PROBE.name, probe=True),
+                            **{column_key(m): run.final(m.name, m.probe) for m in metrics
+                               if isinstance(m.probe, str)}}}
                  for group in groups for run in group.runs],
         "correlation": correlation,
     }
@@ -284,9 +305,9 @@ def make_report(experiment: Path, out: Path) -> dict:
     correlation = {"probe": None if probe is None else {OFFLINE_PROBE: "offline probe", ONLINE_PROBE: "online probe",
                                                         SUPERVISED: "val"}[probe],
                    "r": r, "n": len(points)}
-    table_metrics = with_variants(TABLE_METRICS, runs)
-    metrics = present_metrics(groups, table_metrics)
-    stale = stale_values(groups, table_metrics)
+    columns = table_metrics(runs)
+    metrics = present_metrics(groups, columns)
+    stale = stale_values(groups, columns)
     markdown = markdown_table(experiment.name, group_keys, groups, metrics, correlation, stale)
     data = report_data(experiment.name, group_keys, groups, correlation, stale)
     out.mkdir(parents=True, exist_ok=True)

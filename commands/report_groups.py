@@ -4,7 +4,7 @@ table) and :mod:`commands.report_figures` (the pictures), which import it, not e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -13,12 +13,14 @@ from commands.run_metrics import Run
 
 @dataclass(frozen=True)
 class ReportedMetric:
-    """A column of the table: the logged ``name`` (in the run's or the probe's ``metrics.csv``)."""
+    """A column of the table: the logged ``name`` (in the run's, the probe's or an evaluation's
+    ``metrics.csv``)."""
 
     name: str
     label: str
     percent: bool
-    probe: bool = False  # logged by the offline probe (<run>/probe/metrics.csv)
+    # True: logged by the offline probe (<run>/probe/metrics.csv); a name: by that evaluation (<run>/<name>/)
+    probe: Union[bool, str] = False
 
     def shown(self, value: float) -> float:
         return 100.0 * value if self.percent else value

@@ -4,7 +4,9 @@ A run folder ``runs/<experiment>/<name>/`` (``shortcutlab sweep``) holds ``metri
 CSVLogger: columns ``epoch``, ``step`` and one per logged metric, each row holding only the
 metrics logged at that point), ``sweep.json`` (the command's exit status), ``fit_end.json``
 (written when the fit ended normally, :mod:`callbacks.reliability.fit_end_record`) and, after ``--then``,
-``probe/`` (the offline linear probe's ``metrics.csv`` and ``fit_end.json``). A run's *final*
+``probe/`` (the offline linear probe's ``metrics.csv`` and ``fit_end.json``), and after
+``--evaluate NAME=...`` a folder ``NAME/`` of the same kind per evaluation (fine-tuning, a probe
+protocol) of the run's checkpoint. A run's *final*
 value of a metric is the last value logged for it in file order: after a resume the file goes on
 where the checkpoint was, so the last row is the latest.
 
@@ -18,7 +20,7 @@ import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from commands.sweep import FOLLOW_UP_DIR, parse_run_name
 
@@ -52,6 +54,9 @@ class Run:
     grid: dict[str, str]
     metrics: dict[str, list[Point]] = field(default_factory=dict)
     probe_metrics: dict[str, list[Point]] = field(default_factory=dict)
+    # named evaluations of the run's checkpoint (sweep --evaluate): name -> their logged metrics
+    evaluation_metrics: dict[str, dict[str, list[Point]]] = field(default_factory=dict)
+    evaluation_problems: dict[str, str] = field(default_factory=dict)
     recorded: bool = False  # has a sweep.json (False: still running, or not made by the sweep)
     # why the run (its offline probe) is not counted: "missing", "failed" or "unreadable" first
     # ("probe missing" ...), then the detail in parentheses
@@ -62,17 +67,23 @@ class Run:
     def counted(self) -> bool:
         return self.problem is None
 
-    def history(self, metric: str, probe: bool = False) -> list[Point]:
+    def logged(self, probe: Union[bool, str] = False) -> dict[str, list[Point]]:
+        """The run's metrics; with ``probe`` True its offline probe's, with a name that evaluation's."""
+        if isinstance(probe, str):
+            return self.evaluation_metrics.get(probe, {})
+        return self.probe_metrics if probe else self.metrics
+
+    def history(self, metric: str, probe: Union[bool, str] = False) -> list[Point]:
         """Every value of ``metric`` in file order (``metric_epoch`` when only that was logged)."""
-        logged = self.probe_metrics if probe else self.metrics
+        logged = self.logged(probe)
         return logged.get(metric) or logged.get(metric + EPOCH_SUFFIX) or []
 
-    def last_epoch(self, probe: bool = False) -> Optional[int]:
+    def last_epoch(self, probe: Union[bool, str] = False) -> Optional[int]:
         """The last epoch any metric was logged at (None when no row has an epoch)."""
-        logged = self.probe_metrics if probe else self.metrics
+        logged = self.logged(probe)
         return max((p.epoch for points in logged.values() for p in points if p.epoch is not None), default=None)
 
-    def stale_epoch(self, metric: str, probe: bool = False) -> Optional[int]:
+    def stale_epoch(self, metric: str, probe: Union[bool, str] = False) -> Optional[int]:
         """The epoch of ``metric``'s final value when the run logged later epochs after it (the
         value predates the end of training: an evaluation cadence that missed the end); else None."""
         points = self.history(metric, probe)
@@ -81,9 +92,10 @@ class Run:
             return None
         return points[-1].epoch if points[-1].epoch < end else None
 
-    def final(self, metric: str, probe: bool = False) -> Optional[float]:
+    def final(self, metric: str, probe: Union[bool, str] = False) -> Optional[float]:
         """The last logged value of ``metric`` (None when never logged or not counted)."""
-        if not self.counted or (probe and self.probe_problem is not None):
+        if not self.counted or (probe is True and self.probe_problem is not None) \
+                or (isinstance(probe, str) and probe in self.evaluation_problems):
             return None
         points = self.history(metric, probe)
         return points[-1].value if points else None
@@ -144,6 +156,31 @@ def _exit_status(record: dict, key: str) -> Optional[int]:
     return status if isinstance(status, int) else None
 
 
+def read_follow_up(folder: Path, label: str, status: Optional[int],
+                   commanded: bool) -> tuple[dict[str, list[Point]], Optional[str]]:
+    """``(metrics, problem)`` of a fit made from the run's checkpoint in ``folder`` (the offline
+    probe, or a named evaluation), given its exit status as the sweep recorded it and whether the
+    sweep started it; a problem reads ``"<label> failed (...)"``, ``incomplete``, ``unreadable`` or
+    ``missing``; no folder and never started: no metrics, no problem."""
+    metrics_file = folder / METRICS_FILE
+    if status not in (None, 0):
+        return {}, f"{label} failed (exit status {status})"
+    if metrics_file.is_file() and status is None and not (folder / FIT_END_FILE).is_file():
+        return {}, (f"{label} incomplete (no exit status in {SWEEP_RECORD} and no {folder.name}/{FIT_END_FILE}: "
+                    "still training, killed, or crashed)")
+    if metrics_file.is_file():
+        try:
+            metrics = read_metrics_csv(metrics_file)
+            if (folder / DEPTH_FILE).is_file():
+                metrics.update(read_depth_csv(folder / DEPTH_FILE))
+            return metrics, None
+        except (ValueError, csv.Error) as err:
+            return {}, f"{label} unreadable ({err})"
+    if commanded:
+        return {}, f"{label} missing (no {folder.name}/{METRICS_FILE})"
+    return {}, None
+
+
 def read_run(folder: Path) -> Run:
     """The run in ``folder``; a missing or unreadable ``metrics.csv`` or a non-zero exit status in
     ``sweep.json`` sets ``problem`` instead of raising."""
@@ -171,20 +208,15 @@ def read_run(folder: Path) -> Run:
                 run.metrics.update(read_depth_csv(folder / DEPTH_FILE))
         except (ValueError, csv.Error) as err:
             run.problem = f"unreadable ({err})"
-    probe_file = folder / FOLLOW_UP_DIR / METRICS_FILE
-    probe_status = _exit_status(record, "probe_status")
-    if probe_status not in (None, 0):
-        run.probe_problem = f"probe failed (exit status {probe_status})"
-    elif probe_file.is_file() and probe_status is None and not (folder / FOLLOW_UP_DIR / FIT_END_FILE).is_file():
-        run.probe_problem = (f"probe incomplete (no probe_status in {SWEEP_RECORD} and no "
-                             f"{FOLLOW_UP_DIR}/{FIT_END_FILE}: still training, killed, or crashed)")
-    elif probe_file.is_file():
-        try:
-            run.probe_metrics = read_metrics_csv(probe_file)
-            if (folder / FOLLOW_UP_DIR / DEPTH_FILE).is_file():
-                run.probe_metrics.update(read_depth_csv(folder / FOLLOW_UP_DIR / DEPTH_FILE))
-        except (ValueError, csv.Error) as err:
-            run.probe_problem = f"probe unreadable ({err})"
-    elif "probe_command" in record:
-        run.probe_problem = f"probe missing (no {FOLLOW_UP_DIR}/{METRICS_FILE})"
+    run.probe_metrics, run.probe_problem = read_follow_up(folder / FOLLOW_UP_DIR, "probe",
+                                                          _exit_status(record, "probe_status"), "probe_command" in record)
+    evaluations = record.get("evaluations") if isinstance(record.get("evaluations"), dict) else {}
+    names = set(evaluations) | {f.name for f in folder.iterdir() if f.is_dir() and f.name != FOLLOW_UP_DIR
+                                and (f / METRICS_FILE).is_file()} if folder.is_dir() else set(evaluations)
+    for name in sorted(names):
+        entry = evaluations.get(name) if isinstance(evaluations.get(name), dict) else {}
+        metrics, problem = read_follow_up(folder / name, name, _exit_status(entry, "status"), "command" in entry)
+        run.evaluation_metrics[name] = metrics
+        if problem is not None:
+            run.evaluation_problems[name] = problem
     return run

@@ -17,8 +17,11 @@ A run whose ``sweep.json`` says it finished is skipped; an interrupted one resum
 newest checkpoint that loads (bit for bit, docs/reliability.md; a truncated newer one is
 skipped with one line). ``--then CONFIG`` (repeatable) fits a second
 config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
-linear probe), logging to ``<run>/probe``. A failed run is reported and the others still run;
-the sweep exits non-zero when any run failed.
+linear probe), logging to ``<run>/probe``. ``--evaluate NAME=CONFIG[,CONFIG...]`` (repeatable)
+fits more configs from the run's checkpoint, each logging to ``<run>/NAME``: fine-tuning and the
+linear-probe protocols of one pre-training side by side, one report column each (the decay
+paper's Table 1). A failed run is reported and the others still run; the sweep exits non-zero
+when any run failed.
 
 Before anything starts (or is printed), every point's composed config and its ``--then`` fit are
 parsed: a typo in a key is one line naming the point, exit status 2, no run started. The sweep
@@ -35,12 +38,14 @@ import io
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -187,10 +192,42 @@ def follow_up_arguments(configs: Sequence[str], checkpoint: Path, point: dict[st
 
 
 def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
-                      save_dir: Path, version: str) -> list[str]:
-    """:func:`follow_up_arguments` logging to ``<run>/probe``."""
+                      save_dir: Path, version: str, folder: str = FOLLOW_UP_DIR) -> list[str]:
+    """:func:`follow_up_arguments` logging to ``<run>/<folder>`` (``probe``, or an evaluation's name)."""
     return follow_up_arguments(configs, checkpoint, point, extra) + [
-        f"--config={write_logging_fragment(save_dir, f'{version}/{FOLLOW_UP_DIR}')}"]
+        f"--config={write_logging_fragment(save_dir, f'{version}/{folder}')}"]
+
+
+EVALUATION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+RESERVED_FOLDERS = (FOLLOW_UP_DIR, "checkpoints", "pictures", "report")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One ``--evaluate NAME=CONFIG[,CONFIG...][,KEY=VALUE...]``: a fit from each run's checkpoint."""
+
+    name: str
+    configs: tuple[str, ...]
+    settings: tuple[str, ...]
+
+
+def parse_evaluation(text: str) -> Evaluation:
+    """``NAME=CONFIG[,CONFIG...][,KEY=VALUE...]``: the configs composed in order, then the settings
+    (an item with ``=`` is a setting, e.g. ``data.init_args.data_dir=/data/imagenet``)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not rest:
+        raise ValueError(f"--evaluate: expected NAME=CONFIG[,CONFIG...], got {text!r}")
+    if not EVALUATION_NAME.fullmatch(name) or name in RESERVED_FOLDERS:
+        raise ValueError(f"--evaluate: {name!r} cannot name an evaluation folder (letters, digits, _ and -, "
+                         f"starting with a letter; not {', '.join(RESERVED_FOLDERS)})")
+    items = [item for item in rest.split(",") if item]
+    configs = tuple(item for item in items if "=" not in item)
+    if not configs:
+        raise ValueError(f"--evaluate {name}: names no config file")
+    for config in configs:
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"--evaluate {name}: no file '{config}'")
+    return Evaluation(name, configs, tuple(item for item in items if "=" in item))
 
 
 def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -> None:
@@ -206,6 +243,10 @@ def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -
         if parsed.then:  # the run's checkpoint does not exist yet: its path is only parsed
             what.append((f"the --then fit of {run_name(point)}",
                          follow_up_arguments(parsed.then, Path("checkpoints/last.ckpt"), point, parsed.then_set)))
+        for evaluation in getattr(parsed, "evaluations", []):
+            what.append((f"the --evaluate {evaluation.name} fit of {run_name(point)}",
+                         follow_up_arguments(evaluation.configs, Path("checkpoints/last.ckpt"), point,
+                                             evaluation.settings)))
         for where, args in what:
             if tuple(args) in checked:
                 continue
@@ -356,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "configs/linear_probe_digits.yaml; repeat to compose; logged to <run>/probe")
     parser.add_argument("--then-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the --then fit (repeatable), e.g. data.data_dir=/data/imagenet")
+    parser.add_argument("--evaluate", action="append", default=[], metavar="NAME=CONFIG[,CONFIG...]",
+                        help="after each run, fit these composed configs from its checkpoint too (repeatable, "
+                             "one report column each), logged to <run>/NAME; e.g. "
+                             "ft=configs/finetune_digits.yaml; items with = are settings of that fit")
     parser.add_argument("--runs-dir", default="runs", help="where experiments live (default: runs)")
     parser.add_argument("--print", dest="print_only", action="store_true",
                         help="print one command line per run (for a cluster array job: line i is run i; with "
@@ -404,6 +449,10 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
     if parsed.then_set and not parsed.then:
         raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
+    parsed.evaluations = [parse_evaluation(text) for text in parsed.evaluate]
+    repeated = sorted({e.name for e in parsed.evaluations if [f.name for f in parsed.evaluations].count(e.name) > 1})
+    if repeated:
+        raise ValueError(f"--evaluate: {', '.join(repeated)} named more than once")
     if parsed.stop_grace <= 0:
         raise ValueError(f"--stop-grace: must be > 0 seconds, got {parsed.stop_grace:g}")
     check_points(parsed, points)
@@ -420,6 +469,10 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
             if parsed.then:
                 follow = shell_line(follow_up_command(parsed.then, run, Path(CHECKPOINT_AT_RUN_TIME), point,
                                                       parsed.then_set, save_dir, name))
+                line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
+            for evaluation in parsed.evaluations:
+                follow = shell_line(follow_up_command(evaluation.configs, run, Path(CHECKPOINT_AT_RUN_TIME), point,
+                                                      evaluation.settings, save_dir, name, evaluation.name))
                 line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
             print(line)
             continue
@@ -455,16 +508,45 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                     raise
                 record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
             write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
+        if parsed.evaluations and record.get("status") == 0:
+            run_evaluations(parsed, run, point, save_dir, name, record, record_file)
         records.append(record)
     if parsed.print_only:
         return []
-    failed = [r["name"] for r in records if r.get("status") != 0 or (parsed.then and r.get("probe_status") != 0)]
+    failed = [r["name"] for r in records if r.get("status") != 0 or (parsed.then and r.get("probe_status") != 0)
+              or any(r.get("evaluations", {}).get(e.name, {}).get("status") != 0 for e in parsed.evaluations)]
     print(f"sweep {parsed.experiment}: {len(records) - len(failed)} of {len(records)} runs finished"
           + (f"; failed: {', '.join(failed)} (see their sweep.log)" if failed else "")
           + f"; report: shortcutlab report {save_dir}", flush=True)
     if failed:
         raise SystemExit(1)
     return records
+
+
+def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str], save_dir: Path, name: str,
+                    record: dict, record_file: Path) -> None:
+    """Each ``--evaluate`` fit of ``run`` not yet finished, from its checkpoint, resumed where one
+    stopped; its command, exit status and seconds go into ``record["evaluations"][NAME]``."""
+    done = record.setdefault("evaluations", {})
+    for evaluation in parsed.evaluations:
+        if done.get(evaluation.name, {}).get("status") == 0:
+            continue
+        checkpoint = resumable_checkpoint(run)
+        if checkpoint is None:
+            done[evaluation.name] = {"status": 1}
+            print(f"    --evaluate {evaluation.name}: {run} has no checkpoints/last.ckpt", file=sys.stderr)
+        else:
+            follow = follow_up_command(evaluation.configs, run, checkpoint, point, evaluation.settings, save_dir,
+                                       name, evaluation.name)
+            print(f"    --evaluate {evaluation.name}", flush=True)
+            try:
+                follow, status, seconds = fit_resuming(follow, run / evaluation.name, parsed.stop_grace)
+            except Stopped as stop:
+                done[evaluation.name] = {"status": stop.status, "stopped_by": str(stop)}
+                write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
+                raise
+            done[evaluation.name] = {"command": shell_line(follow), "status": status, "seconds": round(seconds, 1)}
+        write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

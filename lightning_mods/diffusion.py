@@ -248,6 +248,11 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
                        generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Noise-prediction MSE (:meth:`corrupt`, weighted over time by :meth:`loss_weight`)."""
         x_t, t, noise = self.corrupt(x0, generator)
+        return self.noised_loss(x_t, t, noise, labels)
+
+    def noised_loss(self, x_t: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+                    labels: Optional[torch.Tensor]) -> torch.Tensor:
+        """The loss of :meth:`diffusion_loss` on inputs already noised (:meth:`corrupt`'s output)."""
         predicted = self(x_t, self.noise_process.network_time(t), labels).float()
         weight = self.loss_weight(t)
         if weight is None:
@@ -296,12 +301,21 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
     def validation_step(self, batch, batch_idx: int) -> Optional[torch.Tensor]:
         # the images a DDP sampler repeats are left out, and the batch means weighted by their
         # images: the epoch value is the mean over the validation set, whatever the world size
-        count, images, labels = self.without_repeats(batch_idx, batch[0], batch[1])
+        # and each image's noise, time and label drop drawn from a generator seeded with its dataset
+        # index: fixed per image (comparable between epochs), the same under any world size
+        indices = self.sample_indices(len(batch[0]), batch_idx)
+        count, images, labels, indices = self.without_repeats(batch_idx, batch[0], batch[1], indices)
         loss = None
-        if count:  # fixed noise, timesteps and dropped labels per batch: comparable losses between epochs
-            generator = torch.Generator().manual_seed(1234 + batch_idx)
-            y = self.condition(labels, self.hparams.label_dropout, generator)
-            loss = self.diffusion_loss(self.to_model_space(images), y, generator)
+        if count:
+            x0 = self.to_model_space(images)
+            drawn = []
+            for i, index in enumerate(indices.tolist()):
+                generator = torch.Generator().manual_seed(1234 + index)
+                y = self.condition(labels[i:i + 1], self.hparams.label_dropout, generator)
+                drawn.append((y, *self.corrupt(x0[i:i + 1], generator)))
+            ys, x_t, t, noise = zip(*drawn)
+            y = None if ys[0] is None else torch.cat(ys)
+            loss = self.noised_loss(torch.cat(x_t), torch.cat(t), torch.cat(noise), y)
             self.val_loss_mean.update(loss, weight=count)
         self.log(metric_names.VAL_LOSS, self.val_loss_mean, prog_bar=True, batch_size=count)
         return loss

@@ -24,7 +24,8 @@ Extension points (the methods a subclass overrides; ``docs/extending.md``, ``exa
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Sequence
+from typing import Literal, Optional, Union
 
 import numpy as np
 import torch
@@ -44,6 +45,8 @@ from lightning_mods.backbone.shortcut import ShortcutSchedule, check_depth, tran
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.evaluation.distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
+
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]  # of the masks: one for the batch or one per image
 
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -191,17 +194,17 @@ class MaskedAutoencoder(ExactEvaluation, LightningModule):
             outputs.append(x)
         return self.encoder.norm(x), outputs
 
-    def mask_patches(self, tokens: torch.Tensor, mask_ratio: float, generator: Optional[torch.Generator] = None
+    def mask_patches(self, tokens: torch.Tensor, mask_ratio: float, generator: Generators = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Extension point: which patches the encoder sees. ``tokens`` are the embedded patches
         ``B x L x D`` in patch order; returns ``(visible B x K x D, mask B x L with 1 = hidden,
         ids_restore B x L)``, ``ids_restore`` putting ``[visible, hidden]`` back in patch order
         (every sample keeps the same ``K``). Default: a uniformly random ``int(L * (1 - mask_ratio))``
-        per sample, drawn from ``generator`` (the global RNG when None)."""
+        per sample, drawn from ``generator`` (one per sample in validation; the global RNG when None)."""
         visible, mask, ids_restore, _ = random_masking(tokens, mask_ratio, generator)
         return visible, mask, ids_restore
 
-    def encode_masked(self, images: torch.Tensor, mask_ratio: float, generator: Optional[torch.Generator] = None):
+    def encode_masked(self, images: torch.Tensor, mask_ratio: float, generator: Generators = None):
         """Encoder on the visible patches: ``(latent, block outputs, mask, ids_restore)``."""
         visible, mask, ids_restore = self.mask_patches(self._embed_patches(images), mask_ratio, generator)
         x = torch.cat([self._cls(images.shape[0]), visible], dim=1)
@@ -242,9 +245,9 @@ class MaskedAutoencoder(ExactEvaluation, LightningModule):
         return {"embeddings": self.forward_features(images), "labels": labels}
 
     # --- reconstruction --------------------------------------------------------------------
-    def forward(self, images: torch.Tensor, mask_ratio: Optional[float] = None,
-                generator: Optional[torch.Generator] = None):
-        """``(loss, predicted patches B x L x p*p*C, mask B x L)``."""
+    def forward(self, images: torch.Tensor, mask_ratio: Optional[float] = None, generator: Generators = None):
+        """``(loss, predicted patches B x L x p*p*C, mask B x L)``; ``generator``: of the masks, one
+        for the batch or one per image (None: the global RNG)."""
         ratio = self.hparams.mask_ratio if mask_ratio is None else mask_ratio
         latent, outputs, mask, ids_restore = self.encode_masked(images, ratio, generator)
         pred = self.decoder(outputs, ids_restore) if self.hparams.unet_skips else self.decoder(latent, ids_restore)
@@ -286,16 +289,20 @@ class MaskedAutoencoder(ExactEvaluation, LightningModule):
         return loss
 
     def _val_generator(self, batch_idx: int) -> torch.Generator:
-        # a fixed mask per validation batch: comparable losses, no draw from the global RNG
+        # a fixed mask for the reconstruction picture's batch, no draw from the global RNG
         return torch.Generator(device=self.device).manual_seed(1234 + batch_idx)
 
     def validation_step(self, batch, batch_idx: int) -> Optional[torch.Tensor]:
-        # the images a DDP sampler repeats are left out, and the batch means weighted by their
-        # images: the epoch value is the mean over the validation set, whatever the world size
-        count, images = self.without_repeats(batch_idx, batch[0])
+        # the images a DDP sampler repeats are left out, the batch means weighted by their images,
+        # and each image masked by a generator seeded with its dataset index: the epoch value is
+        # the one-process value (a fixed mask per image: comparable between epochs), whatever the
+        # world size and batch size
+        indices = self.sample_indices(len(batch[0]), batch_idx)
+        count, images, indices = self.without_repeats(batch_idx, batch[0], indices)
         loss = None
         if count:
-            loss, _, _ = self(images, generator=self._val_generator(batch_idx))
+            generators = [torch.Generator(device=self.device).manual_seed(1234 + i) for i in indices.tolist()]
+            loss, _, _ = self(images, generator=generators)
             self.val_loss_mean.update(loss, weight=count)
         self.log(metric_names.VAL_LOSS, self.val_loss_mean, prog_bar=True, batch_size=count)
         if batch_idx == 0 and self._val_images is None:

@@ -2,6 +2,8 @@
 fixed 2-D sin-cos position embeddings, patchify/unpatchify and per-sample random masking."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -67,16 +69,21 @@ def num_kept(num_patches: int, mask_ratio: float) -> int:
 
 
 def random_masking(
-    tokens: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None
+    tokens: torch.Tensor, mask_ratio: float, generator: torch.Generator | Sequence[torch.Generator] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep a random subset of tokens per sample (argsort of uniform noise).
+    """Keep a random subset of tokens per sample (argsort of uniform noise). ``generator``: one
+    for the batch, or one per sample (each sample's noise drawn from its own), or None (the
+    global RNG).
 
     Returns ``(visible tokens B x K x D, mask B x L with 1 = masked, ids_restore B x L,
     ids_keep B x K)``; ``K = int(L * (1 - mask_ratio))``.
     """
     b, length, d = tokens.shape
     keep = num_kept(length, mask_ratio)
-    noise = torch.rand(b, length, device=tokens.device, generator=generator)
+    if isinstance(generator, Sequence):
+        noise = torch.cat([torch.rand(1, length, device=tokens.device, generator=g) for g in generator])
+    else:
+        noise = torch.rand(b, length, device=tokens.device, generator=generator)
     ids_shuffle = torch.argsort(noise, dim=1)
     ids_restore = torch.argsort(ids_shuffle, dim=1)
     ids_keep = ids_shuffle[:, :keep]

@@ -463,3 +463,77 @@ def test_one_parser_checks_every_point_of_a_grid(monkeypatch):
     assert checker(good[0]) is None
     assert len(built) == one_cli
     assert lightning_cli.check_arguments(bad) == reason and len(built) == 2 * one_cli
+
+
+def test_evaluations_of_one_pre_training_are_columns_side_by_side(experiment):
+    """Table 1's layout: kNN, then each --evaluate fit of the run's checkpoint (ft, lp) as its own
+    column, mean ± std over the seeds; a failed evaluation is left out of its column and listed."""
+    finals = {"ft": {0: 0.50, 1: 0.54, 2: 0.61}, "lp": {0: 0.20, 1: 0.26, 2: 0.23}}
+    for seed in range(3):
+        run = experiment / f"alpha_min=0.6,seed={seed}"
+        record = json.loads((run / "sweep.json").read_text())
+        record["evaluations"] = {}
+        for name, values in finals.items():
+            (run / name).mkdir()
+            (run / name / "metrics.csv").write_text(f"epoch,step,val/top1\n0,4,0.1\n1,9,{values[seed]}\n")
+            record["evaluations"][name] = {"command": "shortcutlab fit ...", "status": 1 if (name, seed) == ("lp", 2) else 0}
+        (run / "sweep.json").write_text(json.dumps(record))
+    report.main([str(experiment)])
+    markdown = (experiment / "report" / "report.md").read_text()
+    header = [c.strip() for c in markdown.splitlines()[2].split("|")[1:-1]]
+    assert header[:5] == ["alpha_min", "n (seeds)", "kNN top-1 (%)", "ft top-1 (%)", "lp top-1 (%)"]
+    row = [c.strip() for c in next(line for line in markdown.splitlines() if line.startswith("| 0.6 |")).split("|")]
+    ft, lp = np.array(list(finals["ft"].values())), np.array([0.20, 0.26])
+    assert row[4] == f"{100 * ft.mean():.1f} ± {100 * ft.std(ddof=1):.1f}"
+    assert row[5] == f"{100 * lp.mean():.1f} ± {100 * lp.std(ddof=1):.1f} (n=2)"
+    assert "alpha_min=0.6,seed=2: lp failed (exit status 1)" in markdown
+    other = next(line for line in markdown.splitlines() if line.startswith("| 1.0 |"))
+    assert [c.strip() for c in other.split("|")][4:6] == ["–", "–"]  # runs without evaluations
+    data = json.loads((experiment / "report" / "report.json").read_text())
+    assert data["groups"][0]["metrics"]["ft/val/top1"]["values"] == pytest.approx(list(ft))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ft", "expected NAME=CONFIG"), ("probe=configs/finetune_digits.yaml", "cannot name an evaluation folder"),
+    ("ft=trainer.max_epochs=2", "names no config file"), ("ft=configs/nothing.yaml", "no file 'configs/nothing.yaml'")])
+def test_bad_evaluations_are_one_line(text, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as stop:
+        sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--evaluate", text, "--print"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_print_chains_each_evaluation_after_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path),
+                "--grid", "model.shortcut.alpha_min=0.6,1.0",
+                "--evaluate", "ft=configs/finetune_digits.yaml,trainer.max_epochs=2",
+                "--evaluate", "lp=configs/linear_probe_digits.yaml,configs/probe/mae_imagenet1k.yaml", "--print"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    fit, ft, lp = (shlex.split(part) for part in lines[0].split(" && "))
+    run = tmp_path / "e" / "alpha_min=0.6"
+    assert ft[:3] == ["shortcutlab", "fit", "--config=configs/finetune_digits.yaml"]
+    assert "--trainer.max_epochs=2" in ft and ft[-1] == f"--config={run / 'ft' / 'run.yaml'}"
+    assert lp[2:4] == ["--config=configs/linear_probe_digits.yaml", "--config=configs/probe/mae_imagenet1k.yaml"]
+    assert lp[-1] == f"--config={run / 'lp' / 'run.yaml'}"
+    assert all(any(a.startswith("--model.checkpoint=$(ls -t ") for a in args) for args in (ft, lp))
+
+
+@pytest.mark.slow
+def test_sweep_evaluates_the_run_s_checkpoint_and_reports_it(tmp_path, monkeypatch, capsys):
+    """One tiny digits MAE run, then its fine-tuning from the run's checkpoint, both real fits."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(tmp_path)
+    short = ",trainer.max_epochs=1,trainer.limit_train_batches=2,trainer.limit_val_batches=1," \
+            "trainer.enable_progress_bar=false,trainer.accelerator=cpu"
+    records = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
+                          "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}{short}"])
+    printed = capsys.readouterr().out
+    assert records[0]["evaluations"]["ft"]["status"] == 0, printed[-3000:]
+    report.main([str(tmp_path / "t1")])
+    group = json.loads((tmp_path / "t1" / "report" / "report.json").read_text())["groups"][0]
+    assert 0.0 <= group["metrics"]["ft/val/top1"]["mean"] <= 1.0 and group["problems"] == []
+    assert "ft top-1 (%)" in capsys.readouterr().out

@@ -1,8 +1,9 @@
 """Distributed evaluation counts each image once: under DDP with 2 and 3 processes on the CPU,
 every validation metric of the classifier, the LinearProbe (its per-block heads too) and the
-spiral classifier equals the one-process value on a validation set of 37 samples (not a
-multiple of the world size, nor of the batch of 5); the MAE's and the diffusion model's
-validation losses count exactly the 37 images. Lightning's DistributedSampler repeats samples
+spiral classifier, and the MAE's and the diffusion model's validation losses (their masks and
+noise drawn per image, from its dataset index), equals the one-process value on a validation set
+of 37 samples (not a multiple of the world size, nor of the batch of 5), and those losses count
+exactly the 37 images. Lightning's DistributedSampler repeats samples
 to even out the ranks; the modules leave the repeats out (lightning_mods/evaluation/distributed_eval.py)."""
 from __future__ import annotations
 
@@ -85,6 +86,29 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+def test_sample_indices_are_the_dataset_indices_a_distributed_sampler_hands_out():
+    # 7 samples over 3 ranks: the sampler pads its list to [0..6, 0, 1]; rank 1 gets 1, 4 and 0
+    # (a repeat), in batches of 2; without a DistributedSampler the positions are the indices
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+
+    import torch
+
+    data = TensorDataset(torch.arange(7))
+    module = ExactEvaluation()
+    module._trainer = SimpleNamespace(testing=False, val_dataloaders=DataLoader(
+        data, batch_size=2, sampler=DistributedSampler(data, num_replicas=3, rank=1, shuffle=False)))
+    assert module.sample_indices(2, 0).tolist() == [1, 4]
+    assert module.sample_indices(1, 1).tolist() == [0]
+    assert module.real_samples(1, 1).tolist() == [False]  # the same batch asked again: the repeat
+    module = ExactEvaluation()
+    module._trainer = SimpleNamespace(testing=False, val_dataloaders=DataLoader(data, batch_size=3))
+    assert [module.sample_indices(3, 0).tolist(), module.sample_indices(3, 1).tolist()] == [[0, 1, 2], [3, 4, 5]]
+
+
 def run(tmp_path, world: int) -> dict:
     script = tmp_path / "evaluate.py"
     script.write_text(SCRIPT)
@@ -103,7 +127,7 @@ def test_two_and_three_processes_report_the_one_process_metrics(tmp_path):
     assert set(one["probe blocks"]) == {"1", "2"}
     for world in (2, 3):
         many = run(tmp_path, world)
-        for name in ("classifier", "probe", "spiral"):
+        for name in ("classifier", "probe", "spiral", "mae", "diffusion"):
             assert set(many[name]) == set(one[name]), name
             for metric, value in one[name].items():
                 assert many[name][metric] == pytest.approx(value, rel=1e-6, abs=1e-7), (world, name, metric)
