@@ -227,18 +227,44 @@ class ShortcutLabCLI(LightningCLI):
         warn_on_slow_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
         apply_cadences(trainer_cfg.get("callbacks") or [], cfg.get("evaluation_every_n_epochs"),
                        cfg.get("checkpoint_every_n_epochs"))
+        self._linked_settings = linked_settings_given(cfg.get("model"))
         if trainer_cfg.get("enable_progress_bar") is False and trainer_cfg.get("callbacks"):
             # honour enable_progress_bar=false instead of failing on the default Rich bar
             trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"]
                                         if not str(_class_path(c)).endswith("ProgressBar")]
 
     def after_instantiate_classes(self) -> None:
+        for name, given in getattr(self, "_linked_settings", {}).items():
+            from_data = getattr(self.datamodule, name, None)
+            if from_data is not None and given != from_data:  # the link would replace the setting silently
+                raise BadInput(f"model.{name}={given!r} disagrees with the data's {name} ({from_data!r}; "
+                               f"{type(self.datamodule).__name__}): the model takes it from the data, so drop "
+                               f"model.{name} or change the data")
         expect_frozen_eval_modules(self.model)
         answer_repeated_samples_warning(self.model)
         self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
         self.trainer.callbacks.append(LostRankReport())
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
+
+
+def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path/init_args)
+    """The settings of ``model`` that the data links (:data:`LINKED_FROM_DATA`) and that the
+    config or the command line set to other than the class's default: what a link would replace."""
+    if model is None or not hasattr(model, "get") or not model.get("class_path"):
+        return {}
+    module, _, name = str(model.get("class_path")).rpartition(".")
+    try:
+        defaults = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+    init = model.get("init_args") or {}
+    given = {}
+    for key in LINKED_FROM_DATA:
+        value = init.get(key) if hasattr(init, "get") else None
+        if key in defaults and value is not None and value != defaults[key].default:
+            given[key] = value
+    return given
 
 
 def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)

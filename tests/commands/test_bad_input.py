@@ -107,6 +107,15 @@ CASES = {  # name: (arguments, words the one line must hold)
                                                          "not Lightning's alias 'last'"]),
     "url checkpoint": ([*CONFIG, "--ckpt_path=s3://bucket/last.ckpt"],
                        ["ckpt_path: a local file is needed, got the URL 's3://bucket/last.ckpt'"]),
+    # a setting the data links in would be replaced silently
+    "image size against the data": ([*CONFIG, "--model.init_args.image_size=32"],
+                                    ["model.image_size=32 disagrees with the data's image_size (16; Digits)"]),
+    "class count against the data": ([f"--config={ROOT / 'configs' / 'data' / 'digits.yaml'}",
+                                      f"--config={ROOT / 'configs' / 'digits_resnet' / 'base.yaml'}",
+                                      "--model.init_args.num_classes=5"],
+                                     ["model.num_classes=5 disagrees with the data's num_classes (10; Digits)"]),
+    "missing pre-trained file": ([f"--config={ROOT / 'configs' / 'finetune_digits.yaml'}",
+                                  "--model.init_args.checkpoint={missing}"], ["checkpoint: no file at '{missing}'"]),
 }
 
 

@@ -506,20 +506,22 @@ def test_bad_evaluations_are_one_line(text, message, capsys, monkeypatch):
 
 
 def test_print_chains_each_evaluation_after_the_run(tmp_path, capsys, monkeypatch):
+    """docs/reproducing.md's Table 1 sweep, as printed: each run's fit, then its evaluations."""
     monkeypatch.chdir(ROOT)
-    sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path),
-                "--grid", "model.shortcut.alpha_min=0.6,1.0",
-                "--evaluate", "ft=configs/finetune_digits.yaml,trainer.max_epochs=2",
-                "--evaluate", "lp=configs/linear_probe_digits.yaml,configs/probe/mae_imagenet1k.yaml", "--print"])
+    page = (ROOT / "docs" / "reproducing.md").read_text().replace("\\\n", " ")
+    command = next(line for line in page.splitlines() if "--experiment table1_digits" in line)
+    args = shlex.split(command)[2:]
+    sweep.main([*args, "--runs-dir", str(tmp_path), "--print"])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2
-    fit, ft, lp = (shlex.split(part) for part in lines[0].split(" && "))
-    run = tmp_path / "e" / "alpha_min=0.6"
+    assert len(lines) == 2  # one line per alpha_min
+    fit, ft, lp_mae, lp = (shlex.split(part) for part in lines[0].split(" && "))
+    run = tmp_path / "table1_digits" / "alpha_min=0.6"
     assert ft[:3] == ["shortcutlab", "fit", "--config=configs/finetune_digits.yaml"]
-    assert "--trainer.max_epochs=2" in ft and ft[-1] == f"--config={run / 'ft' / 'run.yaml'}"
-    assert lp[2:4] == ["--config=configs/linear_probe_digits.yaml", "--config=configs/probe/mae_imagenet1k.yaml"]
+    assert ft[-1] == f"--config={run / 'ft' / 'run.yaml'}"
+    assert lp_mae[2:4] == ["--config=configs/linear_probe_digits.yaml", "--config=configs/probe/mae_imagenet1k.yaml"]
+    assert "--trainer.max_epochs=90" in lp_mae and "--trainer.max_epochs=90" not in lp
     assert lp[-1] == f"--config={run / 'lp' / 'run.yaml'}"
-    assert all(any(a.startswith("--model.checkpoint=$(ls -t ") for a in args) for args in (ft, lp))
+    assert all(any(a.startswith("--model.checkpoint=$(ls -t ") for a in part) for part in (ft, lp_mae, lp))
 
 
 @pytest.mark.slow
