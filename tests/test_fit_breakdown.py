@@ -1,0 +1,48 @@
+"""benchmarks/fit_breakdown.py, the parts that run without a GPU: the callback clock counts the
+seconds inside each callback's hooks from the warm-up on (a hand-made callback that sleeps a known
+time), the throughput record counts the images after the warm-up, and the rows are the fractions
+of the step alone."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from benchmarks.fit_breakdown import Breakdown, CallbackClock, Case, Throughput, rows
+
+
+class Sleeps(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        time.sleep(0.02)
+
+    def on_train_epoch_end(self, trainer, pl_module):  # noqa: ANN001
+        time.sleep(0.05)
+
+
+def test_the_clock_and_the_record_count_from_the_warm_up_on(tmp_path):
+    clock, record = CallbackClock(str(tmp_path / "clock.json"), 2), Throughput(str(tmp_path / "rate.json"), 2)
+    trainer = Trainer(max_steps=8, limit_train_batches=4, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, callbacks=[Sleeps(), clock, record],
+                      default_root_dir=tmp_path)
+    trainer.fit(BoringModel())
+    timed = json.loads((tmp_path / "clock.json").read_text())
+    assert timed["steps"] == 6  # steps 2..7
+    sleeps = timed["seconds"]["Sleeps"]
+    assert 6 * 0.02 <= sleeps["per step"] < 6 * 0.02 + 0.5
+    assert 2 * 0.05 <= sleeps["per epoch"] < 2 * 0.05 + 0.5  # two epoch ends after the warm-up
+    rate = json.loads((tmp_path / "rate.json").read_text())
+    assert rate["steps"] == 8 and rate["steps_per_epoch"] == 4 and rate["images_per_s"] > 0
+
+
+def test_rows_are_fractions_of_the_step_alone():
+    case = Case("c", [], 20, 100, "generated")
+    out = rows(Breakdown(case, batch_size=128, steps_per_epoch=100, step=200.0, loader=400.0, bare_fit=180.0,
+                         shipped_fit=150.0, callback_seconds={"EMA": {"per step": 0.064, "per epoch": 0.0}}))
+    values = {row.name: row.median for row in out}
+    assert values["the fit as shipped"] == pytest.approx(0.75) and values["the fit without callbacks"] == 0.9
+    assert values["the training loader alone (to the device, nothing trained)"] == 2.0
+    assert values["callback EMA"] == pytest.approx(0.1)  # 64 ms against 128 images at 200 img/s (0.64 s)
+    assert "1.00 epochs (100 steps each)" in out[0].detail
