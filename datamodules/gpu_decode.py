@@ -16,7 +16,7 @@ same box and flip, the two agree within resampling rounding (tested). A file nvJ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,22 +62,23 @@ class EncodedImages:
 
 class EncodedCrop:
     """The loader of one training image (for an ImageFolder): its bytes and the augmentation drawn
-    for it, ``(data, box, flip)``; decoding is left to :func:`decode_and_augment`."""
+    for it, ``(data, box, flip)``; decoding is left to :func:`decode_and_augment`. ``read_pixels``
+    decodes a file the device cannot (``3 x H x W`` uint8) and raises the dataset's one-line error
+    for a file nothing can read."""
 
-    def __init__(self, scale: Sequence[float], horizontal_flip: bool,
+    def __init__(self, scale: Sequence[float], horizontal_flip: bool, read_pixels: Callable[[str], torch.Tensor],
                  ratio: Sequence[float] = (3 / 4, 4 / 3)) -> None:
         self.scale, self.ratio, self.horizontal_flip = list(scale), list(ratio), horizontal_flip
+        self.read_pixels = read_pixels
 
     def __call__(self, path: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        from datamodules.imagenet import read_rgb_image, read_rgb_tensor
-
         try:
             with Image.open(path) as header:  # the size and mode only: nothing decoded
                 size, decodable = header.size, header.format == "JPEG" and header.mode in GPU_DECODABLE_MODES
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-            read_rgb_image(path)  # raises the one-line CorruptImageError naming the file
+            self.read_pixels(path)  # raises the dataset's one-line error naming the file
             raise
-        data = read_file(path) if decodable else read_rgb_tensor(path)
+        data = read_file(path) if decodable else self.read_pixels(path)
         width, height = size
         shape_only = torch.empty(1, 1, 1).expand(1, height, width)  # get_params reads the size alone
         box = transforms.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)

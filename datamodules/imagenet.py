@@ -205,7 +205,7 @@ class ImageNet(ImageDataModule):
             return super().make_train_datasets()
         samples = self.load_split(train=True)
         encoded = copy.copy(samples)  # the same file list; the workers read bytes and draw the crops
-        encoded.loader = EncodedCrop(self.crop_scale, self.horizontal_flip)
+        encoded.loader = EncodedCrop(self.crop_scale, self.horizontal_flip, read_pixels=read_rgb_tensor)
         return self.wrap_eval(samples), encoded
 
     def train_dataloader(self) -> Any:

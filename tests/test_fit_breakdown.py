@@ -8,8 +8,11 @@ import json
 import time
 
 import pytest
+import torch
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader, TensorDataset
+
+from line_module import Line
 
 from benchmarks.fit_breakdown import Breakdown, CallbackClock, Case, Throughput, rows
 
@@ -24,10 +27,11 @@ class Sleeps(Callback):
 
 def test_the_clock_and_the_record_count_from_the_warm_up_on(tmp_path):
     clock, record = CallbackClock(str(tmp_path / "clock.json"), 2), Throughput(str(tmp_path / "rate.json"), 2)
-    trainer = Trainer(max_steps=8, limit_train_batches=4, limit_val_batches=0, logger=False, enable_progress_bar=False,
+    trainer = Trainer(max_steps=8, limit_val_batches=0, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, callbacks=[Sleeps(), clock, record],
                       default_root_dir=tmp_path)
-    trainer.fit(BoringModel())
+    points = DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4)
+    trainer.fit(Line(), points)
     timed = json.loads((tmp_path / "clock.json").read_text())
     assert timed["steps"] == 6  # steps 2..7
     sleeps = timed["seconds"]["Sleeps"]

@@ -25,6 +25,7 @@ the writes in the loop. Remote paths (``s3://`` ...) keep Lightning's fsspec pat
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -115,6 +116,8 @@ class BackgroundCheckpointIO(AtomicCheckpointIO):
         if storage_options is not None or get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
         self.wait()  # one write at a time (and the buffers free again); a failed one is raised here
+        with contextlib.suppress(OSError):  # now, as a write in the loop would: Lightning links last.ckpt into it
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # (a failure is the write's one-line error)
         snapshot = host_snapshot(checkpoint, self._buffers)
         self._submit(AtomicCheckpointIO.save_checkpoint, self, snapshot, path)
 

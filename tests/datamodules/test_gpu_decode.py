@@ -12,7 +12,7 @@ from torchvision.transforms import InterpolationMode, v2
 
 from benchmarks.data_pipeline import write_jpeg_folder
 from datamodules.gpu_decode import EncodedCrop, EncodedImages, collate_encoded, decode_and_augment
-from datamodules.imagenet import IMAGENET_MEAN, IMAGENET_STD, CorruptImageError, ImageNet
+from datamodules.imagenet import IMAGENET_MEAN, IMAGENET_STD, CorruptImageError, ImageNet, read_rgb_tensor
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_the_boxes_are_the_cpu_transform_s_draws(jpegs):
         torch.manual_seed(7)
         expected = crop.make_params([image])
         torch.manual_seed(7)
-        data, box, _ = EncodedCrop((0.2, 1.0), horizontal_flip=True)(str(path))
+        data, box, _ = EncodedCrop((0.2, 1.0), horizontal_flip=True, read_pixels=read_rgb_tensor)(str(path))
         assert box.tolist() == [expected[k] for k in ("top", "left", "height", "width")]
         assert data.ndim == 1 and bytes(data[:2].tolist()) == b"\xff\xd8"  # the file itself, not decoded
 
@@ -62,16 +62,16 @@ def test_pixels_equal_the_cpu_path_within_resampling_rounding(jpegs, flip):
 def test_a_non_jpeg_travels_decoded_and_a_corrupt_file_is_one_line(tmp_path, jpegs):
     png = tmp_path / "x.png"
     Image.open(next((jpegs / "train" / "n0").glob("*.JPEG"))).save(png)
-    data, box, flip = EncodedCrop((1.0, 1.0), horizontal_flip=False)(str(png))
+    data, box, flip = EncodedCrop((1.0, 1.0), horizontal_flip=False, read_pixels=read_rgb_tensor)(str(png))
     assert data.shape[0] == 3 and data.dtype == torch.uint8 and flip is False
-    jpeg = EncodedCrop((1.0, 1.0), horizontal_flip=False)(str(next((jpegs / "train" / "n0").glob("*.JPEG"))))
+    jpeg = EncodedCrop((1.0, 1.0), horizontal_flip=False, read_pixels=read_rgb_tensor)(str(next((jpegs / "train" / "n0").glob("*.JPEG"))))
     images, labels = collate_encoded([((data, box, flip), 4), (jpeg, 1)])
     assert torch.equal(images.item(0), data) and images.item(1).ndim == 1  # pixels and bytes in one payload
     out = decode_and_augment(images, torch.device("cpu"), 32, IMAGENET_MEAN, IMAGENET_STD)
     assert out.shape == (2, 3, 32, 32) and labels.tolist() == [4, 1]
     (tmp_path / "bad.JPEG").write_bytes(b"\xff\xd8 not a jpeg")
     with pytest.raises(CorruptImageError, match="bad.JPEG") as err:
-        EncodedCrop((0.2, 1.0), horizontal_flip=True)(str(tmp_path / "bad.JPEG"))
+        EncodedCrop((0.2, 1.0), horizontal_flip=True, read_pixels=read_rgb_tensor)(str(tmp_path / "bad.JPEG"))
     assert "\n" not in str(err.value)
 
 

@@ -8,7 +8,9 @@ import threading
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader, TensorDataset
+
+from line_module import Line
 
 from lightning_mods.checkpointing import atomic_files, checkpoint_io
 from lightning_mods.checkpointing.atomic_files import DiskWriteError
@@ -103,12 +105,12 @@ def test_the_snapshot_copies_every_tensor_and_container():
 
 
 def test_a_fit_s_checkpoint_is_on_disk_and_loadable_when_fit_returns(tmp_path):
-    trainer = Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=0, default_root_dir=tmp_path,
+    trainer = Trainer(max_epochs=2, limit_val_batches=0, default_root_dir=tmp_path,
                       logger=False, enable_progress_bar=False, enable_model_summary=False)
     checkpoint_io.install(trainer)
     assert isinstance(trainer.strategy.checkpoint_io, BackgroundCheckpointIO)
-    model = BoringModel()
-    trainer.fit(model)
+    model = Line()
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(12, 2)), batch_size=4))
     (saved,) = (tmp_path / "checkpoints").glob("*.ckpt")
     state = torch.load(saved, weights_only=False)
     assert state["global_step"] == 6
