@@ -19,6 +19,12 @@ a pre-emption checkpoint (SIGTERM, SIGINT, SIGUSR1) and at interpreter exit; a w
 (a full disk) is raised at the next save or at the end, as the one-line
 :class:`~lightning_mods.checkpointing.atomic_files.DiskWriteError`.
 
+Writes go to the background while a fit runs (from :func:`install`, which the reliability
+callbacks call when a fit sets up, to the strategy's teardown): a ``trainer.save_checkpoint``
+after ``fit`` returns writes at once, so the file is there for the next line that reads it.
+Inside a fit, read a checkpoint just saved through the strategy's ``checkpoint_io`` (which
+waits) or after :func:`finish_writes`.
+
 Installed by the reliability callbacks (:func:`install`) when the strategy still has Lightning's
 default; ``--trainer.plugins=lightning_mods.checkpointing.checkpoint_io.AtomicCheckpointIO`` keeps
 the writes in the loop. Remote paths (``s3://`` ...) keep Lightning's fsspec path.
@@ -111,11 +117,12 @@ class BackgroundCheckpointIO(AtomicCheckpointIO):
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []
         self._buffers: list[torch.Tensor] = []  # the last snapshot's host buffers, reused once it is written
+        self.background = True  # off after teardown (a fit's end), on again at install
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or get_protocol(str(path)) != "file":
-            return super().save_checkpoint(checkpoint, path, storage_options)
         self.wait()  # one write at a time (and the buffers free again); a failed one is raised here
+        if storage_options is not None or get_protocol(str(path)) != "file" or not self.background:
+            return super().save_checkpoint(checkpoint, path, storage_options)
         with contextlib.suppress(OSError):  # now, as a write in the loop would: Lightning links last.ckpt into it
             Path(path).parent.mkdir(parents=True, exist_ok=True)  # (a failure is the write's one-line error)
         snapshot = host_snapshot(checkpoint, self._buffers)
@@ -142,6 +149,8 @@ class BackgroundCheckpointIO(AtomicCheckpointIO):
             task.result()
 
     def teardown(self) -> None:
+        self.background = False  # until the next fit's install: saves after it are on disk at once
+        self._buffers = []  # page-locked host memory, not kept between fits
         try:
             self.wait()
         finally:
@@ -163,3 +172,5 @@ def install(trainer: Any) -> None:
     strategy = trainer.strategy
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = BackgroundCheckpointIO()
+    if isinstance(strategy.checkpoint_io, BackgroundCheckpointIO):
+        strategy.checkpoint_io.background = True

@@ -115,3 +115,9 @@ def test_a_fit_s_checkpoint_is_on_disk_and_loadable_when_fit_returns(tmp_path):
     state = torch.load(saved, weights_only=False)
     assert state["global_step"] == 6
     assert all(torch.equal(state["state_dict"][k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        model.lin.bias.fill_(7.0)
+    trainer.save_checkpoint(saved)  # after the fit: written at once, over the file of that name
+    assert torch.load(saved, weights_only=False)["state_dict"]["lin.bias"].item() == 7.0
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(12, 2)), batch_size=4), ckpt_path=saved)
+    assert trainer.strategy.checkpoint_io.background is False  # on during the second fit, off after it
