@@ -253,9 +253,8 @@ def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed clas
     config or the command line set to other than the class's default: what a link would replace."""
     if model is None or not hasattr(model, "get") or not model.get("class_path"):
         return {}
-    module, _, name = str(model.get("class_path")).rpartition(".")
     try:
-        defaults = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+        defaults = inspect.signature(import_path(str(model.get("class_path")))).parameters
     except (ImportError, AttributeError, TypeError, ValueError):
         return {}
     init = model.get("init_args") or {}

@@ -272,9 +272,14 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
             raise RuntimeError(f"{self.dataset_name}: call setup('fit') before asking for its loader")
         # Dropping the last batch of a split smaller than one batch would leave an empty epoch.
         drop_last = self.drop_last_train and len(self.train_dataset) >= self.batch_size
+        options = dict(num_workers=self.num_workers, pin_memory=self.pin_memory and self.feeds_cuda(),
+                       persistent_workers=self.persistent_workers)
         return self.resumable_train_loader(self.train_dataset, self.batch_size, drop_last=drop_last,
-                                           num_workers=self.num_workers, pin_memory=self.pin_memory and self.feeds_cuda(),
-                                           persistent_workers=self.persistent_workers)
+                                           **{**options, **self.train_loader_options()})
+
+    def train_loader_options(self) -> dict[str, Any]:
+        """DataLoader arguments of the train loader that a subclass sets (e.g. a ``collate_fn``)."""
+        return {}
 
     def val_dataloader(self) -> DataLoader:
         return self.make_loader(self.val_dataset, "validate", self.eval_batch_size)

@@ -208,15 +208,9 @@ class ImageNet(ImageDataModule):
         encoded.loader = EncodedCrop(self.crop_scale, self.horizontal_flip, read_pixels=read_rgb_tensor)
         return self.wrap_eval(samples), encoded
 
-    def train_dataloader(self) -> Any:
-        if self.decoder != "gpu":
-            return super().train_dataloader()
-        if self.train_dataset is None:
-            raise RuntimeError("ImageNet: call setup('fit') before asking for its loader")
-        drop_last = self.drop_last_train and len(self.train_dataset) >= self.batch_size
-        return self.resumable_train_loader(self.train_dataset, self.batch_size, drop_last=drop_last,
-                                           num_workers=self.num_workers, collate_fn=collate_encoded,
-                                           persistent_workers=self.persistent_workers)
+    def train_loader_options(self) -> dict[str, Any]:
+        # encoded batches: bytes that stay on the host (decode_jpeg reads them there)
+        return {"collate_fn": collate_encoded, "pin_memory": False} if self.decoder == "gpu" else {}
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Encoded training batches are decoded and augmented on ``device``; others move as they are."""

@@ -73,13 +73,13 @@ def host_snapshot(checkpoint: dict[str, Any], pool: Optional[list[torch.Tensor]]
     it is filled with this snapshot's buffers."""
     on_accelerator: set[torch.device] = set()
     copies: dict[int, torch.Tensor] = {}  # a tensor under two names (tied weights) stays one
-    reused = list(pool or [])
+    reused = iter(list(pool or []))
     if pool is not None:
         pool.clear()
 
     def buffer_for(tensor: torch.Tensor) -> torch.Tensor:
-        if reused:
-            candidate = reused.pop(0)
+        candidate = next(reused, None)
+        if candidate is not None:
             if (candidate.shape, candidate.dtype, candidate.stride()) == (tensor.shape, tensor.dtype, tensor.stride()):
                 return candidate
         pinned = tensor.device.type == "cuda"
