@@ -4,6 +4,7 @@ write before it, a failed write is raised, and a fit's checkpoints are on disk w
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,37 +19,40 @@ from lightning_mods.checkpointing.checkpoint_io import BackgroundCheckpointIO, h
 
 
 class HeldWrites:
-    """``write_atomically`` stand-in that waits for ``release`` before each write (then writes)."""
+    """Stand-in of the background write (serialising, then ``write_atomically``) that waits for
+    ``release`` before it starts, then writes: whatever the loop changes meanwhile is changed
+    before the checkpoint is serialised."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: BaseException | None = None) -> None:
         self.release = threading.Event()
         self.started = threading.Event()
         self.fail = fail
         self.written: list[str] = []
-        real = atomic_files.write_atomically
+        real = checkpoint_io.save_torch_atomically
 
-        def held(path, write, size=None):  # noqa: ANN001, ANN202
+        def held(obj, path):  # noqa: ANN001, ANN202
             self.started.set()
             assert self.release.wait(10), "the test never released the write"
             if self.fail is not None:
                 raise self.fail
             self.written.append(str(path))
-            return real(path, write, size)
-        monkeypatch.setattr(atomic_files, "write_atomically", held)
+            return real(obj, path)
+        monkeypatch.setattr(checkpoint_io, "save_torch_atomically", held)
 
 
 def test_the_file_holds_the_state_when_the_save_was_asked_for(tmp_path, monkeypatch):
     held = HeldWrites(monkeypatch)
     io = BackgroundCheckpointIO()
-    weight, steps = torch.zeros(4), [1, 2]
+    # a namespace (as jsonargparse's in hyper-parameters) is an object the tensor walk does not rebuild
+    weight, steps = torch.zeros(4), SimpleNamespace(seen=[1, 2])
     io.save_checkpoint({"state_dict": {"w": weight}, "nested": {"steps": steps}}, tmp_path / "a.ckpt")
     assert held.started.wait(10)
     weight.add_(5.0)  # the loop goes on while the file is written
-    steps.append(3)
+    steps.seen.append(3)
     held.release.set()
     io.teardown()
     saved = torch.load(tmp_path / "a.ckpt", weights_only=False)
-    assert torch.equal(saved["state_dict"]["w"], torch.zeros(4)) and saved["nested"]["steps"] == [1, 2]
+    assert torch.equal(saved["state_dict"]["w"], torch.zeros(4)) and saved["nested"]["steps"].seen == [1, 2]
     assert atomic_files.last_good_checkpoint == tmp_path / "a.ckpt"
 
 
