@@ -94,8 +94,7 @@ class Run:
 
     def final(self, metric: str, probe: Union[bool, str] = False) -> Optional[float]:
         """The last logged value of ``metric`` (None when never logged or not counted)."""
-        if not self.counted or (probe is True and self.probe_problem is not None) \
-                or (isinstance(probe, str) and probe in self.evaluation_problems):
+        if not self.counted:  # a probe or an evaluation with a problem logged nothing that is read
             return None
         points = self.history(metric, probe)
         return points[-1].value if points else None

@@ -539,3 +539,7 @@ def test_sweep_evaluates_the_run_s_checkpoint_and_reports_it(tmp_path, monkeypat
     group = json.loads((tmp_path / "t1" / "report" / "report.json").read_text())["groups"][0]
     assert 0.0 <= group["metrics"]["ft/val/top1"]["mean"] <= 1.0 and group["problems"] == []
     assert "ft top-1 (%)" in capsys.readouterr().out
+    again = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
+                        "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}{short}"])
+    assert "--evaluate ft" not in capsys.readouterr().out  # finished before: neither run nor evaluation again
+    assert again[0]["evaluations"] == records[0]["evaluations"]

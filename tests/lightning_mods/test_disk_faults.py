@@ -169,3 +169,19 @@ def test_a_checkpoint_folder_removed_mid_run_is_made_again(tmp_path):
     last = Path(out.trainer.checkpoint_callback.dirpath) / "last.ckpt"
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 6
     assert json.dumps(out.trainer.checkpoint_callback.best_model_path).endswith('step=6.ckpt"')
+
+
+def test_a_folder_removed_while_a_file_is_written_is_made_again(tmp_path):
+    import shutil
+
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    attempts = []
+
+    def write(f):  # noqa: ANN001
+        attempts.append(1)
+        if len(attempts) == 1:  # the folder goes, temporary file and all, before the rename
+            shutil.rmtree(target.parent)
+        f.write(b"whole")
+    atomic_files.write_atomically(target, write)
+    assert target.read_bytes() == b"whole" and len(attempts) == 2
+
