@@ -72,7 +72,12 @@ class ExactEvaluation:
         sampler = getattr(loader, "sampler", None) if isinstance(loader, DataLoader) else None
         if not isinstance(sampler, DistributedSampler):
             return positions
-        order = torch.as_tensor(list(iter(sampler)), dtype=torch.int64)  # this rank's indices, padding included
+        key = (id(sampler), sampler.epoch)  # this rank's indices, padding included: once per epoch
+        cached = self.__dict__.get("_sampler_order")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.as_tensor(list(iter(sampler)), dtype=torch.int64))
+            self.__dict__["_sampler_order"] = cached
+        order = cached[1]
         return order[positions.clamp(max=len(order) - 1)]
 
     def without_repeats(self, batch_idx: int, *tensors: torch.Tensor, dataloader_idx: int = 0) -> tuple:
