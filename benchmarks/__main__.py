@@ -12,14 +12,15 @@ from typing import Callable
 
 import torch
 
-from . import data_pipeline, fit_breakdown, models, over_depth, probe_accuracy, report, several_settings, startup, training
+from . import (data_pipeline, fit_breakdown, models, op_counts, over_depth, probe_accuracy, report, several_settings,
+               startup, training)
 from .settings import Settings
 from .timing import skipped
 
 RESULTS = Path(__file__).with_name("results.md")  # the full suite's table (README, Performance)
 GROUPS = {"models": models.run, "training": training.run, "several": several_settings.run,
           "depth": over_depth.run, "startup": startup.run, "data": data_pipeline.run,
-          "probe-accuracy": probe_accuracy.run, "breakdown": fit_breakdown.run}
+          "probe-accuracy": probe_accuracy.run, "breakdown": fit_breakdown.run, "ops": op_counts.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

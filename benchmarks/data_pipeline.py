@@ -1,7 +1,8 @@
 """The ImageNet data pipeline at GPU rates: images per second one loader
 worker decodes and augments with the MAE train transform at 224 px (RandomResizedCrop, bicubic,
 scale 0.2-1, flip, normalise), PIL against ``torchvision.io.decode_image`` + ``transforms.v2``
-on uint8 tensors, and the workers a GPU needs at the paper's step rate.
+on uint8 tensors and facebookresearch/mae's own pipeline (PIL ``ImageFolder`` and
+``torchvision.transforms``), and the workers a GPU needs at the paper's step rate.
 
 The images are real JPEG files (quality 90, ImageNet's usual 500 x 375 and 333 x 500 sizes,
 about 80 KB each: smooth colour fields plus noise) in an ImageFolder tree, read through
@@ -19,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ from PIL import Image
 
 from datamodules.imagenet import ImageNet
 
+from .official_loops import mae_loader
 from .settings import Settings
 from .timing import Row, ratio_row
 
@@ -68,8 +71,10 @@ def run(settings: Settings) -> list[Row]:
                 data = ImageNet(data_dir=root, num_classes=2, image_size=224, decoder=decoder)
                 data.setup("fit")
                 datasets[decoder] = data.train_dataset
-                datasets[decoder][0]  # warm-up: first-call costs out of the timing
-            rates: dict[str, list[float]] = {"torchvision": [], "pil": []}
+            datasets["official"] = mae_loader(Path(root) / "train", 224, 1, 0).dataset
+            for dataset in datasets.values():
+                dataset[0]  # warm-up: first-call costs out of the timing
+            rates: dict[str, list[float]] = {name: [] for name in datasets}
             for _ in range(settings.rounds):
                 for decoder, dataset in datasets.items():
                     rates[decoder].append(images_per_second(dataset, passes))
@@ -86,6 +91,12 @@ def run(settings: Settings) -> list[Row]:
         ratio_row(SECTION, f"default decoder ({default}) / the other, images/s",
                   [(a / b if default == "torchvision" else b / a) for a, b in zip(rates["torchvision"], rates["pil"])],
                   ">= 1.00", "the faster decoder is ImageNet's default"),
+        ratio_row(SECTION, "images/s per worker, facebookresearch/mae's pipeline (PIL ImageFolder + transforms)",
+                  rates["official"], None, "RandomResizedCrop(224, (0.2, 1), bicubic), flip, ToTensor, Normalize",
+                  unit="img/s"),
+        ratio_row(SECTION, f"default decoder ({default}) / facebookresearch/mae's pipeline, images/s per worker",
+                  [a / b for a, b in zip(rates[default], rates["official"])], ">= 1.00",
+                  "the same files, one worker each"),
         Row(SECTION, "loader workers per GPU at the paper's ViT-B MAE step rate (356 img/s per A40)",
             PAPER_IMAGES_PER_GPU / fastest, PAPER_IMAGES_PER_GPU / fastest, None, "workers",
             f"{PAPER_IMAGES_PER_GPU:.0f} img/s per GPU (1.28 M images x 800 epochs in 200 h on 4 A40s) / "

@@ -6,7 +6,11 @@ Each figure is in images per second and as a fraction of the first row:
 
 1. **the network's step alone**: the module's own ``training_step`` (forward and loss), backward and
    the package's fused AdamW step, under the fit's precision, on one batch already on the device:
-   no Trainer, no loader, no callback;
+   no Trainer, no loader, no callback, no loader worker alive; warmed up until two successive
+   windows of steps agree within 2 % (a GPU step keeps speeding up for hundreds of steps after
+   the first few: allocator, autotuning, clocks), the warm-up it took in the table;
+   (with ``peer``, also **the official recipe's own training loop** around the same network,
+   :mod:`benchmarks.official_loops`, and the fits as ratios to it);
 2. **the loader alone**: the config's training loader iterated and each batch copied to the
    device (non-blocking, as Lightning does), nothing trained;
 3. **the fit without callbacks**: ``shortcutlab fit`` with ``--trainer.callbacks=[]`` and
@@ -25,6 +29,7 @@ hold, and the table says it. Fits are separate ``shortcutlab fit`` processes, on
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import subprocess
 import sys
@@ -43,6 +48,7 @@ from .timing import Row, skipped, synchronize
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "where a fit's time goes"
+PEERS = {"mae": "facebookresearch/mae", "uvit": "baofff/U-ViT"}
 
 
 @dataclass
@@ -55,6 +61,7 @@ class Case:
     timed: int
     note: str = ""  # what the data is (generated, its epoch length)
     fits: tuple[str, ...] = ("none", "shipped", "clocked")  # the fits to make (see timed_fit)
+    peer: Optional[str] = None  # "mae" or "uvit": also time that paper's own loop (benchmarks.official_loops)
 
 
 @dataclass
@@ -65,6 +72,8 @@ class Breakdown:
     batch_size: int = 0
     steps_per_epoch: Optional[int] = None
     step: Optional[float] = None
+    step_warmup: Optional[int] = None  # the steps it took the step alone to settle
+    peer_loop: Optional[float] = None
     compiled_step: Optional[float] = None
     compile_seconds: Optional[float] = None
     loader: Optional[float] = None
@@ -219,32 +228,83 @@ def built(case: Case, settings: Settings) -> tuple[LightningModule, Any]:
     return cli.model, cli.datamodule
 
 
-def step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int, timed: int) -> float:
-    """Images per second of forward + loss (``training_step``), backward and a fused AdamW step on
-    ``batch``, already on the device."""
+STABLE_WITHIN = 0.02  # two successive windows of the step alone this close: warm
+MAX_WINDOWS = 40
+
+
+def settled_rate(step: Callable[[int], None], batch_size: int, device: torch.device, warmup: int,
+                 window: int, max_windows: int = MAX_WINDOWS) -> tuple[float, int]:
+    """``(images per second, warm-up steps taken)`` of ``step``: after ``warmup`` steps, windows of
+    ``window`` steps until two successive ones agree within :data:`STABLE_WITHIN` (at most
+    ``max_windows``); the rate is the two windows' together."""
+    for index in range(warmup):
+        step(index)
+    done, previous = warmup, None
+    for _ in range(max_windows):
+        synchronize(device)
+        start = time.perf_counter()
+        for index in range(window):
+            step(done + index)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        done += window
+        if previous is not None and abs(seconds - previous) <= STABLE_WITHIN * min(seconds, previous):
+            return 2 * window * batch_size / (seconds + previous), done - 2 * window
+        previous = seconds
+    return window * batch_size / previous, done - window
+
+
+def network_step(model: LightningModule, batch: Any, settings: Settings) -> Callable[[int], None]:
+    """One step of forward + loss (``training_step``), backward and a fused AdamW step on
+    ``batch``, already on the device (``self.log`` without a Trainer: warnings silenced)."""
     from lightning_mods.training.optim import adamw, param_groups_weight_decay
 
     model.to(settings.torch_device).train()
     optimizer = adamw(param_groups_weight_decay(model, 0.05), lr=1e-4)
 
     def step(index: int) -> None:
-        with settings.autocast():
+        with settings.autocast(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             loss = model.training_step(batch, index)
         loss = loss["loss"] if isinstance(loss, dict) else loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return step
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer
-        for index in range(warmup):
-            step(index)
-        synchronize(settings.torch_device)
-        start = time.perf_counter()
-        for index in range(timed):
-            step(warmup + index)
-        synchronize(settings.torch_device)
+
+def step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int, timed: int) -> float:
+    """Images per second of :func:`network_step` after ``warmup`` steps, over ``timed`` steps."""
+    step = network_step(model, batch, settings)
+    for index in range(warmup):
+        step(index)
+    synchronize(settings.torch_device)
+    start = time.perf_counter()
+    for index in range(timed):
+        step(warmup + index)
+    synchronize(settings.torch_device)
     return timed * len(batch[0]) / (time.perf_counter() - start)
+
+
+def settled_step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int,
+                       window: int) -> tuple[float, int]:
+    """``(images per second, warm-up steps)`` of :func:`network_step`, warmed up until two
+    successive windows of ``window`` steps agree (:func:`settled_rate`): the table's figure."""
+    return settled_rate(network_step(model, batch, settings), len(batch[0]), settings.torch_device, warmup, window)
+
+
+def peer_loop(case: Case, model: LightningModule, data: Any, settings: Settings) -> float:
+    """Images per second of the official recipe's own loop (``case.peer``) around ``model``, on
+    the config's data folder."""
+    from . import official_loops
+
+    if case.peer == "mae":
+        return official_loops.mae_loop(model, Path(data.data_dir) / "train", data.image_size, data.batch_size,
+                                       data.num_workers, settings, case.warmup, case.timed)
+    if case.peer == "uvit":
+        return official_loops.uvit_loop(model, Path(data.data_dir), data.batch_size, official_loops.UVIT_WORKERS,
+                                        settings, case.warmup, case.timed)
+    raise ValueError(f"fit_breakdown: unknown peer {case.peer!r}")
 
 
 def compiled_step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int,
@@ -288,17 +348,25 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
         model, data = built(case, settings)
         data.prepare_data()
         data.setup("fit")
+        to_device = functools.partial(data.transfer_batch_to_device, device=settings.torch_device, dataloader_idx=0)
         loader = data.train_dataloader()
         result.batch_size = loader.batch_size
         result.steps_per_epoch = len(loader)
-        to_device = functools.partial(data.transfer_batch_to_device, device=settings.torch_device, dataloader_idx=0)
-        result.loader = loader_alone(loader, to_device, settings, max(2, case.warmup // 4), case.timed)
         batch = to_device(next(iter(loader)))
-        result.step = step_alone(model, batch, settings, case.warmup, case.timed)
+        del loader  # its workers end: the step alone runs with none alive
+        gc.collect()
+        result.step, result.step_warmup = settled_step_alone(model, batch, settings, case.warmup,
+                                                             max(2, min(case.timed, 20)))
         if settings.compile:
             result.compiled_step, result.compile_seconds = compiled_step_alone(model, batch, settings, case.warmup,
                                                                                case.timed)
-        del model, data, loader, batch
+        loader = data.train_dataloader()
+        result.loader = loader_alone(loader, to_device, settings, max(2, case.warmup // 4), case.timed)
+        del loader, batch
+        gc.collect()
+        if case.peer:
+            result.peer_loop = peer_loop(case, model, data, settings)
+        del model, data
     except Exception as err:  # noqa: BLE001 (the error goes into the table)
         result.errors.append(f"step/loader: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
     finally:
@@ -332,8 +400,13 @@ def rows(breakdown: Breakdown) -> list[Row]:
                f"({breakdown.steps_per_epoch} steps each){'; ' + case.note if case.note else ''}")
     step = breakdown.step
     out = []
-    figures = (("the network's step alone (batch on the device, fused AdamW)", breakdown.step, context),
+    warm = f"warmed up {breakdown.step_warmup} steps (until two windows agreed within 2 %); " \
+        if breakdown.step_warmup is not None else ""
+    peer = breakdown.peer_loop
+    figures = (("the network's step alone (batch on the device, fused AdamW)", breakdown.step, warm + context),
                ("the training loader alone (to the device, nothing trained)", breakdown.loader, ""),
+               *(((f"the official recipe's own training loop ({PEERS[case.peer]})", peer,
+                   "same network, its own data pipeline and loop"),) if case.peer else ()),
                *((("the network's step alone, residual blocks compiled (CompileBlocks)", breakdown.compiled_step,
                    f"compiling took {breakdown.compile_seconds:.0f} s"),) if breakdown.compiled_step else ()),
                ("the fit without callbacks", breakdown.bare_fit, ""),
@@ -346,8 +419,11 @@ def rows(breakdown: Breakdown) -> list[Row]:
             out.append(skipped(section, name, "; ".join(breakdown.errors) or "not measured"))
             continue
         fraction = rate / step if step else None
+        if peer and name in made:
+            detail = f"{rate / peer:.2f}x the official loop"
         out.append(Row(section, name, fraction, fraction, None, "x",
-                       f"{rate:.1f} img/s" + (f"; {detail}" if detail else ""), {"images_per_s": rate}))
+                       f"{rate:.1f} img/s" + (f"; {detail}" if detail else ""),
+                       {"images_per_s": rate, **({"of_official_loop": rate / peer} if peer and name in made else {})}))
     step_seconds = breakdown.batch_size / step if step else None
     for callback, spent in sorted(breakdown.callback_seconds.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(spent.values())

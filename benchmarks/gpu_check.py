@@ -54,6 +54,7 @@ QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
          "spiral": ["--config=configs/spiral_quick.yaml"]}
 PAPER = {"ImageNet-100 MAE ViT-B/16": ("imagenet100_mae_vit_b16_alpha0.6", "imagenet100_mae_vit_b16_alpha1.0"),
          "CIFAR-100 U-ViT-S": ("cifar100_uvit_s_alpha0.6", "cifar100_uvit_s_alpha1.0")}
+PEER = {"ImageNet-100 MAE ViT-B/16": "mae", "CIFAR-100 U-ViT-S": "uvit"}  # the official loop each is timed against
 PRECISIONS = ("32-true", "bf16-mixed")
 PARTS = ("quick", "ddp", "paper", "breakdown", "bench")
 BREAKDOWN_EPOCH_STEPS = 100  # generated data of 100 steps an epoch at batch 128: the timed steps hold one epoch end
@@ -118,7 +119,7 @@ def write_cifar100(root: Path, n_train: int = 2048, n_test: int = 256) -> Path:
 
 
 def paper_data_args(row: str, data: dict[str, Path]) -> list[str]:
-    if row.startswith("imagenet100"):  # the config's own 10 workers
+    if row.startswith("imagenet100"):  # the config's workers (from the host's cores)
         return [f"--data.init_args.data_dir={data['imagenet100']}"]
     return [f"--data.init_args.data_dir={data['cifar100']}", "--data.init_args.download=false",
             "--data.init_args.num_workers=4"]
@@ -257,12 +258,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             data = {"imagenet100": write_imagenet100(scratch / "imagenet100-breakdown", per_class=per_class),
                     "cifar100": write_cifar100(scratch / "cifar100-breakdown", n_train=BREAKDOWN_EPOCH_STEPS * 128)}
             cases = [fit_breakdown.Case(name, composition(rows[0]) + paper_data_args(rows[0], data), WARMUP_STEPS,
-                                        args.breakdown_steps, "generated data of the real shapes")
+                                        args.breakdown_steps, "generated data of the real shapes", peer=PEER[name])
                      for name, rows in PAPER.items()]
             imagenet = cases[0]  # its training images decoded and augmented on the GPU: the loader and the fit
             cases.insert(1, fit_breakdown.Case(f"{imagenet.name}, data.decoder=gpu",
                                                imagenet.fit_args + ["--data.init_args.decoder=gpu"], WARMUP_STEPS,
-                                               args.breakdown_steps, imagenet.note, fits=("shipped",)))
+                                               args.breakdown_steps, imagenet.note, fits=("none", "shipped"),
+                                               peer=None))
 
             def keep(rows_so_far: list) -> None:
                 results["breakdown"] = rows_so_far

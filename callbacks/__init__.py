@@ -42,6 +42,5 @@ MOVED = {
     "callbacks.distributed": "callbacks._utils.distributed",
     "callbacks.feature_collection": "callbacks._utils.feature_collection",
     "callbacks.feature_replay": "callbacks._utils.feature_replay",
-    "callbacks.probe_heads_together": "callbacks._utils.probe_heads_together",
 }
 _install_moved_modules(MOVED)

@@ -4,8 +4,9 @@ The CPU path decodes every image and crops it in a loader worker: at a ViT-B/16 
 needs more cores than a GPU host has. Here the workers only read each file and draw the
 augmentation (RandomResizedCrop's box from the image size in the JPEG header, nothing decoded,
 and the flip); the batch goes to the device as encoded bytes, where ``torchvision.io.decode_jpeg``
-decodes the whole batch at once (nvJPEG on CUDA), and each image is cropped, resized to
-``image_size`` (bicubic, antialiased), flipped and normalised there. The idea is timm's
+decodes the whole batch at once (nvJPEG on CUDA), and the batch is cropped and resized to
+``image_size`` (bicubic, antialiased: two batched matmuls, :mod:`datamodules.batched_resized_crop`),
+flipped and normalised there. The idea is timm's
 prefetcher's (uint8 over the bus, normalised on the device), with the decoding moved too.
 
 The crop box comes from the same ``RandomResizedCrop.get_params`` the CPU transform draws from,
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
+from datamodules.batched_resized_crop import pad_images, resized_crops
 
 GPU_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG decodes to RGB
 
@@ -95,27 +97,55 @@ def collate_encoded(samples: list[tuple[tuple[torch.Tensor, torch.Tensor, bool],
     return EncodedImages.of(data, boxes, flips), labels
 
 
+PADDED_PIXELS = 1 << 25  # per resize call: crops padded to one tensor of at most this many pixels a channel
+
+
 def decode_and_augment(images: EncodedImages, device: torch.device, image_size: int, mean: Sequence[float],
                        std: Sequence[float]) -> torch.Tensor:
     """The ``B x 3 x image_size x image_size`` float32 batch on ``device``: decoded (the JPEGs in one
-    call), cropped, resized (bicubic, antialiased, rounded to whole levels), flipped, normalised."""
+    call), cropped and resized (bicubic, antialiased, rounded to whole levels) as one batch
+    (:mod:`datamodules.batched_resized_crop`), flipped, normalised."""
     device = torch.device(device)
-    items = [images.item(i) for i in range(len(images))]  # host tensors: no synchronisation
-    jpegs = [i for i, item in enumerate(items) if item.ndim == 1]
+    offsets, shapes = images.offsets.tolist(), images.shapes.tolist()  # host tensors: no synchronisation
+    items = [images.payload[offsets[i]:offsets[i + 1]] for i in range(len(images))]
+    jpegs = [i for i, shape in enumerate(shapes) if not shape[0]]
     decoded = dict(zip(jpegs, decode_jpeg([items[i] for i in jpegs], mode=ImageReadMode.RGB,
                                           device=device))) if jpegs else {}
+    boxes = images.boxes.tolist()
+    crops = []
+    for i, (top, left, height, width) in enumerate(boxes):
+        image = decoded[i] if i in decoded else items[i].view(shapes[i]).to(device, non_blocking=True)
+        crops.append(image[:, top:top + height, left:left + width])
     out = torch.empty(len(images), 3, image_size, image_size, device=device)
-    for i, (top, left, height, width) in enumerate(images.boxes.tolist()):
-        image = decoded[i] if i in decoded else items[i].to(device, non_blocking=True)
-        crop = image[:, top:top + height, left:left + width].unsqueeze(0).float()
-        out[i] = F.interpolate(crop, size=(image_size, image_size), mode="bicubic", antialias=True,
-                               align_corners=False)[0]
+    whole = torch.tensor([[0, 0, h, w] for _, _, h, w in boxes], dtype=torch.int64)
+    for chunk in padded_chunks(boxes):
+        index = torch.tensor(chunk, dtype=torch.int64)
+        resized = resized_crops(pad_images([crops[i] for i in chunk]), whole[index], image_size)
+        out.index_copy_(0, index.to(device, non_blocking=True), resized)
     out = out.round_().clamp_(0, 255)
     flips = images.flips.to(device, non_blocking=True).view(-1, 1, 1, 1)
     out = torch.where(flips, out.flip(-1), out)
     mean_ = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
     std_ = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
     return (out - mean_) / std_
+
+
+def padded_chunks(boxes: list[list[int]], budget: int = PADDED_PIXELS) -> list[list[int]]:
+    """The images' indices in groups whose crops, padded to the group's largest height and width,
+    hold at most ``budget`` pixels a channel (one group for a batch of ImageNet-sized crops; an
+    outsized photo gets fewer companions, not a huge padded tensor), smaller crops first."""
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][2] * boxes[i][3])
+    chunks: list[list[int]] = []
+    height = width = 0
+    for i in order:
+        h, w = max(height, boxes[i][2]), max(width, boxes[i][3])
+        if chunks and (len(chunks[-1]) + 1) * h * w <= budget:
+            chunks[-1].append(i)
+            height, width = h, w
+        else:
+            chunks.append([i])
+            height, width = boxes[i][2], boxes[i][3]
+    return chunks
 
 
 def transfer_encoded(batch: Any, device: torch.device, image_size: int, mean: Sequence[float],

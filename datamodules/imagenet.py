@@ -14,6 +14,7 @@ readable image of the split in its place, so batch sizes and epoch length stay t
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 from typing import Any, Callable, Literal, Sequence
@@ -115,6 +116,17 @@ class SelectedClassFolder(ImageFolder):
         return self.selected_classes, {name: i for i, name in enumerate(self.selected_classes)}
 
 
+MAX_HOST_WORKERS = 16
+
+
+def host_workers(processes_per_host: int) -> int:
+    """Loader workers of each training process when none are set: the cores this process may run
+    on (its CPU affinity: a SLURM task's ``--cpus-per-task``), shared by the processes of the host,
+    less one for the process itself, at most :data:`MAX_HOST_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(cores // max(1, processes_per_host) - 1, MAX_HOST_WORKERS))
+
+
 class ImageNet(ImageDataModule):
     """ImageNet-1K (or the ``class_list`` subset, e.g. ImageNet-100) from class folders.
 
@@ -132,6 +144,10 @@ class ImageNet(ImageDataModule):
             device the batch goes to (``datamodules.gpu_decode``; nvJPEG on CUDA, the workers
             only read files); evaluation keeps ``"torchvision"``. Needs the MAE augmentation
             (not ``rand_augment``).
+        decode_ahead: with ``decoder="gpu"`` and loader workers, decode the next batch in a
+            background thread (on its own CUDA stream) while the step runs
+            (``datamodules.decode_ahead``); ``False``: decode each batch when the loop moves it.
+        num_workers: loader workers per process (default: from the host's cores, :func:`host_workers`).
         pin_memory: default on (page-locked batches; applied only when they go to a CUDA device).
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
         centre-crops.
@@ -144,13 +160,13 @@ class ImageNet(ImageDataModule):
 
     def __init__(self, data_dir: str = "data/imagenet", class_list: str | None = None,
                  num_classes: int | None = None, batch_size: int = 256, eval_batch_size: int | None = None,
-                 num_workers: int = 0, image_size: int = 224, train_augmentation: bool = True, horizontal_flip: bool = True,
+                 num_workers: int | None = None, image_size: int = 224, train_augmentation: bool = True, horizontal_flip: bool = True,
                  crop_scale: tuple[float, float] = (0.2, 1.0), eval_crop_ratio: float = 0.875,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  pin_memory: bool = True, drop_last_train: bool = True,
                  persistent_workers: bool = True, rand_augment: str | None = None,
                  random_erasing: float = 0.0, skip_corrupt: bool = False,
-                 decoder: Literal["torchvision", "pil", "gpu"] = "torchvision") -> None:
+                 decoder: Literal["torchvision", "pil", "gpu"] = "torchvision", decode_ahead: bool = True) -> None:
         if decoder not in (*DECODERS, "gpu"):
             raise ValueError(f"ImageNet: decoder must be one of {(*DECODERS, 'gpu')}, got {decoder!r}")
         if decoder == "gpu" and (rand_augment is not None or not train_augmentation):
@@ -164,7 +180,8 @@ class ImageNet(ImageDataModule):
                              f"{len(classes)} classes; leave num_classes unset or make them agree")
         num_classes = len(classes) if classes is not None else (num_classes or IMAGENET_NUM_CLASSES)
         super().__init__(data_dir=data_dir, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                         num_workers=num_workers, image_size=image_size, train_augmentation=train_augmentation, horizontal_flip=horizontal_flip,
+                         num_workers=0 if num_workers is None else num_workers, image_size=image_size,
+                         train_augmentation=train_augmentation, horizontal_flip=horizontal_flip,
                          crop_scale=crop_scale, eval_crop_ratio=eval_crop_ratio, mean=mean, std=std,
                          pin_memory=pin_memory, drop_last_train=drop_last_train,
                          persistent_workers=persistent_workers,
@@ -172,10 +189,18 @@ class ImageNet(ImageDataModule):
         self.class_list = class_list
         self.skip_corrupt = skip_corrupt
         self.decoder = decoder
+        self.decode_ahead = decode_ahead
+        self.workers_from_host = num_workers is None  # set in setup, once the processes per host are known
         self.classes: list[str] | None = classes
         self.class_names = classes  # the wnids, when a class list names them
         self.num_classes = num_classes
         self.record_resolved_hparam("num_classes", num_classes)  # the CLI links it into the model
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.workers_from_host:
+            trainer = getattr(self, "trainer", None)
+            self.num_workers = host_workers(int(trainer.num_devices) if trainer is not None else 1)
+        super().setup(stage)
 
     def split_dir(self, train: bool) -> str:
         return os.path.join(str(self.data_dir), "train" if train else "val")
@@ -209,8 +234,23 @@ class ImageNet(ImageDataModule):
         return self.wrap_eval(samples), encoded
 
     def train_loader_options(self) -> dict[str, Any]:
-        # encoded batches: bytes that stay on the host (decode_jpeg reads them there)
-        return {"collate_fn": collate_encoded, "pin_memory": False} if self.decoder == "gpu" else {}
+        # encoded batches: bytes that stay on the host (decode_jpeg reads them there), decoded on
+        # the device one batch ahead while the step runs (datamodules/decode_ahead.py)
+        if self.decoder != "gpu":
+            return {}
+        options: dict[str, Any] = {"collate_fn": collate_encoded, "pin_memory": False}
+        if self.decode_ahead:
+            device = self.train_device()
+            options.update(prepare_ahead=functools.partial(transfer_encoded, device=device, image_size=self.image_size,
+                                                           mean=self.mean, std=self.std), ahead_device=device)
+        return options
+
+    def train_device(self) -> torch.device:
+        """Where the training batches go: the attached trainer's device, else the first GPU if any."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return trainer.strategy.root_device
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Encoded training batches are decoded and augmented on ``device``; others move as they are."""

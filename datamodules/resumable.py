@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Iterator, Optional, Sized
+from typing import Any, Callable, Iterator, Optional, Sized
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, RandomSampler
+
+from datamodules.decode_ahead import DecodeAhead
 
 
 def default_shuffle_seed() -> int:
@@ -72,14 +74,21 @@ class ResumableLoader(DataLoader):
     Args (besides DataLoader's):
         resume: ``{"epoch": e, "batches": b}``: the first iteration is epoch ``e`` from its
             batch ``b`` (:meth:`position` of the loader that wrote the checkpoint).
+        prepare_ahead: with loader workers, each batch passed through it one batch ahead in a
+            background thread (:class:`~datamodules.decode_ahead.DecodeAhead`, on ``ahead_device``);
+            without workers (whose draws would then move into that thread) the batches come as
+            the workers hand them over.
     """
 
-    def __init__(self, *args: Any, resume: Optional[dict[str, int]] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, resume: Optional[dict[str, int]] = None,
+                 prepare_ahead: Optional[Callable[[Any], Any]] = None, ahead_device: Optional[torch.device] = None,
+                 **kwargs: Any) -> None:
         if kwargs.get("generator") is None:
             # the workers' base seed is drawn at every iterator creation: not from the global RNG
             kwargs["generator"] = torch.Generator().manual_seed(default_shuffle_seed())
         super().__init__(*args, **kwargs)
         self._resume = dict(resume) if resume else None
+        self.prepare_ahead, self.ahead_device = prepare_ahead, ahead_device
         self._skip = 0
         self._epoch: Optional[int] = None
         self._yielded = 0
@@ -104,14 +113,20 @@ class ResumableLoader(DataLoader):
             iterator = super().__iter__()
         finally:
             self._skip = 0
+        if self.prepare_ahead is not None and self.num_workers > 0:  # the batches' draws stay in the workers
+            iterator = DecodeAhead(iterator, self.prepare_ahead, self.ahead_device or torch.device("cpu"))
         return self._count(iterator)
 
     def _count(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        for i, batch in enumerate(iterator):
-            if i == 0:  # Lightning sets the sampler's epoch after creating the iterator
-                self._epoch = self._sampler_epoch()
-            self._yielded += 1
-            yield batch
+        try:
+            for i, batch in enumerate(iterator):
+                if i == 0:  # Lightning sets the sampler's epoch after creating the iterator
+                    self._epoch = self._sampler_epoch()
+                self._yielded += 1  # handed to the loop: a batch prepared ahead is not counted yet
+                yield batch
+        finally:  # the epoch's end, or the loop dropping the iterator: no thread left behind
+            if isinstance(iterator, DecodeAhead):
+                iterator.close()
 
     def position(self) -> Optional[dict[str, int]]:
         """``{"epoch", "batches"}`` handed out so far in the epoch being iterated (None before

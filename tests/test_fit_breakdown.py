@@ -50,3 +50,30 @@ def test_rows_are_fractions_of_the_step_alone():
     assert values["the training loader alone (to the device, nothing trained)"] == 2.0
     assert values["callback EMA"] == pytest.approx(0.1)  # 64 ms against 128 images at 200 img/s (0.64 s)
     assert "1.00 epochs (100 steps each)" in out[0].detail
+
+
+def test_the_step_alone_warms_up_until_two_windows_agree():
+    """A step that speeds up from 30 ms by 4 ms a call down to 5 ms (from call 7 on): windows of 2
+    steps after a warm-up of 1 (48, 32, 16, 10, 10 ms) agree first at steps 7-8 and 9-10, and the
+    rate is theirs."""
+    from benchmarks.fit_breakdown import settled_rate
+
+    def step(index: int) -> None:
+        time.sleep(max(0.005, 0.03 - 0.004 * index))
+
+    rate, warmup = settled_rate(step, batch_size=4, device=torch.device("cpu"), warmup=1, window=2)
+    assert warmup == 7  # steps 0..6 before the two agreeing windows
+    assert 4 / 0.0065 < rate <= 4 / 0.005
+
+
+def test_fits_are_given_as_ratios_to_the_official_loop():
+    case = Case("c", [], 20, 100, "generated", peer="mae")
+    out = rows(Breakdown(case, batch_size=128, steps_per_epoch=100, step=200.0, step_warmup=60, loader=400.0,
+                         peer_loop=160.0, bare_fit=180.0, shipped_fit=120.0))
+    by_name = {row.name: row for row in out}
+    official = by_name["the official recipe's own training loop (facebookresearch/mae)"]
+    assert official.median == pytest.approx(0.8)
+    assert by_name["the fit without callbacks"].raw["of_official_loop"] == pytest.approx(1.125)
+    assert by_name["the fit as shipped"].raw["of_official_loop"] == pytest.approx(0.75)
+    assert "0.75x the official loop" in by_name["the fit as shipped"].detail
+    assert "warmed up 60 steps" in out[0].detail

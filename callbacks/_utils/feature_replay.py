@@ -51,12 +51,14 @@ class FeatureReplay:
         self.end = (self.end + n) % self.capacity
         self.filled = min(self.filled + n, self.capacity)
 
-    def rows(self, first_age: int, count: int) -> torch.Tensor:
+    def rows(self, first_age: int, count: int, wrap: bool = False) -> torch.Tensor:
         """Row indices of the samples of ages ``first_age, first_age + 1, ...`` (0: the newest),
-        ``min(count, filled)`` of them, ages taken modulo the rows filled."""
+        ``min(count, filled)`` of them (``wrap``: ``count`` of them, going round again), ages taken
+        modulo the rows filled."""
         if self.filled == 0:
             raise ValueError("FeatureReplay: nothing added yet")
-        ages = (first_age + torch.arange(min(count, self.filled), device=self.features.device)) % self.filled
+        n = count if wrap else min(count, self.filled)
+        ages = (first_age + torch.arange(n, device=self.features.device)) % self.filled
         return (self.end - 1 - ages) % self.capacity
 
     def state_dict(self) -> dict[str, Any]:

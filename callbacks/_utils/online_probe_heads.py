@@ -1,60 +1,43 @@
-"""The online probe's heads: one linear head per learning rate (and per chosen block), their
-optimisers, the hand-written head step, the feature replay and the joint step of the block heads,
-with one ``state_dict``. :class:`callbacks.measurement.online_probe.OnlineLinearProbe` decides
-when they learn and logs what they score; this module is how they learn.
+"""The online probe's heads: one linear head per learning rate (and per chosen block), stacked by
+width and stepped together (:mod:`callbacks._utils.stacked_heads`), the feature replay, with one
+``state_dict`` in a per-head layout. :class:`callbacks.measurement.online_probe.OnlineLinearProbe`
+decides when they learn and logs what they score; this module is how they learn.
 
 Heads are built lazily, when the first features say their width (or from ``feature_dim``); a
 state restored before that is kept and applied when they are built.
 """
 from __future__ import annotations
 
-import copy
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
-from callbacks._utils.distributed import all_reduce_sum, average_across_ranks_
+from callbacks._utils.distributed import all_reduce_sum
 from callbacks._utils.feature_replay import FeatureReplay
-from callbacks._utils.probe_heads_together import JointStep, step_heads_together
-from lightning_mods.evaluation.probe_head import ProbeHead, cross_entropy_slope_
+from callbacks._utils.stacked_heads import StackedHeads
+from lightning_mods.evaluation.probe_head import ProbeHead
 from lightning_mods.evaluation import metric_names
 from lightning_mods.training.classification_steps import top_k_accuracy
-from lightning_mods.training.optim import adamw
 
 OWNER = "OnlineLinearProbe"
+FINAL = "features"  # the member key of the heads on forward_features (block heads: the block's number)
+Member = Union[str, int]
 
 
-def step_head(head: ProbeHead, optimizer: torch.optim.Optimizer, features: torch.Tensor,
-              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimiser step of ``head`` on the mean cross-entropy, averaged over ranks;
-    ``(per-sample losses, logits)`` before the step.
+@dataclass
+class WidthGroup:
+    """The members (final features and blocks) of one width: per rate one :class:`StackedHeads`,
+    and one replay of their features side by side (``capacity x (members x width)``)."""
 
-    The gradients are written by hand, without an autograd graph (it took a quarter of a head
-    step's time on the quickstart): the head's batch norm has no affine parameters, so only the
-    linear layer learns, and the mean cross-entropy's gradient at the logits is
-    ``(softmax - onehot) / N``; ``tests/callbacks/test_feature_replay.py`` checks the steps against torch
-    autograd (with batch norm) and float64 numpy (without)."""
-    if not head.training:  # after a validation
-        head.train()
-    weight, bias = head.linear.weight, head.linear.bias
-    with torch.no_grad():
-        normed = head.norm(features.detach())  # batch statistics; updates the running ones
-        logits = F.linear(normed, weight, bias)
-        log_probs = F.log_softmax(logits, dim=1)
-        losses = -log_probs.gather(1, labels.view(-1, 1)).squeeze(1)
-        slope = cross_entropy_slope_(log_probs, labels)  # in place of log_probs, read above
-        weight.grad = slope.t().mm(normed)
-        bias.grad = slope.sum(0)
-    average_across_ranks_(p.grad for p in head.parameters())
-    optimizer.step()
-    average_across_ranks_(b for b in head.buffers() if b.is_floating_point())
-    return losses, logits
+    members: list[Member]
+    width: int
+    sets: list[StackedHeads]
+    replay: Optional[FeatureReplay] = None
 
-
-def _head_states(lrs: list[float], heads: list[ProbeHead], optimizers: list[torch.optim.Optimizer]) -> list[dict]:
-    return [{"lr": lr, "head": {k: v.detach().cpu().clone() for k, v in head.state_dict().items()},
-             "optimizer": copy.deepcopy(optimizer.state_dict())} for lr, head, optimizer in zip(lrs, heads, optimizers)]
+    def columns(self, member: Member) -> slice:
+        start = self.members.index(member) * self.width
+        return slice(start, start + self.width)
 
 
 class OnlineProbeHeads:
@@ -64,69 +47,119 @@ class OnlineProbeHeads:
         num_classes, lrs, optimizer, momentum, batch_norm, seed: as the probe's settings.
         every_n_steps: head steps per probe when replaying.
         replay_samples: the replay's size (``None``: one step on the fresh samples alone).
+        head_batch: samples of each replayed head step (default ``replay_samples // every_n_steps``:
+            one sweep of the replay per probe).
     """
 
     def __init__(self, num_classes: int, lrs: list[float], optimizer: str, momentum: float, batch_norm: bool,
-                 seed: int, every_n_steps: int, replay_samples: Optional[int]) -> None:
+                 seed: int, every_n_steps: int, replay_samples: Optional[int], head_batch: Optional[int] = None,
+                 head_steps: Optional[int] = None) -> None:
         self.num_classes, self.lrs = int(num_classes), list(lrs)
         self.optimizer_name, self.momentum, self.batch_norm, self.seed = optimizer, momentum, batch_norm, seed
         self.every_n_steps, self.replay_samples = every_n_steps, replay_samples
+        self.head_batch = head_batch or (replay_samples // every_n_steps if replay_samples else None)
+        self.head_steps = head_steps or every_n_steps
         self.feature_dim: Optional[int] = None
         self.heads: list[ProbeHead] = []
-        self.optimizers: list[torch.optim.Optimizer] = []
         self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
-        self.block_optimizers: dict[int, list[torch.optim.Optimizer]] = {}
-        self._block_groups: list[tuple[int, list[int], JointStep]] = []  # per rate and width: heads stepped together
-        self.replay: Optional[FeatureReplay] = None
-        self.block_replay: dict[int, FeatureReplay] = {}
+        self.groups: list[WidthGroup] = []
         self.steps = 0  # optimiser steps of the heads (they step together)
         self.device = torch.device("cpu")
         self._saved: dict[str, Any] = {}  # restored before the heads (or block heads) were built
+        self._saved_replay: dict[Member, dict[str, Any]] = {}  # per member, until its group is built
 
     # --- building -------------------------------------------------------------------------------
     def to(self, device: torch.device) -> "OnlineProbeHeads":
         self.device = device
-        for head in self.heads + [h for heads in self.block_heads.values() for h in heads]:
-            head.to(device)
-        for replay in ([self.replay] if self.replay else []) + list(self.block_replay.values()):
-            replay.to(device)
+        for group in self.groups:
+            for heads in group.sets:
+                heads.to(device)
+            if group.replay is not None:
+                group.replay.to(device)
         return self
 
-    def _new_heads(self, feature_dim: int) -> tuple[list[ProbeHead], list[torch.optim.Optimizer]]:
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Per rate, the optimiser stepping the final features' head (with the heads stacked beside it)."""
+        sets = [self._locate(FINAL, rate)[0] for rate in range(len(self.lrs))] if self.heads else []
+        for stacked in sets:
+            stacked.apply_loaded_states()
+        return [stacked.optimizer for stacked in sets]
+
+    @property
+    def replay(self) -> Optional[FeatureReplay]:
+        """The replay holding the final features (beside the blocks' of the same width)."""
+        return next((g.replay for g in self.groups if FINAL in g.members), None)
+
+    def _locate(self, member: Member, rate: int) -> tuple[StackedHeads, int]:
+        group = next(g for g in self.groups if member in g.members)
+        return group.sets[rate], group.members.index(member)
+
+    def _new_heads(self, feature_dim: int) -> list[ProbeHead]:
         """One head per rate, each initialised from ``seed`` (every rate and block starts alike)."""
-        heads, optimizers = [], []
-        for lr in self.lrs:
+        heads = []
+        for _ in self.lrs:
             with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global CPU RNG
                 head = ProbeHead(feature_dim, self.num_classes, self.batch_norm,
                                  generator=torch.Generator().manual_seed(self.seed))
-            head = head.to(self.device)
-            params = list(head.parameters())
-            if self.optimizer_name == "adamw":
-                optimizer = adamw(params, lr=lr, weight_decay=0.0)
-            else:
-                optimizer = torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=0.0)
-            heads.append(head)
-            optimizers.append(optimizer)
-        return heads, optimizers
+            heads.append(head.to(self.device))
+        return heads
 
     def build(self, feature_dim: int) -> None:
         """The heads of the features (width ``feature_dim``); a restored state is applied to them."""
         self.feature_dim = feature_dim
-        self.heads, self.optimizers = self._new_heads(feature_dim)
+        self.heads = self._new_heads(feature_dim)
+        self._regroup()
         if "heads" in self._saved:
             self._load_heads(self._saved.pop("heads"), self._saved.pop("feature_dim"))
 
     def build_blocks(self, dims: dict[int, int]) -> None:
         """The heads of each chosen block (``block -> width``); a restored state is applied to them."""
         for block, dim in dims.items():
-            self.block_heads[block], self.block_optimizers[block] = self._new_heads(dim)
-        by_width: dict[int, list[int]] = {}
-        for block, dim in dims.items():
-            by_width.setdefault(dim, []).append(block)
-        self._block_groups = [(rate, blocks, JointStep([self.block_optimizers[b][rate] for b in blocks]))
-                              for rate in range(len(self.lrs)) for blocks in by_width.values()]
+            self.block_heads[block] = self._new_heads(dim)
+        self._regroup()
         if "block_heads" in self._saved:
             self._load_block_heads(self._saved.pop("block_heads"))
+
+    def _members(self) -> dict[Member, list[ProbeHead]]:
+        return {**({FINAL: self.heads} if self.heads else {}), **self.block_heads}
+
+    def _regroup(self) -> None:
+        """Stack the heads by width, keeping every head's values, optimiser state and replay."""
+        optimizer_states = {(member, rate): heads.member_optimizer_state(i)
+                            for group in self.groups for rate, heads in enumerate(group.sets)
+                            for i, member in enumerate(group.members)}
+        self._saved_replay.update(self._replay_states())
+        by_width: dict[int, list[Member]] = {}
+        for member, heads in self._members().items():
+            by_width.setdefault(heads[0].linear.in_features, []).append(member)
+        members = self._members()
+        self.groups = []
+        for width, names in by_width.items():
+            sets = [StackedHeads([members[m][rate] for m in names], self.optimizer_name, lr, self.momentum)
+                    for rate, lr in enumerate(self.lrs)]
+            self.groups.append(WidthGroup(names, width, sets))
+            for rate, heads in enumerate(sets):
+                for i, member in enumerate(names):
+                    if (member, rate) in optimizer_states:
+                        heads.load_member_optimizer_state(i, optimizer_states[member, rate])
+        self._apply_saved_replays()
+
+    def _apply_saved_replays(self) -> None:
+        if self.replay_samples is None:
+            return
+        for group in self.groups:
+            saved = [self._saved_replay.get(m) for m in group.members]
+            if any(s is None for s in saved):
+                continue
+            states = [s for s in saved if s.get("features") is not None]
+            replay = FeatureReplay(self.replay_samples)
+            if states:
+                replay.load_state_dict({**states[0], "features": torch.cat([s["features"] for s in states], dim=1)},
+                                       self.device)
+            group.replay = replay
+            for member in group.members:
+                self._saved_replay.pop(member)
 
     def ensure_built(self, feature_dim: int, block_dims: dict[int, int]) -> None:
         """Build what is missing for features of these widths; a width other than the built heads'
@@ -141,59 +174,52 @@ class OnlineProbeHeads:
 
     # --- learning -------------------------------------------------------------------------------
     def learn(self, features: torch.Tensor, labels: torch.Tensor, blocks: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The heads' steps on one probe's samples; per head ``(loss x n, correct, n)`` over those
-        samples, from the logits before their first step."""
+        """The heads' steps on one probe's samples; per head on the final features ``(loss x n,
+        correct, n)`` over those samples, from the logits before their first step."""
         self.ensure_built(features.shape[1], {block: f.shape[1] for block, f in blocks.items()})
-        if self.replay_samples is None:
-            sums = self._train_heads(self.heads, self.optimizers, features, labels, scored=len(labels))
-            self._train_block_heads(blocks, labels)
-        else:
-            sums = self._train_on_replay(features, labels, blocks)
+        inputs: dict[Member, torch.Tensor] = {FINAL: features, **blocks}
+        sums: list[Optional[torch.Tensor]] = [None] * len(self.lrs)
+        for group in self.groups:
+            side_by_side = torch.cat([inputs[m].detach() for m in group.members], dim=1) \
+                if len(group.members) > 1 else inputs[group.members[0]].detach()
+            scored = group.members.index(FINAL) if FINAL in group.members else None
+            if self.replay_samples is None:
+                self._steps(group, [(side_by_side, labels)], scored, len(labels), sums)
+            else:
+                self._steps(group, self._replayed(group, side_by_side, labels), scored, len(labels), sums)
         self.steps += 1
-        return sums
+        return torch.stack(sums)
 
-    def _train_heads(self, heads: list[ProbeHead], optimizers: list[torch.optim.Optimizer], features: torch.Tensor,
-                     labels: torch.Tensor, scored: Optional[int] = None) -> Optional[torch.Tensor]:
-        """One step of each head on ``(features, labels)``; with ``scored``, per head ``(loss x n,
-        correct, n)`` over the first ``scored`` samples, from the logits before the step."""
-        sums = []
-        for head, optimizer in zip(heads, optimizers):
-            losses, logits = step_head(head, optimizer, features, labels)
-            if scored is not None:
-                sums.append(torch.stack([losses[:scored].double().sum(),
-                                         (logits[:scored].argmax(1) == labels[:scored]).sum().double(),
-                                         torch.full((), float(scored), dtype=torch.float64, device=logits.device)]))
-        return torch.stack(sums) if sums else None
+    def _replayed(self, group: WidthGroup, side_by_side: torch.Tensor,
+                  labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Add the samples to the group's replay, then its sweep: ``every_n_steps`` batches of
+        ``head_batch`` samples, newest first, going round the replay again where they hold more
+        (:mod:`callbacks._utils.feature_replay`), chosen with one index per probe."""
+        if group.replay is None:
+            group.replay = FeatureReplay(self.replay_samples)
+        replay = group.replay
+        replay.add(side_by_side, labels)
+        size = self.head_batch
+        if replay.filled < size:  # the first probes: every step sweeps all there is
+            return [(replay.features.index_select(0, rows), replay.labels.index_select(0, rows))
+                    for rows in (replay.rows(i * size, size) for i in range(self.head_steps))]
+        rows = replay.rows(0, size * self.head_steps, wrap=True)
+        chosen, chosen_labels = replay.features.index_select(0, rows), replay.labels.index_select(0, rows)
+        return list(zip(chosen.split(size), chosen_labels.split(size)))
 
-    def _train_on_replay(self, features: torch.Tensor, labels: torch.Tensor,
-                         blocks: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Add the samples to the replay, then sweep it once: ``every_n_steps`` head steps of
-        ``replay_samples // every_n_steps`` samples, newest first (:mod:`callbacks._utils.feature_replay`).
-        The sums score the fresh samples, in the first step."""
-        if self.replay is None:
-            self.replay = FeatureReplay(self.replay_samples)
-        self.replay.add(features, labels)
-        for block, block_features in blocks.items():
-            self.block_replay.setdefault(block, FeatureReplay(self.replay_samples)).add(block_features, labels)
-        size = self.replay_samples // self.every_n_steps
-        for i in range(self.every_n_steps):
-            rows = self.replay.rows(i * size, size)
-            step_labels = self.replay.labels.index_select(0, rows)
-            step_sums = self._train_heads(self.heads, self.optimizers, self.replay.features.index_select(0, rows),
-                                          step_labels, scored=min(len(labels), len(rows)) if i == 0 else None)
-            if i == 0:
-                sums = step_sums
-            # the same rows: the blocks' samples are the same
-            self._train_block_heads({block: replay.features.index_select(0, rows)
-                                     for block, replay in self.block_replay.items()}, step_labels)
-        return sums
-
-    def _train_block_heads(self, features: dict[int, torch.Tensor], labels: torch.Tensor) -> None:
-        """One step of every block's heads on that block's features: the heads of one rate and one
-        width step together (:mod:`callbacks._utils.probe_heads_together`)."""
-        for rate, blocks, joint in self._block_groups:
-            step_heads_together([self.block_heads[b][rate] for b in blocks], joint, [features[b] for b in blocks],
-                                labels)
+    def _steps(self, group: WidthGroup, batches: list[tuple[torch.Tensor, torch.Tensor]], scored: Optional[int],
+               fresh: int, sums: list[Optional[torch.Tensor]]) -> None:
+        """Every rate's heads of ``group`` step on each batch in turn; the first batch's first
+        ``fresh`` samples (the newest) are scored for the final features' heads."""
+        labels = batches[0][1] if len(batches) == 1 else torch.cat([b[1] for b in batches])
+        onehots = torch.zeros(len(labels), self.num_classes, dtype=batches[0][0].dtype, device=labels.device) \
+            .scatter_(1, labels.view(-1, 1), 1.0).split([len(b[1]) for b in batches])  # F.one_hot reads back
+        for i, ((features, labels), onehot) in enumerate(zip(batches, onehots)):
+            for rate, heads in enumerate(group.sets):
+                score = (scored, min(fresh, len(labels))) if scored is not None and i == 0 else None
+                result = heads.step(features, labels, onehot, score)
+                if result is not None:
+                    sums[rate] = result
 
     # --- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -202,14 +228,33 @@ class OnlineProbeHeads:
         restored but not yet applied is passed on as it came."""
         state: dict[str, Any] = {"num_classes": self.num_classes, "steps": self.steps, **self._saved}
         if self.heads:
-            state.update(feature_dim=self.feature_dim, heads=_head_states(self.lrs, self.heads, self.optimizers))
-        if self.replay is not None:
-            state["replay"] = {"features": self.replay.state_dict(),
-                               "blocks": {block: replay.state_dict() for block, replay in self.block_replay.items()}}
+            state.update(feature_dim=self.feature_dim, heads=self._head_states(FINAL, self.heads))
+        replays = {**self._saved_replay, **self._replay_states()}
+        if replays:
+            state["replay"] = {"features": replays.get(FINAL),
+                               "blocks": {m: s for m, s in replays.items() if m != FINAL}}
         if self.block_heads:
-            state["block_heads"] = {block: _head_states(self.lrs, heads, self.block_optimizers[block])
-                                    for block, heads in self.block_heads.items()}
+            state["block_heads"] = {block: self._head_states(block, heads) for block, heads in self.block_heads.items()}
         return state
+
+    def _head_states(self, member: Member, heads: list[ProbeHead]) -> list[dict]:
+        return [{"lr": lr, "head": {k: v.detach().cpu().clone() for k, v in head.state_dict().items()},
+                 "optimizer": stacked.member_optimizer_state(i)}
+                for rate, (lr, head) in enumerate(zip(self.lrs, heads))
+                for stacked, i in (self._locate(member, rate),)]
+
+    def _replay_states(self) -> dict[Member, dict[str, Any]]:
+        """Each member's replay, in the layout of a replay of its features alone."""
+        out = {}
+        for group in self.groups:
+            if group.replay is None:
+                continue
+            whole = group.replay.state_dict()
+            for member in group.members:
+                features = whole["features"]
+                out[member] = {**whole, "features": None if features is None
+                               else features[:, group.columns(member)].clone()}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A state of :meth:`state_dict`, or of a single-rate probe's earlier layout (``lr``,
@@ -219,12 +264,16 @@ class OnlineProbeHeads:
                              f"classes, this one {self.feature_dim} -> {self.num_classes}")
         self.steps = int(state.get("steps", 0))
         if state.get("replay") and self.replay_samples is not None:  # the state key holds replay_samples
-            self.replay = FeatureReplay(self.replay_samples)
-            self.replay.load_state_dict(state["replay"]["features"], self.device)
-            self.block_replay = {}
-            for block, saved in state["replay"]["blocks"].items():
-                self.block_replay[int(block)] = FeatureReplay(self.replay_samples)
-                self.block_replay[int(block)].load_state_dict(saved, self.device)
+            saved = {FINAL: state["replay"]["features"],
+                     **{int(b): s for b, s in state["replay"]["blocks"].items()}}
+            for member, replay_state in saved.items():
+                if replay_state is not None and int(replay_state["capacity"]) != self.replay_samples:
+                    raise ValueError(f"FeatureReplay: the checkpoint replays {replay_state['capacity']} samples, "
+                                     f"this probe {self.replay_samples}")
+            self._saved_replay = {m: s for m, s in saved.items() if s is not None}
+            for group in self.groups:
+                group.replay = None
+            self._apply_saved_replays()
         if state.get("block_heads"):
             if self.block_heads:
                 self._load_block_heads(state["block_heads"])
@@ -241,6 +290,12 @@ class OnlineProbeHeads:
             self._saved.update(heads=heads, feature_dim=state.get("feature_dim"))
             self.feature_dim = self.feature_dim or state.get("feature_dim")
 
+    def _load_member(self, member: Member, heads: list[ProbeHead], entries: list[dict[str, Any]]) -> None:
+        for rate, (entry, head) in enumerate(zip(entries, heads)):
+            head.load_state_dict(entry["head"])  # into the stacked tensors its own are views of
+            stacked, i = self._locate(member, rate)
+            stacked.load_member_optimizer_state(i, entry["optimizer"])
+
     def _load_heads(self, heads: list[dict[str, Any]], feature_dim: Optional[int]) -> None:
         if feature_dim != self.feature_dim:
             raise ValueError(f"{OWNER}: checkpoint head is {feature_dim} -> {self.num_classes} classes, this one "
@@ -248,18 +303,14 @@ class OnlineProbeHeads:
         if [float(h["lr"]) for h in heads] != self.lrs:
             raise ValueError(f"{OWNER}: checkpoint heads were trained at lr {[h['lr'] for h in heads]}, "
                              f"this probe's are {self.lrs}")
-        for entry, head, optimizer in zip(heads, self.heads, self.optimizers):
-            head.load_state_dict(entry["head"])
-            optimizer.load_state_dict(entry["optimizer"])
+        self._load_member(FINAL, self.heads, heads)
 
     def _load_block_heads(self, saved: dict[int, list[dict[str, Any]]]) -> None:
         if sorted(int(b) for b in saved) != sorted(self.block_heads):
             raise ValueError(f"{OWNER}: the checkpoint has heads for blocks {sorted(saved)}, this probe "
                              f"for {sorted(self.block_heads)}")
         for block, entries in saved.items():
-            for entry, head, optimizer in zip(entries, self.block_heads[int(block)], self.block_optimizers[int(block)]):
-                head.load_state_dict(entry["head"])
-                optimizer.load_state_dict(entry["optimizer"])
+            self._load_member(int(block), self.block_heads[int(block)], entries)
 
 
 class ValidationScores:

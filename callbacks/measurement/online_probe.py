@@ -16,7 +16,7 @@ order, so the pre-training is the same run with and without the callback.
 Cost and accuracy: the extra forward runs over ALL tokens while an MAE training step encodes a
 quarter of them; the defaults (every 4th batch, its first 16 of 128 images) embed 1/32 of what
 probing every full batch would, and the head steps are written by hand
-(:func:`callbacks._utils.online_probe_heads.step_head`). After the quickstart's 100 epochs the
+(:mod:`callbacks._utils.stacked_heads`: all heads of one width in one step). After the quickstart's 100 epochs the
 shipped probe reads 56.4 % validation top-1 against the every-batch probe's 57.5 % at the same
 rate (``python -m benchmarks --only probe-accuracy``; other cadences in docs/performance.md).
 ``every_n_steps=1, max_samples=None, replay_samples=None`` is lightly's every-batch probe. The
@@ -92,10 +92,12 @@ class OnlineLinearProbe(SettingsKeyed):
         every_n_steps: probe every n-th training batch (1: every batch).
         max_samples: probe at most this many samples of a batch (``None``: all of it); the
             loader shuffles, so the first ones are a random sample.
-        replay_samples: keep the features of the last this many probed samples and sweep them
-            once per probe, ``every_n_steps`` head steps of ``replay_samples // every_n_steps``
-            samples (:mod:`callbacks._utils.feature_replay`; in the state, for exact resumes);
-            ``None``: one head step on the fresh samples alone.
+        replay_samples: keep the features of the last this many probed samples and take
+            ``every_n_steps`` head steps on them per probe, newest first
+            (:mod:`callbacks._utils.feature_replay`; in the state, for exact resumes); ``None``:
+            one head step on the fresh samples alone.
+        head_batch: samples of each replayed head step (default ``replay_samples //
+            every_n_steps``: one sweep of the replay per probe; larger goes round it again).
         name: the tag of this instance's metric names when the Trainer has several (default:
             its settings that differ from the defaults).
         blocks: also train a head (per rate) on every chosen block's pooled output (``"all"`` or a
@@ -110,7 +112,8 @@ class OnlineLinearProbe(SettingsKeyed):
                  optimizer: Literal["adamw", "sgd"] = "adamw", lr: Union[float, list[float], None] = None,
                  momentum: float = 0.9, batch_norm: bool = True, seed: int = 0, every_n_steps: int = 4,
                  max_samples: Optional[int] = 16, replay_samples: Optional[int] = 512, name: Optional[str] = None,
-                 blocks: Union[None, str, list[int]] = None) -> None:
+                 blocks: Union[None, str, list[int]] = None, head_batch: Optional[int] = None,
+                 head_steps: Optional[int] = None) -> None:
         super().__init__()
         self.blocks = check_blocks("OnlineLinearProbe", blocks)
         if num_classes is not None and num_classes < 2:
@@ -130,6 +133,12 @@ class OnlineLinearProbe(SettingsKeyed):
         self.every_n_steps = every_n_steps
         self.max_samples = max_samples
         self.replay_samples = replay_samples
+        if head_batch is not None and (replay_samples is None or isinstance(head_batch, bool)
+                                       or not isinstance(head_batch, int) or not 2 <= head_batch <= replay_samples):
+            raise ValueError(f"OnlineLinearProbe: head_batch must be None or an integer from 2 to replay_samples "
+                             f"({replay_samples}), got {head_batch!r}")
+        self.head_batch = head_batch
+        self.head_steps = head_steps
         self.name = check_name("OnlineLinearProbe", name)
         self.probe_heads: Optional[OnlineProbeHeads] = None  # built in setup, once num_classes is known
         self._restored: Optional[dict[str, Any]] = None  # a state loaded before setup
@@ -187,6 +196,7 @@ class OnlineLinearProbe(SettingsKeyed):
                 "max_samples": self.max_samples,
                 # absent without replay: the key of the probes written before replay existed
                 **({"replay_samples": self.replay_samples} if self.replay_samples is not None else {}),
+                **({"head_batch": self.head_batch} if self.head_batch is not None else {}),
                 **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -230,7 +240,8 @@ class OnlineLinearProbe(SettingsKeyed):
     def _heads_object(self) -> OnlineProbeHeads:
         if self.probe_heads is None:
             self.probe_heads = OnlineProbeHeads(int(self.num_classes), self.lrs, self.optimizer_name, self.momentum,
-                                                self.batch_norm, self.seed, self.every_n_steps, self.replay_samples)
+                                                self.batch_norm, self.seed, self.every_n_steps, self.replay_samples,
+                                                self.head_batch, self.head_steps)
             self.probe_heads.to(self._device)
             if self._restored is not None:
                 restored, self._restored = self._restored, None

@@ -72,6 +72,7 @@ class ExactResume(Callback):
         self._pending: Optional[dict[int, dict[str, Any]]] = None  # per rank: RNG states and metric sums
         self._pending_sums: Optional[dict[str, dict[str, Any]]] = None
         self._batch_starts = 0  # training batches begun since the resume
+        self._reserved = False  # the checkpoints' host memory allocated (after the first step)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -111,6 +112,12 @@ class ExactResume(Callback):
         self._batch_starts += 1
         if self._pending_sums:
             self._add_pending_sums(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._reserved and trainer.global_step > 0:  # the optimisers hold their state now
+            self._reserved = True
+            checkpoint_io.reserve_for_training(trainer)  # the first save need not pin gigabytes
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._pending_sums:

@@ -26,45 +26,72 @@ from torch.optim.swa_utils import AveragedModel
 
 class HostCountedEMAModel(AveragedModel):
     """``AveragedModel`` with an exponential moving average of ``decay`` whose update reads no
-    tensor: the count of updates is kept on the host as well as in ``n_averaged``."""
+    tensor: the count of updates is kept on the host as well as in ``n_averaged``.
+
+    The tensors it averages are listed once, at the first update after construction or a
+    load (the model's ``Parameter`` and buffer objects themselves, so a later ``.to()`` of the
+    model, which swaps their storage, is still seen), and an update is a handful of multi-tensor
+    calls over those lists, whatever the number of tensors: the model's floating tensors copied
+    into a scratch list kept from the first update, scaled by ``1 - decay``, the average scaled
+    by ``decay`` and the two added (``get_ema_avg_fn``'s arithmetic, in its order). A model
+    whose tensors are replaced by new objects after the first update needs :meth:`relist`.
+    """
 
     def __init__(self, model: nn.Module, decay: float, device: Optional[Union[torch.device, str, int]] = None,
                  use_buffers: bool = False) -> None:
         super().__init__(model, device=device, use_buffers=use_buffers)
         self.decay = float(decay)
         self._updates: Optional[int] = 0  # None: not known on the host (a state was loaded)
+        self._lists: Optional[_EMALists] = None
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
         self._updates = None
+        self.relist()
         return super().load_state_dict(state_dict, *args, **kwargs)
+
+    def relist(self) -> None:
+        """Forget the tensor lists: the next update lists the tensors anew."""
+        self._lists = None
 
     @torch.no_grad()
     def update_parameters(self, model: nn.Module) -> None:
-        averaged = self._tensors(self.module)
-        current = [t.detach().to(a.device) for a, t in zip(averaged, self._tensors(model))]
+        if self._lists is None or self._lists.model is not model:
+            self._lists = _EMALists(self.module, model, self.use_buffers)
+        lists = self._lists
         if self._updates is None:
             self._updates = int(self.n_averaged)  # the one read, after a load
         if self._updates == 0:
-            torch._foreach_copy_(averaged, current)
+            torch._foreach_copy_(lists.averaged, lists.current)
         else:
-            floating = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point()]
-            if floating:
-                ours, theirs = (list(side) for side in zip(*floating))
-                theirs = torch._foreach_mul(theirs, 1.0 - self.decay)  # as get_ema_avg_fn: decay * a + (1 - decay) * c
-                torch._foreach_mul_(ours, self.decay)
-                torch._foreach_add_(ours, theirs)
-            for a, c in zip(averaged, current):
-                if not a.is_floating_point():  # integer buffers, as torch: the float result copied in
-                    a.copy_(self.decay * a + (1.0 - self.decay) * c)
-        if not self.use_buffers:  # as torch: buffers not averaged follow the model's
-            for ours, theirs in zip(self.module.buffers(), model.buffers()):
-                ours.detach().copy_(theirs.detach().to(ours.device))
+            if lists.floating:
+                torch._foreach_copy_(lists.scratch, lists.current_floating)
+                torch._foreach_mul_(lists.scratch, 1.0 - self.decay)  # as get_ema_avg_fn: decay * a + (1 - decay) * c
+                torch._foreach_mul_(lists.floating, self.decay)
+                torch._foreach_add_(lists.floating, lists.scratch)
+            for a, c in lists.integers:  # integer buffers, as torch: the float result copied in
+                a.copy_(self.decay * a + (1.0 - self.decay) * c.to(a.device))
+        if lists.followed:  # as torch: buffers not averaged follow the model's
+            torch._foreach_copy_(lists.followed, lists.followed_model)
         self.n_averaged += 1
         self._updates += 1
 
-    def _tensors(self, module: nn.Module) -> list[torch.Tensor]:
-        tensors = itertools.chain(module.parameters(), module.buffers()) if self.use_buffers else module.parameters()
-        return [t.detach() for t in tensors]
+
+class _EMALists:
+    """The tensors one EMA update reads and writes, listed once (see :class:`HostCountedEMAModel`)."""
+
+    def __init__(self, averaged_module: nn.Module, model: nn.Module, use_buffers: bool) -> None:
+        def tensors(module: nn.Module) -> list[torch.Tensor]:
+            return list(itertools.chain(module.parameters(), module.buffers()) if use_buffers else module.parameters())
+
+        self.model = model
+        self.averaged, self.current = tensors(averaged_module), tensors(model)
+        pairs = list(zip(self.averaged, self.current))
+        self.floating = [a for a, _ in pairs if a.is_floating_point()]
+        self.current_floating = [c for a, c in pairs if a.is_floating_point()]
+        self.scratch = [torch.empty_like(a) for a in self.floating]
+        self.integers = [(a, c) for a, c in pairs if not a.is_floating_point()]
+        self.followed = [] if use_buffers else list(averaged_module.buffers())
+        self.followed_model = [] if use_buffers else list(model.buffers())
 
 
 class EMA(EMAWeightAveraging):

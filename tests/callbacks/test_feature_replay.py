@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from callbacks._utils.feature_replay import FeatureReplay
-from callbacks._utils.online_probe_heads import step_head
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
 
@@ -111,39 +110,6 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     assert probe.steps == 3
     np.testing.assert_allclose(probe.head.linear.weight.detach().double().numpy(), weight, rtol=0, atol=1e-6)
     np.testing.assert_allclose(probe.head.linear.bias.detach().double().numpy(), bias, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_hand_written_head_step_equals_autograd_with_batch_norm(optimizer):
-    """``step_head`` (the online probe's head step) writes the head's gradients by hand (batch norm without affine
-    parameters, then the linear layer): five steps equal torch autograd's on a copy of the head,
-    weights, batch-norm running statistics, losses and logits."""
-    import copy
-
-    import torch.nn.functional as F
-
-    probe = OnlineLinearProbe(num_classes=4, feature_dim=6, optimizer=optimizer, lr=0.05)
-    probe.build_heads(6)
-    head, opt = probe.head, probe.optimizer
-    twin = copy.deepcopy(head)
-    twin_opt = copy.deepcopy(opt)  # the same settings, over the twin's parameters
-    twin_opt.param_groups[0]["params"] = list(twin.parameters())
-    draws = torch.Generator().manual_seed(3)
-    for _ in range(5):
-        features = torch.randn(16, 6, generator=draws) * 3 + 1
-        labels = torch.randint(0, 4, (16,), generator=draws)
-        losses, logits = step_head(head, opt, features, labels)
-        twin.train()
-        twin_logits = twin(features)
-        twin_losses = F.cross_entropy(twin_logits, labels, reduction="none")
-        twin_opt.zero_grad()
-        twin_losses.mean().backward()
-        twin_opt.step()
-        torch.testing.assert_close(losses, twin_losses.detach(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(logits, twin_logits.detach(), rtol=0, atol=1e-6)
-    for (name, got), want in zip(head.state_dict().items(), twin.state_dict().values()):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
-    assert not torch.equal(head.linear.weight, copy.deepcopy(probe).probe_heads._new_heads(6)[0][0].linear.weight)  # it moved
 
 
 def test_samples_waiting_for_their_check_survive_a_checkpoint():

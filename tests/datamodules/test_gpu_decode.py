@@ -76,7 +76,8 @@ def test_a_non_jpeg_travels_decoded_and_a_corrupt_file_is_one_line(tmp_path, jpe
 
 
 def test_the_datamodule_hands_the_fit_decoded_batches(jpegs):
-    data = ImageNet(data_dir=str(jpegs), num_classes=2, batch_size=4, decoder="gpu", image_size=64, num_workers=2)
+    data = ImageNet(data_dir=str(jpegs), num_classes=2, batch_size=4, decoder="gpu", image_size=64, num_workers=2,
+                    decode_ahead=False)
     data.setup("fit")
     raw = next(iter(data.train_dataloader()))
     assert isinstance(raw[0], EncodedImages) and len(raw[0]) == 4

@@ -80,10 +80,10 @@ def test_buffers_reused_by_the_next_snapshot_never_change_a_written_file(tmp_pat
     io = BackgroundCheckpointIO()
     weight = torch.zeros(3)
     io.save_checkpoint({"w": weight, "steps": 1}, tmp_path / "a.ckpt")
-    first_buffer = io._buffers[0]
+    first_buffer = io.arena.buffer
     weight.fill_(2.0)
     io.save_checkpoint({"w": weight, "steps": 2}, tmp_path / "b.ckpt")
-    assert io._buffers[0] is first_buffer  # the same host memory, once the first file was whole
+    assert io.arena.buffer is first_buffer  # the same host memory, once the first file was whole
     weight.fill_(3.0)
     io.teardown()
     assert torch.equal(torch.load(tmp_path / "a.ckpt")["w"], torch.zeros(3))
@@ -125,3 +125,55 @@ def test_a_fit_s_checkpoint_is_on_disk_and_loadable_when_fit_returns(tmp_path):
     assert torch.load(saved, weights_only=False)["state_dict"]["lin.bias"].item() == 7.0
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(12, 2)), batch_size=4), ckpt_path=saved)
     assert trainer.strategy.checkpoint_io.background is False  # on during the second fit, off after it
+
+
+def test_a_reserved_arena_holds_the_first_save_and_files_hold_only_their_tensors(tmp_path):
+    io = BackgroundCheckpointIO()
+    state = {"w": torch.arange(10.0), "b": torch.ones(3, dtype=torch.float64), "n": torch.tensor(7)}
+    io.reserve(1 << 20, pinned=False)  # far more than needed: the slack is never written
+    io.wait()
+    reserved = io.arena.buffer
+    io.save_checkpoint(state, tmp_path / "a.ckpt")
+    io.teardown()
+    assert reserved is not None and io.arena.buffer is not reserved  # teardown lets the memory go
+    plain = tmp_path / "plain.ckpt"
+    torch.save(state, plain)
+    assert (tmp_path / "a.ckpt").stat().st_size < plain.stat().st_size + 1024  # not the 1 MiB arena
+    loaded = torch.load(tmp_path / "a.ckpt")
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
+
+
+def test_a_snapshot_into_a_kept_layout_dispatches_the_same_operations_for_3_and_300_tensors():
+    from benchmarks.op_counts import OpCounter
+    from lightning_mods.checkpointing.checkpoint_io import HostArena
+
+    counts = []
+    for n in (3, 300):
+        live = {"state": [torch.randn(4, 5) for _ in range(n)], "step": 3}
+        arena = HostArena()
+        host_snapshot(live, arena)  # lays the arena out
+        with OpCounter() as counter:
+            snap = host_snapshot(live, arena)
+        counts.append(sum(counter.ops.values()))
+        assert all(torch.equal(a, b) for a, b in zip(snap["state"], live["state"]))
+    assert counts[0] == counts[1] <= 3, counts
+
+
+def test_a_fit_reserves_the_checkpoints_host_memory_after_its_first_step(tmp_path):
+    from callbacks.reliability.exact_resume import ExactResume
+
+    reserved = []
+
+    class Watched(BackgroundCheckpointIO):
+        def reserve(self, nbytes: int, pinned: bool) -> None:
+            reserved.append((nbytes, pinned))
+            super().reserve(nbytes, pinned)
+
+    trainer = Trainer(max_epochs=1, limit_val_batches=0, default_root_dir=tmp_path, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[ExactResume()],
+                      plugins=[Watched()])
+    model = Line()
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(12, 2)), batch_size=4))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(reserved) == 1 and reserved[0][1] is False
+    assert reserved[0][0] >= 2 * weights  # the module twice (and the optimiser's state, none for SGD)

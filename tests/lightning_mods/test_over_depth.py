@@ -73,7 +73,9 @@ def test_per_block_online_heads_equal_probes_of_each_block_alone(tmp_path):
         assert row["online_probe/val_top1"] == all_rows[block]["online_probe/val_top1"], block
         for a, b in zip(together.block_heads[block][0].state_dict().values(),
                         alone.block_heads[block][0].state_dict().values()):
-            assert torch.equal(a, b), block
+            # equal up to float rounding: the stacked optimiser step runs each head's slice through
+            # other vector lanes when the stack holds other heads
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"block {block}")
 
 
 def tiny_mae() -> MaskedAutoencoder:

@@ -1,0 +1,46 @@
+"""Every shipped per-step callback dispatches at most 50 ATen operations a training step on the
+quickstart configs as shipped (benchmarks/op_counts.py; on a GPU some 10 us of host time each:
+about 1 % of a 50 ms step), so no callback loops over tensors in Python; and the counter counts
+what it should on a hand-made callback."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from line_module import Line
+
+from benchmarks.op_counts import CONFIGS, OPS_PER_STEP_GOAL, CallbackOpCount, count
+
+
+class ThreeOpsAStep(Callback):
+    """Per step: an add, a multiply and a sum (three operations); at the epoch's end many more."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        (torch.ones(2) * 2).sum()  # ones, mul, sum
+
+    def on_train_epoch_end(self, trainer, pl_module):  # noqa: ANN001
+        for _ in range(100):
+            torch.zeros(1)
+
+
+def test_the_counter_counts_per_step_hooks_from_the_warm_up_on(tmp_path):
+    counter = CallbackOpCount(str(tmp_path / "ops.json"), warmup_steps=2)
+    trainer = Trainer(max_steps=6, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, callbacks=[ThreeOpsAStep(), counter],
+                      default_root_dir=tmp_path)
+    trainer.fit(Line(), DataLoader(TensorDataset(torch.randn(24, 2)), batch_size=4))
+    record = json.loads((tmp_path / "ops.json").read_text())
+    assert record["steps"] == 4 and record["ops"]["ThreeOpsAStep"] == 12
+    assert record["by_op"]["ThreeOpsAStep"] == {"aten.ones": 4, "aten.mul": 4, "aten.sum": 4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_every_shipped_callback_dispatches_at_most_50_operations_a_step(config, tmp_path):
+    counted = count(CONFIGS[config], steps=16, warmup=4, root=tmp_path)
+    over = {name: ops for name, ops in counted["per_step"].items() if ops > OPS_PER_STEP_GOAL}
+    assert not over, f"{config}: operations a step over {OPS_PER_STEP_GOAL}: {over}; most: {counted['by_op']}"
