@@ -49,7 +49,8 @@ class Probed:
 def nonfinite_flag_to_host(*features: torch.Tensor) -> tuple[torch.Tensor, Optional[Any]]:
     """Whether any of ``features`` is non-finite on any rank (one all_reduce under DDP), copied to
     a host tensor without waiting (on CUDA: pinned memory and an event recorded after the copy)."""
-    flag = torch.logical_not(torch.stack([torch.isfinite(f).all() for f in features]).all()).to(torch.int64).view(1)
+    largest = torch.stack(torch._foreach_norm(list(features), float("inf")))  # NaN and inf propagate: one call
+    flag = torch.logical_not(torch.isfinite(largest).all()).to(torch.int64).view(1)
     flag = all_reduce_sum(flag)
     if flag.device.type != "cuda":
         return flag.cpu(), None

@@ -137,3 +137,30 @@ def test_samples_waiting_for_their_check_survive_a_checkpoint():
     for a, b in zip(probe.head.state_dict().values(), restored.head.state_dict().values()):
         assert torch.equal(a, b)
     assert torch.equal(probe.replay.features, restored.replay.features)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_probe_with_a_non_finite_feature_is_skipped_with_a_warning(bad):
+    """One non-finite value in one block's features: the heads take no step on that probe (the
+    weights stay as they were), a warning says so, and the next finite probe steps again."""
+    import copy
+
+    trainer = SimpleNamespace(sanity_checking=False,
+                              precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
+    probe = OnlineLinearProbe(num_classes=3, optimizer="sgd", every_n_steps=1, max_samples=None,
+                              replay_samples=None)
+    module = FeaturesAsGiven()
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+    probe.on_train_batch_end(trainer, module, None, batch, 0)
+    probe.on_train_end(trainer, module)
+    before = copy.deepcopy(probe.head.state_dict())
+    poisoned = batch[0].clone()
+    poisoned[3, 2] = bad
+    probe.on_train_batch_end(trainer, module, None, (poisoned, batch[1]), 1)
+    with pytest.warns(UserWarning, match="non-finite features, the heads skip this step"):
+        probe.on_train_end(trainer, module)
+    assert all(torch.equal(a, b) for a, b in zip(probe.head.state_dict().values(), before.values()))
+    probe.on_train_batch_end(trainer, module, None, batch, 2)
+    probe.on_train_end(trainer, module)
+    assert not torch.equal(probe.head.linear.weight, before["linear.weight"])
