@@ -93,3 +93,36 @@ def test_the_next_batch_is_taken_when_the_current_one_is_handed_out():
     ahead = DecodeAhead(source(), lambda b: b, torch.device("cpu"))
     assert next(ahead) == 0 and taken == [0, 1]  # batch 1 already on its way
     assert list(ahead) == [1, 2] and not decode_threads()
+
+
+class Stop(Exception):
+    """Raised by the module below in its third training step."""
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["max_steps mid-epoch", "an error in a step"])
+def test_a_fit_that_ends_mid_epoch_or_fails_leaves_no_thread(jpegs, tmp_path, failing):
+    from lightning.pytorch import Trainer
+
+    from lightning_mods.mae import MaskedAutoencoder
+
+    class Module(MaskedAutoencoder):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001
+            assert batch[0].shape == (4, 3, 32, 32)  # decoded ahead: the step gets pixels
+            if failing and batch_idx == 2:
+                raise Stop("a step failed")
+            return super().training_step(batch, batch_idx)
+
+    model = Module(image_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16,
+                   decoder_depth=1, decoder_num_heads=2, num_reconstructions=0)
+    trainer = Trainer(max_steps=2 if not failing else 10, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                      accelerator="cpu")
+    data = ImageNet(data_dir=str(jpegs), num_classes=2, batch_size=4, decoder="gpu", image_size=32, num_workers=2)
+    if failing:
+        with pytest.raises(Stop):
+            trainer.fit(model, datamodule=data)
+    else:
+        trainer.fit(model, datamodule=data)
+        assert trainer.global_step == 2  # of 3 batches an epoch: the third was being decoded
+    gc.collect()
+    assert not decode_threads()
