@@ -233,20 +233,21 @@ MAX_WINDOWS = 40
 
 
 def settled_rate(step: Callable[[int], None], batch_size: int, device: torch.device, warmup: int,
-                 window: int, max_windows: int = MAX_WINDOWS) -> tuple[float, int]:
+                 window: int, max_windows: int = MAX_WINDOWS,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
     """``(images per second, warm-up steps taken)`` of ``step``: after ``warmup`` steps, windows of
     ``window`` steps until two successive ones agree within :data:`STABLE_WITHIN` (at most
-    ``max_windows``); the rate is the two windows' together."""
+    ``max_windows``); the rate is the two windows' together, timed by ``clock``."""
     for index in range(warmup):
         step(index)
     done, previous = warmup, None
     for _ in range(max_windows):
         synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         for index in range(window):
             step(done + index)
         synchronize(device)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         done += window
         if previous is not None and abs(seconds - previous) <= STABLE_WITHIN * min(seconds, previous):
             return 2 * window * batch_size / (seconds + previous), done - 2 * window

@@ -73,6 +73,16 @@ def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
     return type(callback).__name__
 
 
+CKPT_PATH_HELP = {
+    True: "A checkpoint file to resume from, checked against the config before anything runs, or 'auto': the "
+          "newest checkpoint under trainer.default_root_dir that loads (a fresh start when there is none; a "
+          "restarted SLURM job does this without asking). Lightning's 'last', 'best', 'hpc', 'registry' and "
+          "URLs are refused.",
+    False: "A checkpoint file whose weights are used, checked against the config before anything runs "
+           "(Lightning's 'last', 'best', 'hpc', 'registry' and URLs are refused).",
+}
+
+
 class ShortcutLabCLI(LightningCLI):
     """LightningCLI with the data -> model links and the default callbacks."""
 
@@ -94,6 +104,7 @@ class ShortcutLabCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, args)
         """Lightning's parsing; with raising parsers (``console_main``) a parse error becomes one
         :class:`BadInput` line, and ``ckpt_path`` is checked before anything reads it."""
+        lightning_private.set_argument_help(self, "ckpt_path", lambda name: CKPT_PATH_HELP[name == "fit"])
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:

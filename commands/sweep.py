@@ -13,6 +13,10 @@ pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after a
 ``--print`` the commands are printed instead, one line per run, for a cluster array job
 (they neither skip finished runs nor resume: ``shortcutlab sweep`` itself does both).
 
+``--set KEY=VALUE`` reaches every fit of the sweep (each run and its ``--then`` and ``--evaluate``
+fits: a data folder, say); ``--run-set`` only the runs, ``--then-set`` only the ``--then`` fit,
+and an ``--evaluate`` list's own ``KEY=VALUE`` items only that evaluation.
+
 A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
 newest checkpoint that loads (bit for bit, docs/reliability.md; a truncated newer one is
 skipped with one line). ``--then CONFIG`` (repeatable) fits a second
@@ -168,11 +172,17 @@ def resumable_checkpoint(run: Path) -> Optional[Path]:
     return newest_loadable(list(folder.glob("*.ckpt")), lambda line: print(f"    {line}", flush=True))
 
 
+def as_options(settings: Sequence[str]) -> list[str]:
+    """``KEY=VALUE`` settings as ``--KEY=VALUE`` options."""
+    return [a if a.startswith("--") else f"--{a}" for a in settings]
+
+
 def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence[str]) -> list[str]:
-    """The ``shortcutlab fit`` arguments of one grid point, before the sweep's logging fragment."""
+    """The ``shortcutlab fit`` arguments of one grid point, before the sweep's logging fragment;
+    ``extra``: the settings of every fit (``--set``), then the runs' own (``--run-set``)."""
     args = ["fit", *(f"--config={c}" for c in configs)]
     args += [f"--{key}={value}" for key, value in point.items()]
-    return args + [a if a.startswith("--") else f"--{a}" for a in extra]
+    return args + as_options(extra)
 
 
 def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[str], save_dir: Path,
@@ -184,11 +194,12 @@ def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[s
 def follow_up_arguments(configs: Sequence[str], checkpoint: Path, point: dict[str, str],
                         extra: Sequence[str]) -> list[str]:
     """``fit`` of the composed ``configs`` on the run's checkpoint (the offline probe), seeded like
-    the run, with the ``--then-set`` settings ``extra``, before the logging fragment."""
+    the run, with the settings ``extra`` (``--set``'s, then this fit's own), before the logging
+    fragment."""
     args = ["fit", *(f"--config={c}" for c in configs), f"--model.checkpoint={checkpoint}"]
     if "seed_everything" in point:
         args.append(f"--seed_everything={point['seed_everything']}")
-    return args + [a if a.startswith("--") else f"--{a}" for a in extra]
+    return args + as_options(extra)
 
 
 def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
@@ -239,14 +250,15 @@ def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -
     check_arguments = ArgumentChecker()  # one parser for every point
     checked: set[tuple[str, ...]] = set()
     for point in points:
-        what = [(f"grid point {run_name(point)}", fit_arguments(parsed.config, point, parsed.set))]
+        what = [(f"grid point {run_name(point)}", fit_arguments(parsed.config, point, run_settings(parsed)))]
         if parsed.then:  # the run's checkpoint does not exist yet: its path is only parsed
             what.append((f"the --then fit of {run_name(point)}",
-                         follow_up_arguments(parsed.then, Path("checkpoints/last.ckpt"), point, parsed.then_set)))
+                         follow_up_arguments(parsed.then, Path("checkpoints/last.ckpt"), point,
+                                             [*parsed.set, *parsed.then_set])))
         for evaluation in getattr(parsed, "evaluations", []):
             what.append((f"the --evaluate {evaluation.name} fit of {run_name(point)}",
                          follow_up_arguments(evaluation.configs, Path("checkpoints/last.ckpt"), point,
-                                             evaluation.settings)))
+                                             [*parsed.set, *evaluation.settings])))
         for where, args in what:
             if tuple(args) in checked:
                 continue
@@ -254,6 +266,11 @@ def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -
             reason = check_arguments(args)
             if reason is not None:
                 raise ValueError(f"{where}: {reason} (nothing was started)")
+
+
+def run_settings(parsed: argparse.Namespace) -> list[str]:
+    """The settings of the grid's runs: ``--set`` (every fit) then ``--run-set`` (the runs only)."""
+    return [*parsed.set, *parsed.run_set]
 
 
 def shell_line(args: Sequence[str]) -> str:
@@ -391,12 +408,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="one sweep axis (repeatable), e.g. model.shortcut.alpha_min=0.6,1.0 or seed_everything=0,1")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting every run gets (repeatable), e.g. trainer.max_epochs=300")
+                        help="a setting of every fit of the sweep (repeatable): each run and its --then and "
+                             "--evaluate fits, e.g. data.init_args.data_dir=/data/imagenet")
+    parser.add_argument("--run-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the grid's runs only (repeatable), not of their --then or --evaluate "
+                             "fits, e.g. trainer.max_epochs=300")
     parser.add_argument("--then", action="append", default=[], metavar="CONFIG",
                         help="fit this config after each run on its last checkpoint (model.checkpoint), e.g. "
                              "configs/linear_probe_digits.yaml; repeat to compose; logged to <run>/probe")
     parser.add_argument("--then-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of the --then fit (repeatable), e.g. data.data_dir=/data/imagenet")
+                        help="a setting of the --then fit only (repeatable), e.g. trainer.max_epochs=90")
     parser.add_argument("--evaluate", action="append", default=[], metavar="NAME=CONFIG[,CONFIG...]",
                         help="after each run, fit these composed configs from its checkpoint too (repeatable, "
                              "one report column each), logged to <run>/NAME; e.g. "
@@ -443,7 +464,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         if not Path(config).is_file():
             raise FileNotFoundError(f"--config: no file '{config}'")
     points = grid_points([parse_axis(axis) for axis in parsed.grid])
-    for option, settings in (("--set", parsed.set), ("--then-set", parsed.then_set)):
+    for option, settings in (("--set", parsed.set), ("--run-set", parsed.run_set), ("--then-set", parsed.then_set)):
         for setting in settings:
             if "=" not in setting:
                 raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
@@ -462,17 +483,18 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     for index, point in enumerate(points, start=1):
         name = run_name(point)
         run = save_dir / name
-        args = fit_command(parsed.config, point, parsed.set, save_dir, name)
+        args = fit_command(parsed.config, point, run_settings(parsed), save_dir, name)
         probe = run / FOLLOW_UP_DIR
         if parsed.print_only:
             line = shell_line(args)
             if parsed.then:
                 follow = shell_line(follow_up_command(parsed.then, run, Path(CHECKPOINT_AT_RUN_TIME), point,
-                                                      parsed.then_set, save_dir, name))
+                                                      [*parsed.set, *parsed.then_set], save_dir, name))
                 line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
             for evaluation in parsed.evaluations:
                 follow = shell_line(follow_up_command(evaluation.configs, run, Path(CHECKPOINT_AT_RUN_TIME), point,
-                                                      evaluation.settings, save_dir, name, evaluation.name))
+                                                      [*parsed.set, *evaluation.settings], save_dir, name,
+                                                      evaluation.name))
                 line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
             print(line)
             continue
@@ -499,7 +521,8 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 record["probe_status"] = 1
                 print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
             else:
-                follow = follow_up_command(parsed.then, run, checkpoint, point, parsed.then_set, save_dir, name)
+                follow = follow_up_command(parsed.then, run, checkpoint, point, [*parsed.set, *parsed.then_set],
+                                           save_dir, name)
                 try:
                     follow, status, seconds = fit_resuming(follow, probe, parsed.stop_grace)
                 except Stopped as stop:
@@ -536,8 +559,8 @@ def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str]
             done[evaluation.name] = {"status": 1}
             print(f"    --evaluate {evaluation.name}: {run} has no checkpoints/last.ckpt", file=sys.stderr)
         else:
-            follow = follow_up_command(evaluation.configs, run, checkpoint, point, evaluation.settings, save_dir,
-                                       name, evaluation.name)
+            follow = follow_up_command(evaluation.configs, run, checkpoint, point, [*parsed.set, *evaluation.settings],
+                                       save_dir, name, evaluation.name)
             print(f"    --evaluate {evaluation.name}", flush=True)
             try:
                 follow, status, seconds = fit_resuming(follow, run / evaluation.name, parsed.stop_grace)

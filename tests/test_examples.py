@@ -220,3 +220,42 @@ def test_the_schedule_of_ones_own_in_the_diffusion_and_spiral_families(tmp_path,
         assert ShortcutSchedule.coerce(saved) == schedule
         alphas = shortcut_alphas(module)
         np.testing.assert_allclose(alphas, expected_exponential_alphas(0.3, 0.1, len(alphas)), rtol=0, atol=1e-15)
+
+
+def documented_commands(path: Path) -> list[list[str]]:
+    """The ``shortcutlab fit`` commands of an example's docstring (or a YAML example's comments),
+    continuation lines joined, as argument lists."""
+    import shlex
+
+    text = path.read_text()
+    lines = [line.strip().lstrip("#").strip() for line in text.splitlines()]
+    commands, current = [], ""
+    for line in lines:
+        if current:
+            current += " " + line
+        elif line.startswith("shortcutlab fit"):
+            current = line
+        else:
+            continue
+        if current.endswith("\\"):  # a continuation (written "\\\\" inside a docstring)
+            current = current.rstrip("\\").rstrip()
+            continue
+        commands.append(shlex.split(current)[1:])
+        current = ""
+    return commands
+
+
+def test_every_command_in_an_example_parses_as_written(monkeypatch):
+    """Each command an example names, from the repository (where its config paths resolve) with
+    the examples' folder importable, is parsed as ``shortcutlab fit`` parses it (an unknown key, a
+    missing data config or class: one line here); the tests above fit them."""
+    from commands.lightning_cli import ArgumentChecker
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    check = ArgumentChecker()
+    for path in sorted(p for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".yaml")):
+        commands = documented_commands(path)
+        assert commands, f"{path.name} names no shortcutlab fit command"
+        for command in commands:
+            assert check(command) is None, f"{path.name}: {' '.join(command)}: {check(command)}"

@@ -96,6 +96,15 @@ def override_parse_ckpt_path(cli_class: type, method: Callable[[Any], None]) -> 
     setattr(cli_class, CLI_PARSE_CKPT_PATH, method)
 
 
+def set_argument_help(cli: Any, dest: str, help_of: Callable[[str], str]) -> None:
+    """Give the option ``dest`` of every LightningCLI subcommand the help text ``help_of(subcommand)``
+    (its private ``_subcommand_parsers``; jsonargparse actions' ``help``)."""
+    for name, parser in getattr(cli, "_subcommand_parsers", {}).items():
+        for action in parser._actions:
+            if action.dest == dest:
+                action.help = help_of(name)
+
+
 @contextlib.contextmanager
 def given_hyperparameters(hparams: dict[str, Any], instantiator: str) -> Iterator[None]:
     """Build a LightningModule inside this block and it records ``hparams`` (class path

@@ -169,3 +169,17 @@ def test_console_command_exits_zero_after_a_run(tmp_path):
                           "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_help_documents_the_ckpt_path_the_package_accepts(subcommand):
+    """``--ckpt_path``'s help names ``auto`` (fit) and the aliases refused, not Lightning's text
+    offering them."""
+    done = subprocess.run([sys.executable, "-m", "cli", subcommand, "--help"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = " ".join(done.stdout.split())
+    section = text[text.index("--ckpt_path CKPT_PATH ", text.index("--ckpt_path CKPT_PATH") + 1):][:600]
+    assert "Could also be one of three special keywords" not in text
+    assert ("'auto'" in section) == (subcommand == "fit")
+    assert "'last', 'best', 'hpc', 'registry' and URLs are refused" in section

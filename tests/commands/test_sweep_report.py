@@ -287,8 +287,8 @@ def test_same_short_name_twice_is_refused():
 def test_print_gives_one_command_per_run(tmp_path, capsys):
     sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path),
                 "--grid", "model.shortcut.alpha_min=0.6,1.0", "--grid", "seed_everything=0,1",
-                "--set", "trainer.max_epochs=3", "--then", "configs/linear_probe_digits.yaml",
-                "--then-set", "trainer.max_epochs=2", "--print"])
+                "--run-set", "trainer.max_epochs=3", "--set", "trainer.accelerator=cpu",
+                "--then", "configs/linear_probe_digits.yaml", "--then-set", "trainer.max_epochs=2", "--print"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4  # one line per run: its fit && its probe
     fits, probes = zip(*((shlex.split(fit), shlex.split(probe)) for fit, probe in
@@ -298,7 +298,7 @@ def test_print_gives_one_command_per_run(tmp_path, capsys):
         name = f"alpha_min={alpha},seed={seed}"
         assert args[:3] == ["shortcutlab", "fit", "--config=configs/digits_mae.yaml"]
         assert f"--model.shortcut.alpha_min={alpha}" in args and f"--seed_everything={seed}" in args
-        assert "--trainer.max_epochs=3" in args
+        assert "--trainer.max_epochs=3" in args and "--trainer.accelerator=cpu" in args
         assert args[-1] == f"--config={tmp_path / 'e' / name / 'run.yaml'}"
         logger = json.loads((tmp_path / "e" / name / "run.yaml").read_text().split("\n", 1)[1])
         assert {lg["init_args"]["version"] for lg in logger["trainer"]["logger"]} == {name}
@@ -307,7 +307,7 @@ def test_print_gives_one_command_per_run(tmp_path, capsys):
         checkpoint = next(a for a in args if a.startswith("--model.checkpoint="))
         assert checkpoint.startswith("--model.checkpoint=$(ls -t ")  # chosen when the line runs
         assert f"--seed_everything={seed}" in args and "--trainer.max_epochs=2" in args
-        assert "--trainer.max_epochs=3" not in args
+        assert "--trainer.max_epochs=3" not in args and "--trainer.accelerator=cpu" in args  # --set, not --run-set
         assert args[-1] == f"--config={run / 'probe' / 'run.yaml'}"
     assert not any((tmp_path / "e").glob("*/sweep.json"))  # nothing ran
     # run by a shell (the array job's eval), the probe takes the newer of last.ckpt and latest.ckpt
@@ -375,7 +375,7 @@ TINY = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
         "--set", "trainer.max_epochs=1", "--set", "trainer.limit_train_batches=2",
         "--set", "trainer.limit_val_batches=1", "--set", "trainer.check_val_every_n_epoch=1",
         "--set", "trainer.enable_progress_bar=false", "--set", "trainer.accelerator=cpu",
-        "--set", "model.depth=2", "--set", "model.decoder_depth=1"]
+        "--run-set", "model.depth=2", "--run-set", "model.decoder_depth=1"]  # the MAE's, not the evaluations'
 
 
 @pytest.mark.slow
@@ -529,17 +529,17 @@ def test_sweep_evaluates_the_run_s_checkpoint_and_reports_it(tmp_path, monkeypat
     """One tiny digits MAE run, then its fine-tuning from the run's checkpoint, both real fits."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.chdir(tmp_path)
-    short = ",trainer.max_epochs=1,trainer.limit_train_batches=2,trainer.limit_val_batches=1," \
-            "trainer.enable_progress_bar=false,trainer.accelerator=cpu"
     records = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
-                          "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}{short}"])
+                          "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}"])
     printed = capsys.readouterr().out
     assert records[0]["evaluations"]["ft"]["status"] == 0, printed[-3000:]
+    command = shlex.split(records[0]["evaluations"]["ft"]["command"])  # --set reached it, --run-set did not
+    assert "--trainer.limit_train_batches=2" in command and "--model.depth=2" not in command
     report.main([str(tmp_path / "t1")])
     group = json.loads((tmp_path / "t1" / "report" / "report.json").read_text())["groups"][0]
     assert 0.0 <= group["metrics"]["ft/val/top1"]["mean"] <= 1.0 and group["problems"] == []
     assert "ft top-1 (%)" in capsys.readouterr().out
     again = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
-                        "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}{short}"])
+                        "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}"])
     assert "--evaluate ft" not in capsys.readouterr().out  # finished before: neither run nor evaluation again
     assert again[0]["evaluations"] == records[0]["evaluations"]
