@@ -16,6 +16,7 @@ image once under DDP.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -26,6 +27,7 @@ from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from lightning_mods.backbone.vit import DecayedVisionTransformer
+from lightning_mods.checkpointing.finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import build_module, canonical_class_path, module_from_checkpoint
 from lightning_mods.evaluation import metric_names
 from lightning_mods.training.classification_steps import ClassificationSteps
@@ -67,7 +69,9 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
 
     Args:
         checkpoint: a ``shortcutlab fit`` checkpoint of a ``MaskedAutoencoder`` (converted
-            official and timm MAE weights too: ``python -m commands.convert_mae import``).
+            official and timm MAE weights too: ``python -m commands.convert_mae import``), or the
+            pre-training's folder: the final checkpoint of its finished fit
+            (:mod:`lightning_mods.checkpointing.finished_run`).
         encoder: without a checkpoint, the MAE to build (``class_path``/``init_args``); with one,
             settings checked against it (``allow_encoder_override`` builds them on purpose).
         num_classes: linked from the datamodule by the CLI.
@@ -91,6 +95,8 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                  mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, label_smoothing: float = 0.1,
                  global_pool: Literal["avg", "token"] = "avg", allow_encoder_override: bool = False) -> None:
         super().__init__()
+        if checkpoint is not None and Path(checkpoint).is_dir():  # a pre-training's folder: its final checkpoint
+            checkpoint = str(final_checkpoint(checkpoint))  # (recorded as the file, for resumes)
         self.save_hyperparameters(ignore=["encoder"])
         if not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"FineTuneClassifier: layer_decay must be in (0, 1], got {layer_decay}")

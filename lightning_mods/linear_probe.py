@@ -11,6 +11,7 @@ already extracted (e.g. the diffusion feature sweep).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods.training.classification_steps import ClassificationSteps
+from lightning_mods.checkpointing.finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
 from lightning_mods.training.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
@@ -100,9 +102,12 @@ class LinearProbe(ClassificationSteps, LightningModule):
             against the checkpoint: one that disagrees is a one-line error naming both values.
             Without a checkpoint, the full configuration to build (or, from Python, a built
             LightningModule). It must provide ``forward_features(images) -> B x D`` and ``num_features``.
-        checkpoint: path of the pre-training checkpoint. The backbone is the network that wrote
-            it: class, architecture and shortcut schedule come from its hyper-parameters, the
-            weights (resolved shortcut weights included) from its state_dict.
+        checkpoint: path of the pre-training checkpoint, or the pre-training's folder (its
+            ``trainer.default_root_dir`` or sweep run): the final checkpoint of its finished fit,
+            whatever version wrote it (:mod:`lightning_mods.checkpointing.finished_run`). The
+            backbone is the network that wrote it: class, architecture and shortcut schedule come
+            from its hyper-parameters, the weights (resolved shortcut weights included) from its
+            state_dict.
         allow_backbone_override: build with the given ``backbone`` settings where they disagree
             with the checkpoint (a warning says so), on purpose.
         num_classes: linked from the datamodule by the CLI.
@@ -132,6 +137,8 @@ class LinearProbe(ClassificationSteps, LightningModule):
                  reference_batch: Optional[int] = None, feature_pool: Optional[Literal["mean", "cls"]] = None) -> None:
         super().__init__()
         check_blocks("LinearProbe", blocks)
+        if checkpoint is not None and Path(checkpoint).is_dir():  # a pre-training's folder: its final checkpoint
+            checkpoint = str(final_checkpoint(checkpoint))  # (recorded as the file, for resumes)
         self.save_hyperparameters(ignore=["backbone"])
         if isinstance(backbone, nn.Module):
             if checkpoint is not None:

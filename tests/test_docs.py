@@ -182,7 +182,8 @@ def test_the_blocks_this_file_runs_run(page, tmp_path):
         assert run.returncode == 0, f"{page_name(page)}:{block['line']}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
 
 
-HISTORY = re.compile(r"\b[Ii]ssues? \d+|\b[Ss]essions?\b|\bruns? \d+(?![\d-])|\bSPEC\b|development checkout")
+HISTORY = re.compile(r"\b[Ii]ssues? \d+|\b[Ss]essions?\b|\bruns? \d+(?![\d-])|\bSPEC\b|development checkout"
+                     r"|\bcommit `?[0-9a-f]{7,40}\b|`[0-9a-f]{7,40}`")  # a commit is history too
 
 
 def test_the_pages_speak_to_the_user_not_of_how_the_package_was_built():
@@ -198,3 +199,5 @@ def test_the_history_check_sees_history():
     assert HISTORY.search("as issue 18 asked") and HISTORY.search("in the seventh session")
     assert HISTORY.search("runs 5 and 6") and HISTORY.search("SPEC section 2")
     assert not HISTORY.search("classes run 0-4 and 5-9 along the rows")
+    assert HISTORY.search("from commit `9d5f394`") and HISTORY.search("at `e8ee379`")
+    assert not HISTORY.search("a rank of 9.513596534729004")
