@@ -27,7 +27,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
 
 # CUDA only: every family's quick config, the paper configs on generated data, DDP over every
-# GPU and the benchmarks on CUDA; writes docs/results/gpu/<gpu>.md (without CUDA: one line, exit 0)
+# GPU and the benchmarks on CUDA; writes runs/gpu-check/<gpu>.md (ARGS=--update-docs: docs/results/gpu/;
+# without CUDA: one line, exit 0)
 gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 

@@ -18,7 +18,8 @@ On a machine with CUDA it runs, each as its own ``shortcutlab fit`` process:
    what is left of ``--time-limit-s`` if one is set; the suite writes its table after each group,
    so a benchmark run cut off there keeps the groups it finished.
 
-It writes ``docs/results/gpu/<gpu name>.md`` (and the benchmark table beside it) after every
+It writes ``runs/gpu-check/<gpu name>.md`` (``--update-docs``: ``docs/results/gpu/``, the results
+the documentation cites; ``--out-dir``: elsewhere) and the benchmark table beside it after every
 part, so a run stopped part-way leaves the parts it finished and marks the rest "not run", and
 exits non-zero if any part failed or did not run. Without CUDA it says so in one line and exits
 0. Never part of CI.
@@ -47,6 +48,8 @@ from .fit_breakdown import Throughput  # noqa: F401  (the fits name it benchmark
 from .settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
+SCRATCH = REPO / "runs" / "gpu-check"  # a run's results unless asked to update the shipped ones
+SHIPPED = REPO / "docs" / "results" / "gpu"
 QUICK = {"MAE": ["--config=configs/digits_mae.yaml"],
          "diffusion": ["--config=configs/digits_diffusion_quick.yaml"],
          "classifier": ["--config=configs/data/digits.yaml", "--config=configs/digits_resnet/base.yaml",
@@ -207,7 +210,11 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--breakdown-steps", type=int, default=BREAKDOWN_EPOCH_STEPS,
                         help="timed steps of each breakdown figure (after the warm-up)")
     parser.add_argument("--ddp-tolerance", type=float, default=0.05, help="relative, on the final training loss")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results" / "gpu")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the results go (default runs/gpu-check/; --update-docs: docs/results/gpu/, "
+                             "the results the documentation cites)")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="write into docs/results/gpu/, replacing the shipped results of this GPU")
     parser.add_argument("--jobs", type=int, default=1,
                         help="quick-config fits run at a time (their img/s is a figure only at 1); paper configs "
                              "and the benchmarks always run alone")
@@ -218,6 +225,10 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="the parts to run (a subset writes <gpu name>-<parts>.md, so split runs keep both files)")
     args = parser.parse_args(argv)
+    if args.out_dir is not None and args.update_docs:
+        parser.error("--out-dir and --update-docs name two places; give one")
+    if args.out_dir is None:
+        args.out_dir = SHIPPED if args.update_docs else SCRATCH
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     return args

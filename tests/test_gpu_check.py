@@ -173,3 +173,17 @@ def test_the_results_file_links_the_benchmark_table_only_once_it_exists(tmp_path
     gpu_check.main(["--out-dir", str(tmp_path), "--parts", "bench"])
     assert "[Stand-in-GPU-80GB-bench-benchmarks.md](Stand-in-GPU-80GB-bench-benchmarks.md)" in \
         (tmp_path / "Stand-in-GPU-80GB-bench.md").read_text()
+
+
+def test_results_go_to_a_scratch_folder_unless_the_shipped_ones_are_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "SCRATCH", tmp_path / "scratch")
+    monkeypatch.setattr(gpu_check, "SHIPPED", tmp_path / "shipped")
+    assert gpu_check.parse([]).out_dir == tmp_path / "scratch"
+    assert gpu_check.parse(["--update-docs"]).out_dir == tmp_path / "shipped"
+    assert gpu_check.parse(["--out-dir", str(tmp_path / "mine")]).out_dir == tmp_path / "mine"
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--update-docs", "--out-dir", str(tmp_path)])
+    StandInGPU(monkeypatch)
+    gpu_check.main(["--parts", "quick"])
+    assert [p.name for p in (tmp_path / "scratch").iterdir()] == ["Stand-in-GPU-80GB-quick.md"]
+    assert not (tmp_path / "shipped").exists()
