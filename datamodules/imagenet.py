@@ -120,11 +120,17 @@ MAX_HOST_WORKERS = 16
 
 
 def host_workers(processes_per_host: int) -> int:
-    """Loader workers of each training process when none are set: the cores this process may run
-    on (its CPU affinity: a SLURM task's ``--cpus-per-task``), shared by the processes of the host,
-    less one for the process itself, at most :data:`MAX_HOST_WORKERS`."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(cores // max(1, processes_per_host) - 1, MAX_HOST_WORKERS))
+    """Loader workers of each training process when none are set: under SLURM the task's own
+    ``--cpus-per-task`` (``SLURM_CPUS_PER_TASK``), elsewhere the cores this process may run on (its
+    CPU affinity) shared by the training processes of the host; less one for the process itself,
+    at most :data:`MAX_HOST_WORKERS`."""
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit():
+        cores = int(per_task)
+    else:
+        host = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = host // max(1, processes_per_host)
+    return max(0, min(cores - 1, MAX_HOST_WORKERS))
 
 
 class ImageNet(ImageDataModule):
