@@ -3,7 +3,7 @@
     shortcutlab                                             # overview: models, data, configs, commands
     shortcutlab fit --config configs/digits_mae.yaml        # LightningCLI: fit/validate/test/predict
     shortcutlab sweep ... / shortcutlab report runs/<experiment>
-    shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents
+    shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents / sort-imagenet-val
 
 Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the others each have a
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
@@ -30,6 +30,7 @@ COMMANDS = {
     "feature-reuse": ("commands.feature_reuse", "the spiral feature-reuse study (ResidualDroppath paper, Fig. 3)"),
     "probe-diffusion": ("commands.probe_diffusion", "linear probe / kNN of a diffusion model's blocks per noise level"),
     "encode-latents": ("commands.encode_latents", "encode a dataset with the frozen VAE for latent diffusion"),
+    "sort-imagenet-val": ("commands.sort_imagenet_val", "sort ImageNet's validation images into class folders"),
 }
 # LightningCLI's subcommands (Trainer methods)
 TRAINING = {
