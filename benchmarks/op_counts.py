@@ -130,23 +130,32 @@ class CallbackOpCount(Callback):
                                                    "by_op": {k: dict(v.most_common(8)) for k, v in self.by_op.items()}}))
 
 
-def count(fit_args: list[str], steps: int, warmup: int, root: Path) -> dict[str, Any]:
-    """Per-step ATen operations of each callback of one ``shortcutlab fit`` of ``warmup + steps``
-    steps (validation off, CPU, fp32), run in its own process."""
-    record = root / "ops.json"
-    command = [sys.executable, "-m", "cli", "fit", *fit_args, f"--trainer.max_steps={warmup + steps}",
-               "--trainer.max_epochs=-1", "--trainer.accelerator=cpu", "--trainer.devices=1",
-               "--trainer.precision=32-true", f"--trainer.default_root_dir={root}",
-               "--trainer.enable_progress_bar=true", "--trainer.limit_val_batches=0",
-               "--trainer.callbacks+=benchmarks.op_counts.CallbackOpCount", f"--trainer.callbacks.path={record}",
-               f"--trainer.callbacks.warmup_steps={warmup}"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0 or not record.is_file():
-        raise RuntimeError(f"op count fit failed: {(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+def counted_fit_arguments(fit_args: list[str], steps: int, warmup: int, root: Path) -> list[str]:
+    """``shortcutlab fit`` arguments of a counted fit of ``warmup + steps`` steps (validation off,
+    CPU, fp32, the progress bar on as shipped); the record goes to ``root/ops.json``."""
+    return ["fit", *fit_args, f"--trainer.max_steps={warmup + steps}", "--trainer.max_epochs=-1",
+            "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true",
+            f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=true",
+            "--trainer.limit_val_batches=0", "--trainer.callbacks+=benchmarks.op_counts.CallbackOpCount",
+            f"--trainer.callbacks.path={root / 'ops.json'}", f"--trainer.callbacks.warmup_steps={warmup}"]
+
+
+def per_step(record: Path) -> dict[str, Any]:
+    """A counted fit's record as operations per step."""
     result = json.loads(record.read_text())
     counted = max(1, result["steps"])
     return {"steps": result["steps"], "per_step": {k: v / counted for k, v in result["ops"].items()},
             "by_op": result["by_op"]}
+
+
+def count(fit_args: list[str], steps: int, warmup: int, root: Path) -> dict[str, Any]:
+    """Per-step ATen operations of each callback of one ``shortcutlab fit`` of ``warmup + steps``
+    steps (validation off, CPU, fp32), run in its own process."""
+    command = [sys.executable, "-m", "cli", *counted_fit_arguments(fit_args, steps, warmup, root)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0 or not (root / "ops.json").is_file():
+        raise RuntimeError(f"op count fit failed: {(done.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+    return per_step(root / "ops.json")
 
 
 def run(settings: Settings) -> list[Row]:

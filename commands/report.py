@@ -220,6 +220,11 @@ def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
     problems = [line for group in groups for line in problems_of(group)]
     lines += ["", "Missing or failed runs (not counted): " + ("none." if not problems else "")]
     lines += [f"- {line}" for line in problems]
+    started = [f"- {run.name}/{name}: {shown_path(path, run.folder)}" for group in groups for run in group.counted
+               for name, path in sorted(run.started_from.items())]
+    if started:
+        lines += ["", "The checkpoint each evaluation of a run started from (`model.checkpoint` in its `config.yaml`):"]
+        lines += started
     unrecorded = [run.name for group in groups for run in group.counted if not run.recorded]
     if unrecorded:
         lines += ["", "Counted by their fit_end.json, without a sweep.json (made by `sweep --print` or outside "
@@ -229,6 +234,14 @@ def markdown_table(experiment: str, group_keys: list[str], groups: list[Group],
                   "epoch; the run trained on after these values):"]
         lines += [f"- {line}" for line in stale]
     return "\n".join(lines) + "\n"
+
+
+def shown_path(path: str, run_folder: Path) -> str:
+    """``path`` relative to the run's folder when it lies inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(run_folder.resolve()))
+    except ValueError:
+        return path
 
 
 def stale_values(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list[str]:

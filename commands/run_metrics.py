@@ -58,6 +58,8 @@ class Run:
     evaluation_metrics: dict[str, dict[str, list[Point]]] = field(default_factory=dict)
     evaluation_problems: dict[str, str] = field(default_factory=dict)
     recorded: bool = False  # has a sweep.json (False: still running, or not made by the sweep)
+    # the checkpoint each fit made from the run started from (its config.yaml): "probe" or an evaluation's name
+    started_from: dict[str, str] = field(default_factory=dict)
     # why the run (its offline probe) is not counted: "missing", "failed" or "unreadable" first
     # ("probe missing" ...), then the detail in parentheses
     problem: Optional[str] = None
@@ -155,6 +157,20 @@ def _exit_status(record: dict, key: str) -> Optional[int]:
     return status if isinstance(status, int) else None
 
 
+def checkpoint_of(folder: Path) -> Optional[str]:
+    """The ``model.checkpoint`` a fit in ``folder`` started from, by its ``config.yaml`` (None: no
+    such fit, or one that names none)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    model = config.get("model") or {}
+    checkpoint = (model.get("init_args") or {}).get("checkpoint", model.get("checkpoint"))
+    return None if checkpoint is None else str(checkpoint)
+
+
 def read_follow_up(folder: Path, label: str, status: Optional[int],
                    commanded: bool) -> tuple[dict[str, list[Point]], Optional[str]]:
     """``(metrics, problem)`` of a fit made from the run's checkpoint in ``folder`` (the offline
@@ -209,6 +225,11 @@ def read_run(folder: Path) -> Run:
             run.problem = f"unreadable ({err})"
     run.probe_metrics, run.probe_problem = read_follow_up(folder / FOLLOW_UP_DIR, "probe",
                                                           _exit_status(record, "probe_status"), "probe_command" in record)
+    for name, follow_up in [(FOLLOW_UP_DIR, folder / FOLLOW_UP_DIR),
+                            *((f.name, f) for f in sorted(folder.iterdir()) if f.is_dir())] if folder.is_dir() else []:
+        checkpoint = checkpoint_of(follow_up)
+        if checkpoint is not None:
+            run.started_from[name] = checkpoint
     evaluations = record.get("evaluations") if isinstance(record.get("evaluations"), dict) else {}
     names = set(evaluations) | {f.name for f in folder.iterdir() if f.is_dir() and f.name != FOLLOW_UP_DIR
                                 and (f / METRICS_FILE).is_file()} if folder.is_dir() else set(evaluations)

@@ -538,7 +538,12 @@ def test_sweep_evaluates_the_run_s_checkpoint_and_reports_it(tmp_path, monkeypat
     report.main([str(tmp_path / "t1")])
     group = json.loads((tmp_path / "t1" / "report" / "report.json").read_text())["groups"][0]
     assert 0.0 <= group["metrics"]["ft/val/top1"]["mean"] <= 1.0 and group["problems"] == []
-    assert "ft top-1 (%)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ft top-1 (%)" in out
+    run = tmp_path / "t1" / "run"
+    started = next(a for a in command if a.startswith("--model.checkpoint=")).split("=", 1)[1]
+    assert f"- run/ft: {Path(started).resolve().relative_to(run.resolve())}" in \
+        (tmp_path / "t1" / "report" / "report.md").read_text()  # the report says where it started
     again = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
                         "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}"])
     assert "--evaluate ft" not in capsys.readouterr().out  # finished before: neither run nor evaluation again
