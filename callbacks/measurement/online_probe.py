@@ -98,6 +98,8 @@ class OnlineLinearProbe(SettingsKeyed):
             one head step on the fresh samples alone.
         head_batch: samples of each replayed head step (default ``replay_samples //
             every_n_steps``: one sweep of the replay per probe; larger goes round it again).
+        head_steps: replayed head steps per probe (default ``every_n_steps``: one per training
+            batch).
         name: the tag of this instance's metric names when the Trainer has several (default:
             its settings that differ from the defaults).
         blocks: also train a head (per rate) on every chosen block's pooled output (``"all"`` or a
@@ -138,6 +140,10 @@ class OnlineLinearProbe(SettingsKeyed):
             raise ValueError(f"OnlineLinearProbe: head_batch must be None or an integer from 2 to replay_samples "
                              f"({replay_samples}), got {head_batch!r}")
         self.head_batch = head_batch
+        if head_steps is not None and (replay_samples is None or isinstance(head_steps, bool)
+                                       or not isinstance(head_steps, int) or head_steps < 1):
+            raise ValueError(f"OnlineLinearProbe: head_steps must be None or an integer >= 1 with a replay "
+                             f"(replay_samples {replay_samples}), got {head_steps!r}")
         self.head_steps = head_steps
         self.name = check_name("OnlineLinearProbe", name)
         self.probe_heads: Optional[OnlineProbeHeads] = None  # built in setup, once num_classes is known
@@ -197,6 +203,7 @@ class OnlineLinearProbe(SettingsKeyed):
                 # absent without replay: the key of the probes written before replay existed
                 **({"replay_samples": self.replay_samples} if self.replay_samples is not None else {}),
                 **({"head_batch": self.head_batch} if self.head_batch is not None else {}),
+                **({"head_steps": self.head_steps} if self.head_steps is not None else {}),
                 **({"blocks": self.blocks} if self.blocks else {})}
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -61,13 +61,3 @@ def truncated_normal_(tensor: torch.Tensor, std: float, generator: Optional[torc
         tensor.erfinv_()
         tensor.mul_(std * math.sqrt(2.0))
         return tensor.clamp_(min=low, max=high)
-
-
-def cross_entropy_slope_(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy's gradient at the logits, ``(softmax - onehot) / N``, built in place
-    of ``log_probs`` (``... x N x C``, log-softmax over the last dimension; ``labels``: ``N``): the
-    hand-written step of the online probe's heads (one head or several stacked)."""
-    slope = log_probs.exp_()
-    index = labels.view(*([1] * (log_probs.dim() - 2)), -1, 1).expand(*log_probs.shape[:-1], 1)
-    slope.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=slope.dtype, device=slope.device))
-    return slope.div_(labels.shape[0])

@@ -54,6 +54,27 @@ def test_state_round_trip_and_a_capacity_mismatch():
         FeatureReplay(1)
 
 
+@pytest.mark.parametrize("settings", [dict(head_batch=1), dict(head_batch=600), dict(head_steps=0),
+                                      dict(head_steps=2, replay_samples=None), dict(head_batch=8, replay_samples=None)])
+def test_head_batch_and_head_steps_are_checked(settings):
+    with pytest.raises(ValueError, match="head_batch|head_steps"):
+        OnlineLinearProbe(**settings)
+
+
+def test_head_batch_and_head_steps_sweep_the_replay_as_asked():
+    """every_n_steps=4, replay of 8, head_batch 6, head_steps 2: the 8 samples added are swept by
+    2 steps of 6 rows, ages 0-5 then 6, 7, 0, 1, 2, 3 (round the replay again)."""
+    from callbacks._utils.online_probe_heads import OnlineProbeHeads
+
+    heads = OnlineProbeHeads(8, [0.1], "sgd", 0.0, False, 0, 4, 8, head_batch=6, head_steps=2)
+    features, labels = numbered(list(range(8)))
+    seen = []
+    heads.build(1)
+    heads.groups[0].sets[0].step = lambda f, y, onehot, scored=None: seen.append(y.tolist()) or torch.zeros(3)
+    heads.learn(features, labels, {})
+    assert seen == [[7, 6, 5, 4, 3, 2], [1, 0, 7, 6, 5, 4]]
+
+
 def test_probe_settings_need_two_samples_per_replayed_step():
     with pytest.raises(ValueError, match="replay_samples"):
         OnlineLinearProbe(every_n_steps=4, replay_samples=7)
