@@ -30,7 +30,8 @@ from commands.report_groups import Group, ReportedMetric, Summary  # noqa: F401 
 from commands.run_metrics import Run, read_run
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from commands.sweep import parse_run_name, read_plan, short_name
+from commands.run_folder import read_plan
+from commands.sweep_grid import parse_run_name, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
 REPORT_DIR = "report"

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from commands.sweep import FOLLOW_UP_DIR, parse_run_name
+from commands.run_folder import FOLLOW_UP_DIR
+from commands.sweep_grid import parse_run_name
 
 METRICS_FILE = "metrics.csv"
 SWEEP_RECORD = "sweep.json"

@@ -36,145 +36,22 @@ A run dies with its sweep, even one killed by SIGKILL (it gets SIGTERM and saves
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import io
-import itertools
 import json
-import os
-import re
-import shlex
 import signal
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
+# the grid (commands.sweep_grid), the run folder (commands.run_folder) and the supervision of the
+# runs' processes (commands.supervised_run) have modules of their own; their names stay here too
+from commands.run_folder import (CHECKPOINT_AT_RUN_TIME, FOLLOW_UP_DIR, PLAN_FILE, last_checkpoint,  # noqa: F401
+                                 merge_metrics_csv, newest_checkpoint_shell, read_plan, record_plan,
+                                 resumable_checkpoint, write_logging_fragment)
+from commands.supervised_run import (STOP_GRACE_SECONDS, Stopped, fit_resuming, run_once,  # noqa: F401
+                                     shell_line)
+from commands.sweep_grid import (Evaluation, as_options, grid_points, parse_axis, parse_evaluation,  # noqa: F401
+                                 parse_run_name, run_name, short_name)
 from lightning_mods.checkpointing.atomic_files import DISK_ERROR_EXIT_STATUS, DiskWriteError, write_text_atomically
-
-# grid keys whose last component is not a readable name
-SHORT_NAMES = {"seed_everything": "seed"}
-FOLLOW_UP_DIR = "probe"
-PLAN_FILE = "sweep_plan.json"  # every run asked for in <runs-dir>/<experiment>: the report names those not started
-
-
-def parse_axis(text: str) -> tuple[str, list[str]]:
-    """``"model.shortcut.alpha_min=0.6,0.8"`` -> ``("model.shortcut.alpha_min", ["0.6", "0.8"])``."""
-    key, sep, values = text.partition("=")
-    key = key.strip().removeprefix("--")
-    items = [v.strip() for v in values.split(",")] if sep else []
-    if not key or not items or any(not v for v in items):
-        raise ValueError(f"--grid: expected KEY=V1,V2,... (e.g. model.shortcut.alpha_min=0.6,1.0), got {text!r}")
-    for value in items:  # the values make the run's folder name, which parse_run_name must invert
-        if any(c in value for c in "=/\\"):
-            raise ValueError(f"--grid {key}: a value may not hold '=', '/' or '\\' (it names the run's folder), "
-                             f"got {value!r}")
-    return key, items
-
-
-def short_name(key: str) -> str:
-    """The name a grid key has in run names: its last component (``seed`` for ``seed_everything``)."""
-    return SHORT_NAMES.get(key, key.rsplit(".", 1)[-1])
-
-
-def grid_points(axes: Sequence[tuple[str, list[str]]]) -> list[dict[str, str]]:
-    """Every combination of the axes' values, the first axis varying slowest."""
-    names = [short_name(key) for key, _ in axes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--grid: two axes have the same short name ({', '.join(names)}); run names would clash")
-    keys = [key for key, _ in axes]
-    return [dict(zip(keys, values)) for values in itertools.product(*(values for _, values in axes))]
-
-
-def run_name(point: dict[str, str]) -> str:
-    """``{"model.shortcut.alpha_min": "0.6", "seed_everything": "1"}`` -> ``alpha_min=0.6,seed=1``."""
-    return ",".join(f"{short_name(key)}={value}" for key, value in point.items()) or "run"
-
-
-def parse_run_name(name: str) -> dict[str, str]:
-    """The grid values a run's folder name holds (inverse of :func:`run_name`)."""
-    if name == "run":
-        return {}
-    return dict(part.split("=", 1) for part in name.split(",") if "=" in part)
-
-
-def write_logging_fragment(save_dir: Path, version: str) -> Path:
-    """``<save_dir>/<version>/run.yaml``: a config fragment with a CSV logger (``metrics.csv``,
-    read by ``shortcutlab report``) and a TensorBoard logger, both writing to the run's fixed
-    folder ``save_dir/version`` instead of ``lightning_logs/version_N``, and the callback that
-    records a normal end of the fit there (``fit_end.json``, :mod:`callbacks.reliability.fit_end_record`)."""
-    loggers = [{"class_path": f"lightning.pytorch.loggers.{cls}",
-                "init_args": {"save_dir": str(save_dir), "name": "", "version": version}}
-               for cls in ("CSVLogger", "TensorBoardLogger")]
-    trainer = {"logger": loggers, "callbacks+": [{"class_path": "callbacks.reliability.fit_end_record.FitEndRecord"}]}
-    path = save_dir / version / "run.yaml"
-    write_text_atomically(path, "# written by shortcutlab sweep: where this run logs\n"
-                    + json.dumps({"trainer": trainer}, indent=2) + "\n")
-    return path
-
-
-def read_plan(save_dir: Path) -> list[str]:
-    """The run names of ``<save_dir>/sweep_plan.json`` (none without one)."""
-    path = save_dir / PLAN_FILE
-    try:
-        return [str(name) for name in json.loads(path.read_text())["runs"]] if path.is_file() else []
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{path}: not a sweep plan (expected {{\"runs\": [names]}}); move it away to start "
-                         "a new plan") from None
-
-
-def record_plan(save_dir: Path, names: Sequence[str]) -> None:
-    """Add ``names`` to ``<save_dir>/sweep_plan.json``, the runs this experiment was asked for
-    (by every sweep into it, printed ones included), so that a report can name the runs that
-    never started, even a whole row of them."""
-    planned = read_plan(save_dir)
-    planned += [name for name in names if name not in planned]
-    save_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(save_dir / PLAN_FILE, json.dumps({"runs": planned}, indent=2) + "\n")
-
-
-CHECKPOINT_AT_RUN_TIME = "@newest-checkpoint@"  # placeholder in a printed --then line
-
-
-def newest_checkpoint_shell(run: Path) -> str:
-    """A shell word that is :func:`last_checkpoint` of ``run`` when the printed line runs (the
-    newer of the two files by modification time; ``ls -t`` puts ``last.ckpt`` first on a tie)."""
-    files = " ".join(shlex.quote(str(run / "checkpoints" / name)) for name in ("last.ckpt", "latest.ckpt"))
-    return f'"$(ls -t {files} 2>/dev/null | head -n 1)"'
-
-
-def last_checkpoint(run: Path) -> Optional[Path]:
-    """The newer of the run's ``checkpoints/last.ckpt`` and ``checkpoints/latest.ckpt`` (None
-    when it has neither): the resume point and the network ``--then`` probes.
-
-    Either can be the stale one: ``save_last`` is refreshed only on its callback's cadence (every
-    20 epochs in the MAE configs, so not at a last epoch off that cadence), and a pre-emption
-    writes ``last.ckpt`` in configs that otherwise keep only the every-epoch ``latest.ckpt``.
-    """
-    found = [path for path in (run / "checkpoints" / "last.ckpt", run / "checkpoints" / "latest.ckpt")
-             if path.is_file()]
-    return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None  # a tie keeps last.ckpt
-
-
-def resumable_checkpoint(run: Path) -> Optional[Path]:
-    """The newest checkpoint of ``run`` (``checkpoints/*.ckpt`` by modification time, ``last.ckpt``
-    and ``latest.ckpt`` first on a tie) that loads; each newer one that does not (a save cut
-    short by a full disk or a killed node, before checkpoints were written atomically) is
-    skipped with one line saying why."""
-    from lightning_mods.checkpointing.rebuild import newest_loadable  # torch: only when a run resumes
-
-    folder = run / "checkpoints"
-    if not folder.is_dir():
-        return None
-    return newest_loadable(list(folder.glob("*.ckpt")), lambda line: print(f"    {line}", flush=True))
-
-
-def as_options(settings: Sequence[str]) -> list[str]:
-    """``KEY=VALUE`` settings as ``--KEY=VALUE`` options."""
-    return [a if a.startswith("--") else f"--{a}" for a in settings]
 
 
 def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence[str]) -> list[str]:
@@ -209,38 +86,6 @@ def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point
         f"--config={write_logging_fragment(save_dir, f'{version}/{folder}')}"]
 
 
-EVALUATION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
-RESERVED_FOLDERS = (FOLLOW_UP_DIR, "checkpoints", "pictures", "report")
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """One ``--evaluate NAME=CONFIG[,CONFIG...][,KEY=VALUE...]``: a fit from each run's checkpoint."""
-
-    name: str
-    configs: tuple[str, ...]
-    settings: tuple[str, ...]
-
-
-def parse_evaluation(text: str) -> Evaluation:
-    """``NAME=CONFIG[,CONFIG...][,KEY=VALUE...]``: the configs composed in order, then the settings
-    (an item with ``=`` is a setting, e.g. ``data.init_args.data_dir=/data/imagenet``)."""
-    name, sep, rest = text.partition("=")
-    if not sep or not rest:
-        raise ValueError(f"--evaluate: expected NAME=CONFIG[,CONFIG...], got {text!r}")
-    if not EVALUATION_NAME.fullmatch(name) or name in RESERVED_FOLDERS:
-        raise ValueError(f"--evaluate: {name!r} cannot name an evaluation folder (letters, digits, _ and -, "
-                         f"starting with a letter; not {', '.join(RESERVED_FOLDERS)})")
-    items = [item for item in rest.split(",") if item]
-    configs = tuple(item for item in items if "=" not in item)
-    if not configs:
-        raise ValueError(f"--evaluate {name}: names no config file")
-    for config in configs:
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"--evaluate {name}: no file '{config}'")
-    return Evaluation(name, configs, tuple(item for item in items if "=" in item))
-
-
 def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -> None:
     """Parse every point's composed config (and its ``--then`` fit's) as its run would, before any
     run starts or any line is printed: a bad key or value is a ValueError naming the point (one
@@ -271,131 +116,6 @@ def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -
 def run_settings(parsed: argparse.Namespace) -> list[str]:
     """The settings of the grid's runs: ``--set`` (every fit) then ``--run-set`` (the runs only)."""
     return [*parsed.set, *parsed.run_set]
-
-
-def shell_line(args: Sequence[str]) -> str:
-    return " ".join(shlex.quote(a) for a in ["shortcutlab", *args])
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-STOP_GRACE_SECONDS = 120.0  # a signalled run's time to save its checkpoint before SIGKILL (--stop-grace)
-
-
-class Stopped(Exception):
-    """The sweep was sent SIGTERM or SIGINT; its run got the signal too and has ended."""
-
-    def __init__(self, signum: int, status: Optional[int]) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.status = signum, status
-
-
-def _die_with_the_sweep() -> None:
-    """In the run's process, before it starts: SIGTERM when the sweep dies, even by SIGKILL
-    (Linux's parent-death signal), so a run never outlives its sweep; SIGTERM makes it save its
-    resumable checkpoint first (callbacks/reliability/preemption.py)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the process group and the forwarding remain
-        pass
-
-
-def run_once(args: Sequence[str], log: Path, grace: float = STOP_GRACE_SECONDS) -> tuple[int, float]:
-    """Run ``shortcutlab <args>`` in a subprocess, its output to the terminal and to ``log``.
-
-    The run has a process group of its own, which the sweep owns: SIGTERM or SIGINT to the sweep
-    is passed on to the run's group, the sweep waits ``grace`` seconds for it to save and exit
-    (then SIGKILL, said in one line) and raises :class:`Stopped`. A run also gets SIGTERM when the
-    sweep dies (:func:`_die_with_the_sweep`)."""
-    start = time.perf_counter()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-c", "import cli; cli.console_main()", *args]
-    received: list[int] = []
-    with open(log, "a") as out:
-        out.write(f"$ {shell_line(args)}\n")
-        out.flush()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                   start_new_session=True, preexec_fn=_die_with_the_sweep)
-
-        def forward(signum: int, frame: Any) -> None:
-            if not received:
-                received.append(signum)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signum)
-
-        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-        copier = threading.Thread(target=_copy_output, args=(process, out), daemon=True)
-        copier.start()
-        try:
-            deadline = None
-            while process.poll() is None:
-                if received and deadline is None:
-                    deadline = time.monotonic() + grace
-                if deadline is not None and time.monotonic() > deadline:
-                    print(f"shortcutlab sweep: the run did not stop within {grace:g} s of "
-                          f"{signal.Signals(received[0]).name}; killed it (SIGKILL)", file=sys.stderr, flush=True)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pid, signal.SIGKILL)
-                    break
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=0.2)
-            status = process.wait()
-            copier.join(timeout=5)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    if received:
-        raise Stopped(received[0], status)
-    return status, time.perf_counter() - start
-
-
-def _copy_output(process: subprocess.Popen, out: Any) -> None:
-    assert process.stdout is not None
-    for line in process.stdout:
-        out.write(line)
-        out.flush()
-        sys.stdout.write(line)
-        sys.stdout.flush()
-
-
-def merge_metrics_csv(earlier: str, path: Path) -> None:
-    """Put the rows of ``earlier`` (the ``metrics.csv`` text before a resume) back in front of the
-    resumed attempt's ``path``: Lightning's CSVLogger deletes an existing ``metrics.csv`` when it
-    starts, which would lose the evaluations logged before the checkpoint. Earlier rows from the
-    first step the resumed attempt logged on are dropped (the interrupted attempt logged them
-    after its checkpoint, and they are logged again)."""
-    old_rows = list(csv.DictReader(io.StringIO(earlier)))
-    new_rows = list(csv.DictReader(io.StringIO(path.read_text()))) if path.is_file() else []
-
-    def step(row: dict) -> float:
-        return float(row["step"]) if row.get("step") not in (None, "") else float("-inf")
-
-    first_new = min((step(row) for row in new_rows), default=float("inf"))
-    rows = [row for row in old_rows if step(row) < first_new] + new_rows
-    columns = sorted({key for row in rows for key in row if key is not None})
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows({key: value for key, value in row.items() if key is not None} for row in rows)
-    write_text_atomically(path, text.getvalue())
-
-
-def fit_resuming(args: Sequence[str], folder: Path, grace: float = STOP_GRACE_SECONDS) -> tuple[list[str], int, float]:
-    """Run ``fit`` ``args`` logging to ``folder``, resumed from its last checkpoint when it has
-    one (keeping the metrics logged before it); returns ``(arguments run, exit status, seconds)``."""
-    resume = resumable_checkpoint(folder)
-    metrics = folder / "metrics.csv"
-    earlier = metrics.read_text() if resume is not None and metrics.is_file() else None
-    run_args = list(args) + ([f"--ckpt_path={resume}"] if resume is not None else [])
-    try:
-        status, seconds = run_once(run_args, folder / "sweep.log", grace)
-    finally:  # also when the sweep was stopped: the rows before the checkpoint stay
-        if earlier is not None:
-            merge_metrics_csv(earlier, metrics)
-            print(f"    resumed from {resume}; the metrics logged before it are kept in {metrics} "
-                  "(despite CSVLogger's 'will be deleted' warning)", flush=True)
-    return run_args, status, seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
