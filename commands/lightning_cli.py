@@ -16,6 +16,8 @@ Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_t
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import inspect
 import os
@@ -430,6 +432,19 @@ def console_main(args: Optional[list[str]] = None) -> None:
             print(f"shortcutlab: error: {lost_rank.lost_rank_message}", file=sys.stderr)
             sys.exit(lost_rank.LOST_RANK_EXIT_STATUS)
         raise
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group of a DDP run before the interpreter exits: left to the
+    interpreter's own teardown, gloo's threads have aborted a finished run now and then ("terminate
+    called without an active exception", exit status 134 instead of 0 or the pre-emption's)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a lost peer: nothing left to end cleanly
+            dist.destroy_process_group()
 
 
 lightning_private.override_parse_ckpt_path(ShortcutLabCLI, ShortcutLabCLI.check_ckpt_path_against_config)

@@ -187,3 +187,15 @@ def test_help_documents_the_ckpt_path_the_package_accepts(subcommand):
     assert "Could also be one of three special keywords" not in text
     assert ("'auto'" in section) == (subcommand == "fit")
     assert "'last', 'best', 'hpc', 'registry' and URLs are refused" in section
+
+
+def test_the_command_ends_a_ddp_run_s_process_group_before_exit(tmp_path):
+    """A finished DDP run destroys its process group itself (gloo's threads, left to the
+    interpreter's teardown, aborted finished runs now and then); with none it does nothing."""
+    import torch.distributed as dist
+
+    cli.end_process_group()  # none initialised: nothing to do
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    cli.end_process_group()
+    assert not dist.is_initialized()
