@@ -117,14 +117,25 @@ class Throughput(Callback):
             Path(self.path).write_text(json.dumps(record))
 
 
+STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+              "on_before_optimizer_step", "on_before_zero_grad")  # a callback's hooks that run every step
+
+
+def callback_label(callback: Callback, seen: dict[str, int]) -> str:
+    """``type(callback).__name__``, with a ModelCheckpoint's file name and a number for repeats
+    (``seen`` counts the names given so far)."""
+    name = type(callback).__name__
+    if getattr(callback, "filename", None):  # ModelCheckpoint: which one
+        name += f"({callback.filename})"
+    seen[name] = seen.get(name, 0) + 1
+    return name if seen[name] == 1 else f"{name} #{seen[name]}"
+
+
 class CallbackClock(Callback):
     """Seconds inside every other callback's hooks while steps ``warmup_steps`` onwards run,
     written to ``path`` as ``{"steps": n, "seconds": {callback: {"per step": s, "per epoch": s}}}``.
     "per epoch" holds the epoch, validation, checkpoint and end hooks; "per step" the others. On
     CUDA each hook is synchronised before and after, so the GPU work it queues counts."""
-
-    STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-                  "on_before_optimizer_step", "on_before_zero_grad")
 
     def __init__(self, path: str, warmup_steps: int = 20) -> None:
         self.path = path
@@ -139,15 +150,11 @@ class CallbackClock(Callback):
         for callback in trainer.callbacks:
             if callback is self or isinstance(callback, Throughput):
                 continue
-            name = type(callback).__name__
-            if getattr(callback, "filename", None):  # ModelCheckpoint: which one
-                name += f"({callback.filename})"
-            names[name] = names.get(name, 0) + 1
-            label = name if names[name] == 1 else f"{name} #{names[name]}"
+            label = callback_label(callback, names)
             hooks = [hook for hook in dir(Callback) if hook.startswith("on_") and hook != "on_exception"
                      and getattr(type(callback), hook) is not getattr(Callback, hook)]
             for hook in hooks:
-                kind = "per step" if hook in self.STEP_HOOKS else "per epoch"
+                kind = "per step" if hook in STEP_HOOKS else "per epoch"
                 setattr(callback, hook, self._timed(label, kind, getattr(callback, hook)))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

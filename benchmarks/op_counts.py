@@ -26,14 +26,13 @@ from typing import Any, Callable, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .fit_breakdown import STEP_HOOKS, callback_label
 from .settings import Settings
 from .timing import Row
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "ATen operations a step, per shipped callback"
 OPS_PER_STEP_GOAL = 50
-STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-              "on_before_optimizer_step", "on_before_zero_grad")
 NETWORK_FORWARDS = ("forward_features", "forward_intermediates")  # a callback's forward of the network
 FORWARD = "forward of the network"
 CONFIGS = {"quickstart MAE": ["--config=configs/digits_mae.yaml"],
@@ -50,15 +49,6 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
-
-
-def callback_label(callback: Callback, seen: dict[str, int]) -> str:
-    """``type(callback).__name__``, with a ModelCheckpoint's file name and a number for repeats."""
-    name = type(callback).__name__
-    if getattr(callback, "filename", None):
-        name += f"({callback.filename})"
-    seen[name] = seen.get(name, 0) + 1
-    return name if seen[name] == 1 else f"{name} #{seen[name]}"
 
 
 class CallbackOpCount(Callback):

@@ -258,13 +258,17 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
                           sampler=sampler, drop_last=drop_last, num_workers=self.num_workers,
                           pin_memory=self.pin_memory and self.feeds_cuda(), persistent_workers=self.persistent_workers)
 
-    def feeds_cuda(self) -> bool:
-        """Whether the batches go to a CUDA device: the attached trainer's device, else whether
-        CUDA is available at all (a loader built outside a Trainer)."""
+    def train_device(self) -> torch.device:
+        """Where the batches go: the attached trainer's device, else the first GPU if any (a
+        loader built outside a Trainer)."""
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
-            return trainer.strategy.root_device.type == "cuda"
-        return torch.cuda.is_available()
+            return trainer.strategy.root_device
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+    def feeds_cuda(self) -> bool:
+        """Whether the batches go to a CUDA device (:meth:`train_device`)."""
+        return self.train_device().type == "cuda"
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled by epoch, resumable mid-epoch (``datamodules.resumable``)."""

@@ -251,13 +251,6 @@ class ImageNet(ImageDataModule):
                                                            mean=self.mean, std=self.std), ahead_device=device)
         return options
 
-    def train_device(self) -> torch.device:
-        """Where the training batches go: the attached trainer's device, else the first GPU if any."""
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None:
-            return trainer.strategy.root_device
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Encoded training batches are decoded and augmented on ``device``; others move as they are."""
         decoded = transfer_encoded(batch, device, self.image_size, self.mean, self.std)

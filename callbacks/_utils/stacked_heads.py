@@ -141,13 +141,10 @@ class StackedHeads:
     def member_optimizer_state(self, member: int) -> dict[str, Any]:
         """The ``state_dict`` a separate optimiser of member ``member``'s head would have."""
         self.apply_loaded_states()
-        whole = self.optimizer.state_dict()
-        shapes = (self.weight.shape, self.bias.shape)
-        state = {index: {key: (value[member].clone() if torch.is_tensor(value) and value.shape == shapes[index]
-                               else value.clone() if torch.is_tensor(value) else value)
-                         for key, value in entry.items()}
-                 for index, entry in whole["state"].items()}
-        return {"state": state, "param_groups": [dict(g) for g in whole["param_groups"]]}
+        view = self._member_from(self.optimizer.state_dict(), member)
+        state = {index: {key: value.clone() if torch.is_tensor(value) else value for key, value in entry.items()}
+                 for index, entry in view["state"].items()}
+        return {"state": state, "param_groups": [dict(g) for g in view["param_groups"]]}
 
     def load_member_optimizer_state(self, member: int, state: dict[str, Any]) -> None:
         """A separate optimiser's ``state_dict`` for member ``member``, applied before the next step
@@ -179,6 +176,7 @@ class StackedHeads:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _member_from(self, whole: dict[str, Any], member: int) -> dict[str, Any]:
+        """Member ``member``'s slice of the stacked optimiser's ``state_dict`` ``whole`` (views)."""
         shapes = (self.weight.shape, self.bias.shape)
         return {"state": {index: {key: (value[member] if torch.is_tensor(value) and value.shape == shapes[index]
                                         else value) for key, value in entry.items()}

@@ -95,7 +95,7 @@ class HostArena:
         offsets, end = [], 0
         for t in tensors:
             offsets.append(end)
-            end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            end += aligned_bytes(t)
         self.reserve(max(end, 1), any(t.device.type == "cuda" for t in tensors))
         storage = self.buffer.untyped_storage()
         # each view on a storage slice of its own bytes: torch.save writes those, not the arena
@@ -105,9 +105,14 @@ class HostArena:
         return self._views
 
 
+def aligned_bytes(tensor: torch.Tensor) -> int:
+    """The arena bytes ``tensor`` takes: its own, rounded up to :data:`ALIGN`."""
+    return -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+
+
 def snapshot_bytes(tensors: list[torch.Tensor]) -> int:
     """The arena bytes a snapshot of ``tensors`` takes."""
-    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+    return sum(aligned_bytes(t) for t in tensors)
 
 
 def host_snapshot(checkpoint: dict[str, Any], arena: Optional[HostArena] = None) -> dict[str, Any]:
