@@ -37,15 +37,16 @@ PAPER_IMAGES_PER_GPU = 1_281_167 * 800 / (200 * 3600) / 4  # 356 img/s per A40 G
 
 
 def write_jpeg_folder(root: str, per_class: int, seed: int = 0, names: tuple[str, ...] | list[str] = ("n0", "n1"),
-                      val_per_class: int = 1) -> None:
-    """``root/train/<class>/<i>.JPEG`` for the classes ``names`` (and ``val_per_class`` val images each)."""
+                      val_per_class: int = 1, size: tuple[int, int] | None = None) -> None:
+    """``root/train/<class>/<i>.JPEG`` for the classes ``names`` (and ``val_per_class`` val images each),
+    ``size`` (height, width) pixels, else ImageNet's typical 375 x 500 and 500 x 333 in turn."""
     rng = np.random.default_rng(seed)
     for split, count in (("train", per_class), ("val", val_per_class)):
         for name in names:
             folder = os.path.join(root, split, name)
             os.makedirs(folder, exist_ok=True)
             for i in range(count):
-                h, w = (375, 500) if i % 2 else (500, 333)
+                h, w = size or ((375, 500) if i % 2 else (500, 333))
                 field = np.kron(rng.normal(size=(h // 8 + 1, w // 8 + 1, 3)), np.ones((8, 8, 1)))[:h, :w]
                 pixels = np.clip((field + 0.3 * rng.normal(size=field.shape)) * 40 + 128, 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(os.path.join(folder, f"{i}.JPEG"), quality=90)

@@ -30,7 +30,7 @@ from commands.report_groups import Group, ReportedMetric, Summary  # noqa: F401 
 from commands.run_metrics import Run, read_run
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from commands.run_folder import read_plan
+from commands.run_folder import FOLLOW_UP_DIR, read_plan
 from commands.sweep_grid import parse_run_name, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
@@ -39,7 +39,7 @@ REPORT_DIR = "report"
 
 KNN = ReportedMetric("knn/top1", "kNN top-1 (%)", percent=True)
 ONLINE_PROBE = ReportedMetric("online_probe/val_top1", "online probe top-1 (%)", percent=True)
-OFFLINE_PROBE = ReportedMetric("val/top1", "offline probe top-1 (%)", percent=True, probe=True)
+OFFLINE_PROBE = ReportedMetric("val/top1", "offline probe top-1 (%)", percent=True, fit=FOLLOW_UP_DIR)
 EFFECTIVE_RANK = ReportedMetric("rank/effective_rank", "effective rank exp(H)", percent=False)
 # the decay paper, section 6: the decay paper writes the entropy H itself and calls it the effective rank
 RANK_ENTROPY = ReportedMetric("rank/entropy", "rank entropy H", percent=False)
@@ -132,7 +132,6 @@ def problems_of(group: Group) -> list[str]:
     """One line per run of ``group`` that is missing, failed, or lacks its probe or an evaluation."""
     lines = [f"{name}: missing (no run folder)" for name in group.missing]
     lines += [f"{run.name}: {run.problem}" for run in group.runs if run.problem]
-    lines += [f"{run.name}: {run.probe_problem}" for run in group.counted if run.probe_problem]
     lines += [f"{run.name}: {problem}" for run in group.counted for problem in run.evaluation_problems.values()]
     return lines
 
@@ -144,8 +143,6 @@ def not_counted_cell(group: Group) -> str:
 
     cells = [f"{short(name)} (no folder)" for name in group.missing]
     cells += [f"{short(run.name)} ({run.problem.split(' ')[0]})" for run in group.runs if run.problem]
-    cells += [f"{short(run.name)} (probe {run.probe_problem.split(' ')[1]})" for run in group.counted
-              if run.probe_problem]
     cells += [f"{short(run.name)} ({name} {problem.split(' ')[1]})" for run in group.counted
               for name, problem in run.evaluation_problems.items()]
     return ", ".join(cells)
@@ -158,21 +155,23 @@ def with_variants(metrics: Sequence[ReportedMetric], runs: Sequence[Run]) -> lis
     columns: list[ReportedMetric] = []
     for metric in metrics:
         columns.append(metric)
-        names = {name for run in runs for name in run.logged(metric.probe)}
+        names = {name for run in runs for name in run.logged(metric.fit)}
         variants = sorted((n for n in names if metric_names.base_name(n) == metric.name and metric_names.variant_tag(n)),
                           key=lambda n: [_sort_key(part.partition("=")[2] or part)
                                          for part in metric_names.variant_tag(n).split(",")])
         head, _, unit = metric.label.partition(" (")
         for name in variants:
             label = f"{head} @{metric_names.variant_tag(name)}" + (f" ({unit}" if unit else "")
-            columns.append(ReportedMetric(name, label, metric.percent, metric.probe))
+            columns.append(ReportedMetric(name, label, metric.percent, metric.fit))
     return columns
 
 
 def evaluation_metrics(runs: Sequence[Run]) -> list[ReportedMetric]:
-    """One column per named evaluation the runs have (``sweep --evaluate``): its ``val/top1``."""
-    names = sorted({name for run in runs for name in (*run.evaluation_metrics, *run.evaluation_problems)})
-    return [ReportedMetric("val/top1", f"{name} top-1 (%)", percent=True, probe=name) for name in names]
+    """One column per named evaluation the runs have (``sweep --evaluate``): its ``val/top1``; the
+    ``--then`` fit's is the offline probe's column, after the online probe's."""
+    names = sorted({name for run in runs for name in (*run.evaluation_metrics, *run.evaluation_problems)}
+                   - {OFFLINE_PROBE.fit})
+    return [ReportedMetric("val/top1", f"{name} top-1 (%)", percent=True, fit=name) for name in names]
 
 
 def table_metrics(runs: Sequence[Run]) -> list[ReportedMetric]:
@@ -189,7 +188,7 @@ def scatter_points(runs: list[Run]) -> tuple[Optional[ReportedMetric], list[tupl
     """``(probe metric, [(run, effective rank, probe accuracy)])`` of Figure 5c: the offline probe
     where any run has one, else the online probe (else a classifier's own val top-1)."""
     for probe in (OFFLINE_PROBE, ONLINE_PROBE, SUPERVISED):
-        points = [(run, run.final(EFFECTIVE_RANK.name), run.final(probe.name, probe.probe)) for run in runs]
+        points = [(run, run.final(EFFECTIVE_RANK.name), run.final(probe.name, probe.fit)) for run in runs]
         points = [(run, rank, acc) for run, rank, acc in points if rank is not None and acc is not None]
         if points:
             return probe, points
@@ -251,17 +250,17 @@ def stale_values(groups: list[Group], metrics: Sequence[ReportedMetric]) -> list
     lines = []
     for run in (run for group in groups for run in group.counted):
         for metric in metrics:
-            epoch = run.stale_epoch(metric.name, metric.probe)
-            if epoch is not None and run.final(metric.name, metric.probe) is not None:
-                where = {True: "its probe's", False: "its"}.get(metric.probe, f"its {metric.probe}'s")
+            epoch = run.stale_epoch(metric.name, metric.fit)
+            if epoch is not None and run.final(metric.name, metric.fit) is not None:
+                where = "its" if metric.fit is None else f"its {metric.fit}'s"
                 lines.append(f"{run.name}: {metric.label.split(' (')[0]} from epoch {epoch}; {where} last logged "
-                             f"epoch is {run.last_epoch(metric.probe)}")
+                             f"epoch is {run.last_epoch(metric.fit)}")
     return lines
 
 
 def column_key(metric: ReportedMetric) -> str:
     """``val/top1``, ``probe/val/top1`` or ``<evaluation>/val/top1``: a metric's key in report.json."""
-    return metric.name if not metric.probe else ("probe" if metric.probe is True else metric.probe) + "/" + metric.name
+    return metric.name if metric.fit is None else f"{metric.fit}/{metric.name}"
 
 
 def report_data(experiment: str, group_keys: list[str], groups: list[Group], correlation: dict,
@@ -284,11 +283,9 @@ def report_data(experiment: str, group_keys: list[str], groups: list[Group], cor
                     "problems": problems_of(group)} for group in groups],
         "stale_values": stale,
         "runs": [{"name": run.name, "grid": run.grid, "counted": run.counted, "problem": run.problem,
-                  "probe_problem": run.probe_problem, "evaluation_problems": run.evaluation_problems,
-                  "final": {**{m.name: run.final(m.name) for m in metrics if not m.probe},
-                            "probe/val/top1": run.final(OFFLINE_PROBE.name, probe=True),
-                            **{column_key(m): run.final(m.name, m.probe) for m in metrics
-                               if isinstance(m.probe, str)}}}
+                  "probe_problem": run.evaluation_problems.get(FOLLOW_UP_DIR),
+                  "evaluation_problems": run.evaluation_problems,
+                  "final": {column_key(m): run.final(m.name, m.fit) for m in [*metrics, OFFLINE_PROBE]}}
                  for group in groups for run in group.runs],
         "correlation": correlation,
     }

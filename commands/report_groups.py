@@ -4,7 +4,7 @@ table) and :mod:`commands.report_figures` (the pictures), which import it, not e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 
@@ -13,14 +13,15 @@ from commands.run_metrics import Run
 
 @dataclass(frozen=True)
 class ReportedMetric:
-    """A column of the table: the logged ``name`` (in the run's, the probe's or an evaluation's
+    """A column of the table: the logged ``name`` (in the run's, or an evaluation's
     ``metrics.csv``)."""
 
     name: str
     label: str
     percent: bool
-    # True: logged by the offline probe (<run>/probe/metrics.csv); a name: by that evaluation (<run>/<name>/)
-    probe: Union[bool, str] = False
+    # None: logged by the run itself; a name: by that evaluation (<run>/<name>/metrics.csv; the
+    # offline probe of --then is the evaluation "probe")
+    fit: Optional[str] = None
 
     def shown(self, value: float) -> float:
         return 100.0 * value if self.percent else value
@@ -59,7 +60,7 @@ class Group:
         return [run for run in self.runs if run.counted]
 
     def summary(self, metric: ReportedMetric) -> Optional[Summary]:
-        values = [run.final(metric.name, metric.probe) for run in self.counted]
+        values = [run.final(metric.name, metric.fit) for run in self.counted]
         values = [v for v in values if v is not None]
         return Summary(values) if values else None
 

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 
-FOLLOW_UP_DIR = "probe"
+FOLLOW_UP_DIR = "probe"  # the --then fit's folder, and its evaluation name in sweep.json
 PLAN_FILE = "sweep_plan.json"  # every run asked for in <runs-dir>/<experiment>: the report names those not started
 
 
@@ -106,3 +106,16 @@ def merge_metrics_csv(earlier: str, path: Path) -> None:
     writer.writeheader()
     writer.writerows({key: value for key, value in row.items() if key is not None} for row in rows)
     write_text_atomically(path, text.getvalue())
+
+
+def sweep_record(record: dict) -> dict:
+    """A run's ``sweep.json`` record with its fits from the checkpoint under ``evaluations``: a
+    record written before ``--then`` was kept there (``probe_status``, ``probe_command``,
+    ``probe_seconds``, ``probe_stopped_by``) gets them as the evaluation ``probe``."""
+    legacy = {key.removeprefix("probe_"): record.pop(key) for key in
+              ("probe_status", "probe_command", "probe_seconds", "probe_stopped_by") if key in record}
+    if legacy:
+        evaluations = record.get("evaluations") if isinstance(record.get("evaluations"), dict) else {}
+        evaluations.setdefault(FOLLOW_UP_DIR, legacy)
+        record["evaluations"] = evaluations
+    return record

@@ -4,13 +4,13 @@ A run folder ``runs/<experiment>/<name>/`` (``shortcutlab sweep``) holds ``metri
 CSVLogger: columns ``epoch``, ``step`` and one per logged metric, each row holding only the
 metrics logged at that point), ``sweep.json`` (the command's exit status), ``fit_end.json``
 (written when the fit ended normally, :mod:`callbacks.reliability.fit_end_record`) and, after ``--then``,
-``probe/`` (the offline linear probe's ``metrics.csv`` and ``fit_end.json``), and after
-``--evaluate NAME=...`` a folder ``NAME/`` of the same kind per evaluation (fine-tuning, a probe
-protocol) of the run's checkpoint. A run's *final*
+``probe/`` (the offline linear probe's ``metrics.csv`` and ``fit_end.json``: the evaluation
+named ``probe``), and after ``--evaluate NAME=...`` a folder ``NAME/`` of the same kind per
+evaluation (fine-tuning, a probe protocol) of the run's checkpoint. A run's *final*
 value of a metric is the last value logged for it in file order: after a resume the file goes on
 where the checkpoint was, so the last row is the latest.
 
-A run (or its probe) counts only once it has ended: the sweep recorded exit status 0, or its
+A run (or an evaluation) counts only once it has ended: the sweep recorded exit status 0, or its
 ``fit_end.json`` exists (a run of ``sweep --print`` on a cluster has no ``sweep.json``). Metrics
 of a run that is still training, was killed, or crashed unrecorded are never averaged in.
 """
@@ -20,9 +20,9 @@ import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
-from commands.run_folder import FOLLOW_UP_DIR
+from commands.run_folder import sweep_record
 from commands.sweep_grid import parse_run_name
 
 METRICS_FILE = "metrics.csv"
@@ -54,52 +54,50 @@ class Run:
     folder: Path
     grid: dict[str, str]
     metrics: dict[str, list[Point]] = field(default_factory=dict)
-    probe_metrics: dict[str, list[Point]] = field(default_factory=dict)
-    # named evaluations of the run's checkpoint (sweep --evaluate): name -> their logged metrics
+    # the fits made from the run's checkpoint (sweep --evaluate; --then is the one named "probe"):
+    # name -> their logged metrics
     evaluation_metrics: dict[str, dict[str, list[Point]]] = field(default_factory=dict)
     evaluation_problems: dict[str, str] = field(default_factory=dict)
     recorded: bool = False  # has a sweep.json (False: still running, or not made by the sweep)
     # the checkpoint each fit made from the run started from (its config.yaml): "probe" or an evaluation's name
     started_from: dict[str, str] = field(default_factory=dict)
-    # why the run (its offline probe) is not counted: "missing", "failed" or "unreadable" first
-    # ("probe missing" ...), then the detail in parentheses
+    # why the run is not counted: "missing", "failed" or "unreadable" first, then the detail in
+    # parentheses (an evaluation's problem, in evaluation_problems, reads "probe missing ...")
     problem: Optional[str] = None
-    probe_problem: Optional[str] = None
 
     @property
     def counted(self) -> bool:
         return self.problem is None
 
-    def logged(self, probe: Union[bool, str] = False) -> dict[str, list[Point]]:
-        """The run's metrics; with ``probe`` True its offline probe's, with a name that evaluation's."""
-        if isinstance(probe, str):
-            return self.evaluation_metrics.get(probe, {})
-        return self.probe_metrics if probe else self.metrics
+    def logged(self, fit: Optional[str] = None) -> dict[str, list[Point]]:
+        """The run's metrics; with ``fit`` the name of an evaluation (``probe``: the ``--then``
+        fit), that evaluation's."""
+        return self.metrics if fit is None else self.evaluation_metrics.get(fit, {})
 
-    def history(self, metric: str, probe: Union[bool, str] = False) -> list[Point]:
+    def history(self, metric: str, fit: Optional[str] = None) -> list[Point]:
         """Every value of ``metric`` in file order (``metric_epoch`` when only that was logged)."""
-        logged = self.logged(probe)
+        logged = self.logged(fit)
         return logged.get(metric) or logged.get(metric + EPOCH_SUFFIX) or []
 
-    def last_epoch(self, probe: Union[bool, str] = False) -> Optional[int]:
+    def last_epoch(self, fit: Optional[str] = None) -> Optional[int]:
         """The last epoch any metric was logged at (None when no row has an epoch)."""
-        logged = self.logged(probe)
+        logged = self.logged(fit)
         return max((p.epoch for points in logged.values() for p in points if p.epoch is not None), default=None)
 
-    def stale_epoch(self, metric: str, probe: Union[bool, str] = False) -> Optional[int]:
+    def stale_epoch(self, metric: str, fit: Optional[str] = None) -> Optional[int]:
         """The epoch of ``metric``'s final value when the run logged later epochs after it (the
         value predates the end of training: an evaluation cadence that missed the end); else None."""
-        points = self.history(metric, probe)
-        end = self.last_epoch(probe)
+        points = self.history(metric, fit)
+        end = self.last_epoch(fit)
         if not points or points[-1].epoch is None or end is None:
             return None
         return points[-1].epoch if points[-1].epoch < end else None
 
-    def final(self, metric: str, probe: Union[bool, str] = False) -> Optional[float]:
+    def final(self, metric: str, fit: Optional[str] = None) -> Optional[float]:
         """The last logged value of ``metric`` (None when never logged or not counted)."""
         if not self.counted:  # a probe or an evaluation with a problem logged nothing that is read
             return None
-        points = self.history(metric, probe)
+        points = self.history(metric, fit)
         return points[-1].value if points else None
 
 
@@ -224,16 +222,14 @@ def read_run(folder: Path) -> Run:
                 run.metrics.update(read_depth_csv(folder / DEPTH_FILE))
         except (ValueError, csv.Error) as err:
             run.problem = f"unreadable ({err})"
-    run.probe_metrics, run.probe_problem = read_follow_up(folder / FOLLOW_UP_DIR, "probe",
-                                                          _exit_status(record, "probe_status"), "probe_command" in record)
-    for name, follow_up in [(FOLLOW_UP_DIR, folder / FOLLOW_UP_DIR),
-                            *((f.name, f) for f in sorted(folder.iterdir()) if f.is_dir())] if folder.is_dir() else []:
+    for name, follow_up in ((f.name, f) for f in sorted(folder.iterdir()) if f.is_dir()) if folder.is_dir() else []:
         checkpoint = checkpoint_of(follow_up)
         if checkpoint is not None:
             run.started_from[name] = checkpoint
+    record = sweep_record(record)
     evaluations = record.get("evaluations") if isinstance(record.get("evaluations"), dict) else {}
-    names = set(evaluations) | {f.name for f in folder.iterdir() if f.is_dir() and f.name != FOLLOW_UP_DIR
-                                and (f / METRICS_FILE).is_file()} if folder.is_dir() else set(evaluations)
+    names = set(evaluations) | {f.name for f in folder.iterdir() if f.is_dir() and (f / METRICS_FILE).is_file()
+                                and not f.name.startswith(".")} if folder.is_dir() else set(evaluations)
     for name in sorted(names):
         entry = evaluations.get(name) if isinstance(evaluations.get(name), dict) else {}
         metrics, problem = read_follow_up(folder / name, name, _exit_status(entry, "status"), "command" in entry)

@@ -19,12 +19,12 @@ and an ``--evaluate`` list's own ``KEY=VALUE`` items only that evaluation.
 
 A run whose ``sweep.json`` says it finished is skipped; an interrupted one resumes from its
 newest checkpoint that loads (bit for bit, docs/reliability.md; a truncated newer one is
-skipped with one line). ``--then CONFIG`` (repeatable) fits a second
-config after each run with ``model.checkpoint`` set to the run's last checkpoint (the offline
-linear probe), logging to ``<run>/probe``. ``--evaluate NAME=CONFIG[,CONFIG...]`` (repeatable)
-fits more configs from the run's checkpoint, each logging to ``<run>/NAME``: fine-tuning and the
-linear-probe protocols of one pre-training side by side, one report column each (the decay
-paper's Table 1). A failed run is reported and the others still run; the sweep exits non-zero
+skipped with one line). ``--evaluate NAME=CONFIG[,CONFIG...]`` (repeatable) fits configs after
+each run with ``model.checkpoint`` set to the run's newest checkpoint, each logging to
+``<run>/NAME``: fine-tuning and the linear-probe protocols of one pre-training side by side, one
+report column each (the decay paper's Table 1). ``--then CONFIG`` (repeatable, to compose) is
+the evaluation named ``probe`` (the offline linear probe, the report's "offline probe" column),
+with ``--then-set`` as its settings; ``sweep.json`` records every evaluation the same way. A failed run is reported and the others still run; the sweep exits non-zero
 when any run failed.
 
 Before anything starts (or is printed), every point's composed config and its ``--then`` fit are
@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 # runs' processes (commands.supervised_run) have modules of their own; their names stay here too
 from commands.run_folder import (CHECKPOINT_AT_RUN_TIME, FOLLOW_UP_DIR, PLAN_FILE, last_checkpoint,  # noqa: F401
                                  merge_metrics_csv, newest_checkpoint_shell, read_plan, record_plan,
-                                 resumable_checkpoint, write_logging_fragment)
+                                 resumable_checkpoint, sweep_record, write_logging_fragment)
 from commands.supervised_run import (STOP_GRACE_SECONDS, Stopped, fit_resuming, run_once,  # noqa: F401
                                      shell_line)
 from commands.sweep_grid import (Evaluation, as_options, grid_points, parse_axis, parse_evaluation,  # noqa: F401
@@ -87,7 +87,7 @@ def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point
 
 
 def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -> None:
-    """Parse every point's composed config (and its ``--then`` fit's) as its run would, before any
+    """Parse every point's composed config (and its ``--then`` and ``--evaluate`` fits') as its run would, before any
     run starts or any line is printed: a bad key or value is a ValueError naming the point (one
     typo would otherwise fail every run of the grid, each after its start-up)."""
     from commands.lightning_cli import ArgumentChecker  # torch and Lightning: only when checking
@@ -96,12 +96,8 @@ def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -
     checked: set[tuple[str, ...]] = set()
     for point in points:
         what = [(f"grid point {run_name(point)}", fit_arguments(parsed.config, point, run_settings(parsed)))]
-        if parsed.then:  # the run's checkpoint does not exist yet: its path is only parsed
-            what.append((f"the --then fit of {run_name(point)}",
-                         follow_up_arguments(parsed.then, Path("checkpoints/last.ckpt"), point,
-                                             [*parsed.set, *parsed.then_set])))
-        for evaluation in getattr(parsed, "evaluations", []):
-            what.append((f"the --evaluate {evaluation.name} fit of {run_name(point)}",
+        for evaluation in parsed.evaluations:  # the run's checkpoint does not exist yet: its path is only parsed
+            what.append((f"the {evaluation.option} fit of {run_name(point)}",
                          follow_up_arguments(evaluation.configs, Path("checkpoints/last.ckpt"), point,
                                              [*parsed.set, *evaluation.settings])))
         for where, args in what:
@@ -190,7 +186,9 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
                 raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
     if parsed.then_set and not parsed.then:
         raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
-    parsed.evaluations = [parse_evaluation(text) for text in parsed.evaluate]
+    # --then is the evaluation named "probe" (its folder): one record shape, one report branch
+    parsed.evaluations = ([Evaluation(FOLLOW_UP_DIR, tuple(parsed.then), tuple(parsed.then_set))] if parsed.then
+                          else []) + [parse_evaluation(text) for text in parsed.evaluate]
     repeated = sorted({e.name for e in parsed.evaluations if [f.name for f in parsed.evaluations].count(e.name) > 1})
     if repeated:
         raise ValueError(f"--evaluate: {', '.join(repeated)} named more than once")
@@ -204,13 +202,8 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         name = run_name(point)
         run = save_dir / name
         args = fit_command(parsed.config, point, run_settings(parsed), save_dir, name)
-        probe = run / FOLLOW_UP_DIR
         if parsed.print_only:
             line = shell_line(args)
-            if parsed.then:
-                follow = shell_line(follow_up_command(parsed.then, run, Path(CHECKPOINT_AT_RUN_TIME), point,
-                                                      [*parsed.set, *parsed.then_set], save_dir, name))
-                line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
             for evaluation in parsed.evaluations:
                 follow = shell_line(follow_up_command(evaluation.configs, run, Path(CHECKPOINT_AT_RUN_TIME), point,
                                                       [*parsed.set, *evaluation.settings], save_dir, name,
@@ -219,7 +212,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
             print(line)
             continue
         record_file = run / "sweep.json"
-        record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+        record = sweep_record(json.loads(record_file.read_text())) if record_file.is_file() else {}
         print(f"[{index}/{len(points)}] {parsed.experiment}/{name}", flush=True)
         if record.get("status") != 0:
             try:
@@ -235,28 +228,12 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
             write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
         else:
             print(f"    done before ({record.get('seconds')} s), skipped", flush=True)
-        if parsed.then and record.get("status") == 0 and record.get("probe_status") != 0:
-            checkpoint = resumable_checkpoint(run)
-            if checkpoint is None:
-                record["probe_status"] = 1
-                print(f"    --then: {run} has no checkpoints/last.ckpt", file=sys.stderr)
-            else:
-                follow = follow_up_command(parsed.then, run, checkpoint, point, [*parsed.set, *parsed.then_set],
-                                           save_dir, name)
-                try:
-                    follow, status, seconds = fit_resuming(follow, probe, parsed.stop_grace)
-                except Stopped as stop:
-                    record.update(probe_status=stop.status, probe_stopped_by=str(stop))
-                    write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
-                    raise
-                record.update(probe_command=shell_line(follow), probe_status=status, probe_seconds=round(seconds, 1))
-            write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
         if parsed.evaluations and record.get("status") == 0:
             run_evaluations(parsed, run, point, save_dir, name, record, record_file)
         records.append(record)
     if parsed.print_only:
         return []
-    failed = [r["name"] for r in records if r.get("status") != 0 or (parsed.then and r.get("probe_status") != 0)
+    failed = [r["name"] for r in records if r.get("status") != 0
               or any(r.get("evaluations", {}).get(e.name, {}).get("status") != 0 for e in parsed.evaluations)]
     print(f"sweep {parsed.experiment}: {len(records) - len(failed)} of {len(records)} runs finished"
           + (f"; failed: {', '.join(failed)} (see their sweep.log)" if failed else "")
@@ -268,7 +245,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
 
 def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str], save_dir: Path, name: str,
                     record: dict, record_file: Path) -> None:
-    """Each ``--evaluate`` fit of ``run`` not yet finished, from its checkpoint, resumed where one
+    """Each ``--then`` and ``--evaluate`` fit of ``run`` not yet finished, from its checkpoint, resumed where one
     stopped; its command, exit status and seconds go into ``record["evaluations"][NAME]``."""
     done = record.setdefault("evaluations", {})
     for evaluation in parsed.evaluations:
@@ -277,11 +254,11 @@ def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str]
         checkpoint = resumable_checkpoint(run)
         if checkpoint is None:
             done[evaluation.name] = {"status": 1}
-            print(f"    --evaluate {evaluation.name}: {run} has no checkpoints/last.ckpt", file=sys.stderr)
+            print(f"    {evaluation.option}: {run} has no checkpoints/last.ckpt", file=sys.stderr)
         else:
             follow = follow_up_command(evaluation.configs, run, checkpoint, point, [*parsed.set, *evaluation.settings],
                                        save_dir, name, evaluation.name)
-            print(f"    --evaluate {evaluation.name}", flush=True)
+            print(f"    {evaluation.option}", flush=True)
             try:
                 follow, status, seconds = fit_resuming(follow, run / evaluation.name, parsed.stop_grace)
             except Stopped as stop:

@@ -60,11 +60,17 @@ RESERVED_FOLDERS = (FOLLOW_UP_DIR, "checkpoints", "pictures", "report")
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One ``--evaluate NAME=CONFIG[,CONFIG...][,KEY=VALUE...]``: a fit from each run's checkpoint."""
+    """One ``--evaluate NAME=CONFIG[,CONFIG...][,KEY=VALUE...]`` (or the ``--then`` fit, named
+    ``probe``): a fit from each run's checkpoint, logged to ``<run>/NAME``."""
 
     name: str
     configs: tuple[str, ...]
     settings: tuple[str, ...]
+
+    @property
+    def option(self) -> str:
+        """How the command line named it: ``--then`` (the evaluation ``probe``) or ``--evaluate NAME``."""
+        return "--then" if self.name == FOLLOW_UP_DIR else f"--evaluate {self.name}"
 
 
 def parse_evaluation(text: str) -> Evaluation:

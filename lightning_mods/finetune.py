@@ -98,6 +98,8 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
         if checkpoint is not None and Path(checkpoint).is_dir():  # a pre-training's folder: its final checkpoint
             checkpoint = str(final_checkpoint(checkpoint))  # (recorded as the file, for resumes)
         self.save_hyperparameters(ignore=["encoder"])
+        if "checkpoint" in self.hparams:  # LightningCLI records its config's value, the folder: the file instead
+            self.hparams["checkpoint"] = checkpoint
         if not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"FineTuneClassifier: layer_decay must be in (0, 1], got {layer_decay}")
         if min(mixup, cutmix, label_smoothing, drop_path_rate) < 0 or not 0.0 <= mixup_prob <= 1.0:

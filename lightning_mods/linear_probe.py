@@ -140,6 +140,8 @@ class LinearProbe(ClassificationSteps, LightningModule):
         if checkpoint is not None and Path(checkpoint).is_dir():  # a pre-training's folder: its final checkpoint
             checkpoint = str(final_checkpoint(checkpoint))  # (recorded as the file, for resumes)
         self.save_hyperparameters(ignore=["backbone"])
+        if "checkpoint" in self.hparams:  # LightningCLI records its config's value, the folder: the file instead
+            self.hparams["checkpoint"] = checkpoint
         if isinstance(backbone, nn.Module):
             if checkpoint is not None:
                 load_into(backbone, load_checkpoint_state_dict(checkpoint), checkpoint)

@@ -93,7 +93,7 @@ def test_every_part_run_writes_one_file_that_says_passed(tmp_path, monkeypatch):
     gpu = StandInGPU(monkeypatch)
     assert gpu_check.main(["--out-dir", str(tmp_path), "--jobs", "3"]) == 0
     text = (tmp_path / "Stand-in-GPU-80GB.md").read_text()
-    assert text.rstrip().endswith("every part passed")
+    assert text.rstrip().endswith("every part asked for passed (quick, ddp, paper, breakdown, bench)")
     assert "| ImageNet-100 MAE ViT-B/16 | decayed | ok | 90.0 | 2.00 | 0.900 |" in text
     assert "Run 3 at a time" in text
     # 8 quick fits, the DDP pair, 4 paper fits; the DDP run is under strategy=ddp also on one GPU
@@ -125,21 +125,24 @@ def test_a_run_stopped_part_way_leaves_the_parts_it_finished(tmp_path, monkeypat
     text = (tmp_path / "Stand-in-GPU-80GB.md").read_text()
     assert seen == [text]
     assert "| MAE | bf16-mixed | ok | 300 |" in text and "ok: 1 GPU(s) under DDP" in text
-    assert "| ImageNet-100 MAE ViT-B/16 | decayed | FAIL (not run) |" in text
-    assert "every part passed" not in text
+    assert "| ImageNet-100 MAE ViT-B/16 | decayed | not run |" in text
+    assert text.rstrip().endswith('not finished: the figures marked "not run" were not reached')
 
 
-def test_a_subset_of_parts_writes_its_own_file_and_does_not_pass(tmp_path, monkeypatch):
+def test_a_subset_of_parts_writes_its_own_file_of_those_parts_alone(tmp_path, monkeypatch):
     gpu = StandInGPU(monkeypatch)
-    assert gpu_check.main(["--out-dir", str(tmp_path), "--parts", "paper"]) == 1
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--parts", "paper"]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["Stand-in-GPU-80GB-paper.md"]
+    text = (tmp_path / "Stand-in-GPU-80GB-paper.md").read_text()
+    assert "## Paper configs" in text and "## Quick configs" not in text and "## DDP" not in text
+    assert text.rstrip().endswith("every part asked for passed (paper)")
     assert {f["out"].name for f in gpu.fits} == {row for rows in gpu_check.PAPER.values() for row in rows}
     assert gpu.bench_timeouts == []
 
 
 @pytest.mark.parametrize("limit, bench, expected", [
     (None, lambda command, timeout: 0, "`python -m benchmarks --device cuda --precision bf16-mixed --rounds 2`: ok"),
-    (50.0, lambda command, timeout: 0, "FAIL: not run ("),
+    (50.0, lambda command, timeout: 0, "`: not run ("),
     (1000.0, lambda command, timeout: (_ for _ in ()).throw(subprocess.TimeoutExpired(command, timeout)),
      "FAIL: stopped at the time limit after"),
     (None, lambda command, timeout: 2, "FAIL (exit status 2)")])
@@ -148,7 +151,7 @@ def test_the_benchmark_part_keeps_to_the_time_limit(limit, bench, expected, tmp_
     args = ["--out-dir", str(tmp_path), "--parts", "bench", "--bench-args", "--rounds 2"]
     status = gpu_check.main(args + ([] if limit is None else ["--time-limit-s", str(limit)]))
     text = (tmp_path / "Stand-in-GPU-80GB-bench.md").read_text()
-    assert expected in text and status == 1  # a subset never passes the whole check
+    assert expected in text and status == (0 if expected.endswith(": ok") else 1)
     if limit == 1000.0:
         assert 960 < gpu.bench_timeouts[0] <= 970  # the limit less the 30 s kept to write the results
     if limit == 50.0:

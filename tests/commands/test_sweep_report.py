@@ -53,8 +53,8 @@ def write_run(experiment: Path, alpha: str, seed: int, finals: tuple, first_rank
         "0,4,1.2,,\n"
         "0,4,,1.0,0.5\n"
         f"1,9,,0.4,{offline}\n")
-    run.joinpath("sweep.json").write_text(json.dumps({"name": run.name, "status": status, "probe_status": 0,
-                                                      "probe_command": "shortcutlab fit ..."}))
+    run.joinpath("sweep.json").write_text(json.dumps({"name": run.name, "status": status, "evaluations": {
+        "probe": {"status": 0, "command": "shortcutlab fit ..."}}}))
     return run
 
 
@@ -143,10 +143,13 @@ def test_report_counts_missing_failed_and_single_seed(experiment, tmp_path):
     assert data["correlation"]["r"] == pytest.approx(np.corrcoef(ranks, online)[0, 1], rel=1e-12)
 
 
-def test_failed_probe_is_not_counted(experiment):
+@pytest.mark.parametrize("record", [
+    {"status": 0, "evaluations": {"probe": {"status": 1, "command": "shortcutlab fit ..."}}},
+    {"status": 0, "probe_status": 1, "probe_command": "shortcutlab fit ..."},  # written by the release before
+], ids=["evaluation-record", "earlier-record"])
+def test_failed_probe_is_not_counted(experiment, record):
     """A run whose --then probe failed counts for the run's metrics, not for the offline probe."""
-    record = experiment / "alpha_min=0.6,seed=1" / "sweep.json"
-    record.write_text(json.dumps({"status": 0, "probe_status": 1, "probe_command": "shortcutlab fit ..."}))
+    experiment.joinpath("alpha_min=0.6,seed=1", "sweep.json").write_text(json.dumps(record))
     report.main([str(experiment)])
     markdown = (experiment / "report" / "report.md").read_text()
     row = [c.strip() for c in next(line for line in markdown.splitlines() if line.startswith("| 0.6 |")).split("|")]
@@ -524,27 +527,35 @@ def test_print_chains_each_evaluation_after_the_run(tmp_path, capsys, monkeypatc
     assert all(any(a.startswith("--model.checkpoint=$(ls -t ") for a in part) for part in (ft, lp_mae, lp))
 
 
-@pytest.mark.slow
-def test_sweep_evaluates_the_run_s_checkpoint_and_reports_it(tmp_path, monkeypatch, capsys):
-    """One tiny digits MAE run, then its fine-tuning from the run's checkpoint, both real fits."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.chdir(tmp_path)
-    records = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
-                          "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}"])
-    printed = capsys.readouterr().out
-    assert records[0]["evaluations"]["ft"]["status"] == 0, printed[-3000:]
-    command = shlex.split(records[0]["evaluations"]["ft"]["command"])  # --set reached it, --run-set did not
-    assert "--trainer.limit_train_batches=2" in command and "--model.depth=2" not in command
-    report.main([str(tmp_path / "t1")])
-    group = json.loads((tmp_path / "t1" / "report" / "report.json").read_text())["groups"][0]
-    assert 0.0 <= group["metrics"]["ft/val/top1"]["mean"] <= 1.0 and group["problems"] == []
-    out = capsys.readouterr().out
-    assert "ft top-1 (%)" in out
-    run = tmp_path / "t1" / "run"
-    started = next(a for a in command if a.startswith("--model.checkpoint=")).split("=", 1)[1]
-    assert f"- run/ft: {Path(started).resolve().relative_to(run.resolve())}" in \
-        (tmp_path / "t1" / "report" / "report.md").read_text()  # the report says where it started
-    again = sweep.main(["--experiment", "t1", "--runs-dir", str(tmp_path), *TINY,
-                        "--evaluate", f"ft={ROOT / 'configs' / 'finetune_digits.yaml'}"])
-    assert "--evaluate ft" not in capsys.readouterr().out  # finished before: neither run nor evaluation again
-    assert again[0]["evaluations"] == records[0]["evaluations"]
+def test_then_is_the_evaluation_named_probe(tmp_path, monkeypatch, capsys):
+    """``--then`` is recorded like every ``--evaluate`` fit (one shape in sweep.json), runs first,
+    and a record written by the release before (``probe_status``) counts as that evaluation."""
+    calls = []
+
+    def fake_fit(args, folder, grace):
+        calls.append(folder.name)
+        return args, 0, 0.5
+
+    monkeypatch.setattr(sweep, "fit_resuming", fake_fit)
+    monkeypatch.setattr(sweep, "resumable_checkpoint", lambda run: run / "checkpoints" / "last.ckpt")
+    monkeypatch.setattr(sweep, "check_points", lambda parsed, points: None)
+    args = ["--experiment", "e", "--runs-dir", str(tmp_path), "--config", "configs/digits_mae.yaml",
+            "--then", "configs/linear_probe_digits.yaml", "--then-set", "trainer.max_epochs=2",
+            "--evaluate", "ft=configs/finetune_digits.yaml"]
+    records = sweep.main(args)
+    assert calls == ["run", "probe", "ft"]
+    written = json.loads((tmp_path / "e" / "run" / "sweep.json").read_text())
+    assert set(written) == {"name", "grid", "command", "status", "seconds", "evaluations"}
+    assert list(written["evaluations"]) == ["probe", "ft"] == list(records[0]["evaluations"])
+    for entry in written["evaluations"].values():
+        assert set(entry) == {"command", "status", "seconds"} and entry["status"] == 0
+    assert "--trainer.max_epochs=2" in shlex.split(written["evaluations"]["probe"]["command"])
+    assert "--trainer.max_epochs=2" not in shlex.split(written["evaluations"]["ft"]["command"])
+
+    calls.clear()  # a record of the release before: the probe finished, ft not yet
+    (tmp_path / "e" / "run" / "sweep.json").write_text(json.dumps(
+        {"name": "run", "grid": {}, "status": 0, "probe_status": 0, "probe_command": "shortcutlab fit ..."}))
+    records = sweep.main(args)
+    assert calls == ["ft"]
+    assert records[0]["evaluations"]["probe"] == {"status": 0, "command": "shortcutlab fit ..."}
+    assert "probe_status" not in json.loads((tmp_path / "e" / "run" / "sweep.json").read_text())
