@@ -41,10 +41,12 @@ import lightning
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+import lightning_mods.exit_statuses as exit_statuses
 from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.checkpointing.rebuild import canonical_class_path, init_parameters, read_torch_file, state_dict_mismatch
+from lightning_mods.backbone.mae import foreign_name
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -53,15 +55,7 @@ CLASS_PATH = "lightning_mods.mae.MaskedAutoencoder"
 # timm's ViT-S/B/L/H (and MAE's) head counts by width; anything else needs --num-heads
 DEFAULT_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
-# foreign name -> ours, first matching rule; encoder keys of all three layouts are timm's
-_TO_OURS = [
-    (r"^decoder_cls_token$", "decoder.cls_token"), (r"^mask_token$", "decoder.mask_token"),
-    (r"^decoder_embed\.", "decoder.embed."), (r"^decoder_blocks\.", "decoder.blocks."),
-    (r"^decoder_norm\.", "decoder.norm."), (r"^decoder_pred\.", "decoder.pred."),
-    (r"^skip\.(\d+)\.fc\.0\.", r"decoder.fusions.\1.fc1."), (r"^skip\.(\d+)\.fc\.2\.", r"decoder.fusions.\1.fc2."),
-    (r"^skip\.(\d+)\.mask_token$", r"decoder.fusions.\1.mask_token"),
-    (r"^(cls_token|pos_embed|patch_embed\.|blocks\.|norm\.)", r"encoder.\1"),
-]
+# foreign name -> ours: lightning_mods.backbone.mae.FOREIGN_NAMES (encoder keys of all three layouts are timm's)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -154,12 +148,10 @@ def to_our_names(state: dict[str, torch.Tensor], decoder_depth: Optional[int]) -
         m = re.match(r"^skip\.(\d+)\.", key)
         if m and decoder_depth is not None and int(m.group(1)) >= decoder_depth:
             continue
-        for pattern, repl in _TO_OURS:
-            if re.match(pattern, key):
-                out[re.sub(pattern, repl, key)] = value
-                break
-        else:
+        ours = foreign_name(key)
+        if ours == key:
             raise ValueError(f"source: unexpected key {key!r}; not part of an MAE in this layout")
+        out[ours] = value
     return out
 
 
@@ -368,10 +360,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"wrote {args.output}: timm VisionTransformer state_dict (num_classes=0)")
     except (ValueError, FileNotFoundError) as err:
         print(f"convert_mae: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
     except OSError as err:  # the output's folder cannot be made or written (a file in its way, permissions)
         print(f"convert_mae: error: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning_mods.exit_statuses as exit_statuses
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
 
@@ -140,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         path = draw(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"shortcutlab features: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
     print(f"wrote {path}")
 
 

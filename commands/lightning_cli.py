@@ -37,6 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+import lightning_mods.exit_statuses as exit_statuses
 from commands import catalogue
 from commands.ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
 from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
@@ -66,7 +67,6 @@ DEFAULT_CALLBACKS = [
     {"class_path": "callbacks.reliability.nonfinite_guard.NonFiniteGuard"},
     {"class_path": "callbacks.reliability.preemption.PreemptionCheckpoint"},
 ]
-DIVERGED_EXIT_STATUS = 3
 
 
 def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
@@ -392,9 +392,9 @@ def run_reporting_stops(args: Optional[list[str]] = None, **main_kwargs: Any) ->
         if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise
         print(f"shortcutlab: error: {err}", file=sys.stderr)
-        sys.exit(DIVERGED_EXIT_STATUS)
+        sys.exit(exit_statuses.DIVERGED)
     except SIGTERMException:
-        sys.exit(128 + (received_signal() or signal.SIGTERM))
+        sys.exit(exit_statuses.stopped_by(received_signal() or signal.SIGTERM))
 
 
 def raising_parsers() -> dict[str, Any]:
@@ -419,7 +419,7 @@ def console_main(args: Optional[list[str]] = None) -> None:
         if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise
         print(f"shortcutlab: error: {root_message(err)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
     except Exception as err:  # noqa: BLE001 (the two faults below get one line; anything else its traceback)
         if os.environ.get("SHORTCUTLAB_TRACEBACK"):
             raise
@@ -427,10 +427,10 @@ def console_main(args: Optional[list[str]] = None) -> None:
             message = str(err) if isinstance(err, atomic_files.DiskWriteError) else \
                 atomic_files.describe(err, Path(err.filename or "?"), None)
             print(f"shortcutlab: error: {message}", file=sys.stderr)
-            sys.exit(atomic_files.DISK_ERROR_EXIT_STATUS)
+            sys.exit(exit_statuses.DISK_ERROR)
         if lost_rank.lost_rank_message is not None:  # a DDP peer died (callbacks/reliability/lost_rank.py)
             print(f"shortcutlab: error: {lost_rank.lost_rank_message}", file=sys.stderr)
-            sys.exit(lost_rank.LOST_RANK_EXIT_STATUS)
+            sys.exit(exit_statuses.LOST_RANK)
         raise
     finally:
         end_process_group()

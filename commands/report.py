@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+import lightning_mods.exit_statuses as exit_statuses
 from commands.report_groups import Group, ReportedMetric, Summary  # noqa: F401 (Summary re-exported)
 from commands.run_metrics import Run, read_run
 from lightning_mods.evaluation import metric_names
@@ -370,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         result = make_report(experiment, out)
     except (ValueError, FileNotFoundError) as err:
         print(f"shortcutlab report: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
     print_summary(result, result["data"]["group_keys"])
     return result
 

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import lightning_mods.exit_statuses as exit_statuses
+
 IMAGE_SUFFIX = ".JPEG"
 
 
@@ -95,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         moved = sort_val(args.val_dir, labels)
     except (ValueError, FileNotFoundError, OSError) as err:
         print(f"shortcutlab sort-imagenet-val: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
     print(f"sorted {moved} images into {len(set(labels.values()))} class folders under {args.val_dir}"
           + (f" ({len(labels) - moved} were in place already)" if moved < len(labels) else ""))
     return 0

@@ -51,7 +51,8 @@ from commands.supervised_run import (STOP_GRACE_SECONDS, Stopped, fit_resuming, 
                                      shell_line)
 from commands.sweep_grid import (Evaluation, as_options, grid_points, parse_axis, parse_evaluation,  # noqa: F401
                                  parse_run_name, run_name, short_name)
-from lightning_mods.checkpointing.atomic_files import DISK_ERROR_EXIT_STATUS, DiskWriteError, write_text_atomically
+import lightning_mods.exit_statuses as exit_statuses
+from lightning_mods.checkpointing.atomic_files import DiskWriteError, write_text_atomically
 
 
 def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence[str]) -> list[str]:
@@ -161,17 +162,17 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         return run_sweep(parsed)
     except (ValueError, FileNotFoundError) as err:
         print(f"shortcutlab sweep: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_statuses.BAD_INPUT)
     except DiskWriteError as err:  # its own record or plan: a full disk, a quota, a read-only folder
         print(f"shortcutlab sweep: error: {err}", file=sys.stderr)
-        sys.exit(DISK_ERROR_EXIT_STATUS)
+        sys.exit(exit_statuses.DISK_ERROR)
     except Stopped as stop:
         print(f"shortcutlab sweep: stopped by {stop} (the run in progress ended with status {stop.status}); "
               "the same command resumes the sweep", file=sys.stderr, flush=True)
-        sys.exit(128 + stop.signum)
+        sys.exit(exit_statuses.stopped_by(stop.signum))
     except KeyboardInterrupt:  # Ctrl+C outside a run (while checking the configs, say)
         print("shortcutlab sweep: stopped by SIGINT; no run was in progress", file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(exit_statuses.stopped_by(signal.SIGINT))
 
 
 def run_sweep(parsed: argparse.Namespace) -> list[dict]:
@@ -239,7 +240,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
           + (f"; failed: {', '.join(failed)} (see their sweep.log)" if failed else "")
           + f"; report: shortcutlab report {save_dir}", flush=True)
     if failed:
-        raise SystemExit(1)
+        raise SystemExit(exit_statuses.SWEEP_RUN_FAILED)
     return records
 
 

@@ -168,6 +168,8 @@ class LinearProbe(ClassificationSteps, LightningModule):
                 raise ValueError(f"LinearProbe: feature_pool needs a backbone with that setting (the MAE); "
                                  f"{type(backbone).__name__} has none")
             backbone.hparams.feature_pool = feature_pool  # what the probe reads, not the weights
+            if hasattr(backbone, "feature_pool"):  # the network's own setting (lightning_mods.backbone.mae)
+                backbone.feature_pool = feature_pool
         self.backbone = backbone
         self.backbone.requires_grad_(False)
         self.backbone.eval()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "training", "_moved_modules")
+MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "training", "_moved_modules",
+                  "exit_statuses")
 CALLBACK_BASES = ("_utils", "schedule", "settings_key")
 # layer -> the layers it may import (besides itself and third-party packages)
 BELOW_MODULES = {"lightning_mods.helpers", "lightning_mods.backbone"}
@@ -136,3 +137,21 @@ def test_no_import_circles():
 
 def test_the_circle_finder_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_exit_statuses_are_defined_once_and_match_the_documented_table():
+    """One module of exit statuses: no command exits with a bare number, and docs/reliability.md's
+    table names the same numbers."""
+    import re
+
+    from lightning_mods import exit_statuses
+
+    bare = [f"{path.relative_to(ROOT)}:{n}" for folder in OURS for path in sorted(ROOT.glob(f"{folder}/**/*.py"))
+            + sorted(ROOT.glob(f"{folder}.py")) for n, line in enumerate(path.read_text().splitlines(), 1)
+            if re.search(r"sys\.exit\(\d|SystemExit\(\d|EXIT_STATUS = \d", line)]
+    assert bare == []
+    table = (ROOT / "docs" / "reliability.md").read_text()
+    for status in (exit_statuses.SWEEP_RUN_FAILED, exit_statuses.BAD_INPUT, exit_statuses.DIVERGED,
+                   exit_statuses.DISK_ERROR, exit_statuses.LOST_RANK):
+        assert f"\n| {status} | " in table
+    assert exit_statuses.stopped_by(15) == 143 and "| 130 / 143 |" in table

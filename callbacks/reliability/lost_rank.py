@@ -7,7 +7,7 @@ survivor with a multi-line traceback that does not say which rank went. :class:`
 records every rank's host and process id when the fit starts (one ``all_gather_object``), and when
 a distributed operation fails, finds the ranks whose process is gone (on this host: from the
 process table; ranks on another host are named as unreachable from here). The ``shortcutlab``
-command then prints one line and exits with :data:`LOST_RANK_EXIT_STATUS`, so a scheduler
+command then prints one line and exits with :data:`lightning_mods.exit_statuses.LOST_RANK`, so a scheduler
 requeues the job and the requeued job resumes from the last good checkpoint.
 
 The bound on the survivors' exit: a process that dies closes its connections and the others stop
@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+import lightning_mods.exit_statuses as exit_statuses
 
-LOST_RANK_EXIT_STATUS = 5
 # what a failed collective says when a peer went away (gloo, NCCL, the c10d store)
 PEER_FAILURE_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
                       "NCCL communicator was aborted", "collective operation timeout", "Timed out", "timed out",
@@ -112,7 +112,7 @@ class LostRankReport(Callback):
         checkpoint = newest_checkpoint(trainer)
         resume = f"; resume from {checkpoint}" if checkpoint is not None else "; no checkpoint was written yet"
         lost_rank_message = (f"{what} at step {trainer.global_step}; rank {me} stops too (exit status "
-                             f"{LOST_RANK_EXIT_STATUS}: requeue the job){resume}")
+                             f"{exit_statuses.LOST_RANK}: requeue the job){resume}")
 
 
 def newest_checkpoint(trainer: Trainer) -> Optional[Path]:

@@ -21,11 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Callable, IO, Optional, Union
 
+import lightning_mods.exit_statuses as exit_statuses
+
 PathLike = Union[str, "os.PathLike[str]"]
 DISK_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                errno.EPERM: "operation not permitted"}
-DISK_ERROR_EXIT_STATUS = 4  # the shortcutlab command's exit status for a DiskWriteError
 
 last_good_checkpoint: Optional[Path] = None  # the newest checkpoint this process wrote whole
 

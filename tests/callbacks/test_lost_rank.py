@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from callbacks.reliability.lost_rank import LOST_RANK_EXIT_STATUS, looks_like_a_lost_peer, process_gone
+from callbacks.reliability.lost_rank import looks_like_a_lost_peer, process_gone
+from lightning_mods import exit_statuses
 from test_callbacks_ddp import REPO, free_port
 
 BOUND_S = 60  # the survivor's exit after the kill, generous for a loaded CI machine (seen: ~2 s)
@@ -71,7 +72,7 @@ def test_a_killed_rank_ends_a_two_process_fit_in_one_line(tmp_path):
     finally:
         if fit.poll() is None:
             os.killpg(fit.pid, signal.SIGKILL)
-    assert fit.returncode == LOST_RANK_EXIT_STATUS, err[-3000:]
+    assert fit.returncode == exit_statuses.LOST_RANK, err[-3000:]
     assert took < BOUND_S
     lines = [line for line in err.splitlines() if line.startswith("shortcutlab: error:")]
     assert len(lines) == 1, err[-3000:]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from commands import lightning_cli as cli
+from lightning_mods import exit_statuses
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
 from callbacks.reliability.nonfinite_guard import NonFiniteGuard, NonFiniteTrainingError, total_norm
@@ -40,7 +41,7 @@ def test_diverging_fit_stops_at_the_step_with_one_line_and_status_3(tmp_path, ca
             "--trainer.callbacks.save_last=true"]
     with pytest.raises(SystemExit) as stop:
         cli.run_reporting_stops(args)
-    assert stop.value.code == cli.DIVERGED_EXIT_STATUS
+    assert stop.value.code == exit_statuses.DIVERGED
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shortcutlab:")]
     assert len(lines) == 1, lines
     # step 0's update at lr 1e8 makes step 1's gradients so large that their squares overflow
@@ -256,7 +257,7 @@ def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
                           start_new_session=True)
     codes = [json.loads((tmp_path / f"rank{r}.json").read_text())["code"] for r in range(2)]
-    assert codes == [cli.DIVERGED_EXIT_STATUS] * 2, proc.stderr[-4000:]
+    assert codes == [exit_statuses.DIVERGED] * 2, proc.stderr[-4000:]
     # the ranks share one stderr pipe: their lines may run together, so they are found, not split
     lines = re.findall(r"shortcutlab: error: non-finite [^;]*;", proc.stderr)
     assert len(lines) == 2, proc.stderr[-4000:]

@@ -100,6 +100,12 @@ def test_table1_on_imagenet100_as_written(tmp_path, monkeypatch, capsys):
             assert (user / checkpoint).parent == run / "checkpoints", checkpoint
             assert f"- alpha_min={alpha}/{name}: checkpoints/{checkpoint.name}" in markdown
 
+    for name in ("metrics_vs_alpha_min.png", "effective_rank_over_epochs.png", "probe_vs_effective_rank.png"):
+        assert (experiment / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for alpha in ("0.6", "1.0"):  # the FitEndRecord of the sweep's logging fragment ran in each fit
+        for fit in ("", "ft", "lp", "lp_mae"):
+            assert json.loads((experiment / f"alpha_min={alpha}" / fit / "fit_end.json").read_text())["epochs"] == 1
+
     again = sweep.main([*sweep_args, *extra])  # the same command: everything finished, nothing runs again
     assert "--evaluate" not in capsys.readouterr().out
     assert [r["evaluations"] for r in again] == [r["evaluations"] for r in records]

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback
 
 from commands import lightning_cli as cli
 from commands import sweep
+from lightning_mods import exit_statuses
 from lightning_mods.checkpointing import atomic_files
 from lightning_mods.checkpointing.checkpoint_io import AtomicCheckpointIO
 
@@ -102,7 +103,7 @@ def test_a_filling_disk_ends_the_fit_in_one_line_with_every_checkpoint_whole(tmp
     # room for two checkpoints and a half: the epoch-0 files fit, the third write of epoch 1 does not
     disk = small_tmpfs(int(2.5 * size) + 64 * 1024)
     done = run_fit("--trainer.max_epochs=30", f"--trainer.default_root_dir={disk}")
-    assert done.returncode == atomic_files.DISK_ERROR_EXIT_STATUS, (done.stdout[-2000:], done.stderr[-3000:])
+    assert done.returncode == exit_statuses.DISK_ERROR, (done.stdout[-2000:], done.stderr[-3000:])
     line = done.stderr.strip().splitlines()[-1]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert re.fullmatch(r"shortcutlab: error: cannot write \S+\.ckpt: no space left on the device \(needs [\d,]+ "
