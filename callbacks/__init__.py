@@ -41,6 +41,6 @@ MOVED = {
     "callbacks.prediction_writer": "callbacks.reporting.prediction_writer",
     "callbacks.distributed": "callbacks._utils.distributed",
     "callbacks.feature_collection": "callbacks._utils.feature_collection",
-    "callbacks.feature_replay": "callbacks._utils.feature_replay",
+    "callbacks.feature_replay": "callbacks.measurement.online_probe.feature_replay",
 }
 _install_moved_modules(MOVED)

@@ -148,10 +148,6 @@ def node_outputs_figure(outputs: Sequence[np.ndarray], weights: Sequence[np.ndar
     ``outputs`` are ``[input, layer 1, ..., layer N]`` over the grid (``grid_size^2 x width``),
     ``weights[l]`` the ``width x width`` matrix into layer ``l + 1``.
     """
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-    from matplotlib.lines import Line2D
-
     depth = len(outputs) - 1
     if len(weights) != depth:
         raise ValueError(f"weights must have one matrix per layer ({depth}), got {len(weights)}")
@@ -194,6 +190,16 @@ def node_outputs_figure(outputs: Sequence[np.ndarray], weights: Sequence[np.ndar
         _weight_lines(ax, weights[layer - 1], sources, nodes, rows)
         ax.set_title(f"W{layer}", fontsize=label_size)
     fig.suptitle(title, y=1 - 8 / height, va="top", fontsize=10)
+    _node_figure_keys(fig, width, height, right, bottom, top)
+    return fig
+
+
+def _node_figure_keys(fig: Figure, width: float, height: float, right: float, bottom: float, top: float) -> None:
+    """The colour bar, the legend and the caption of :func:`node_outputs_figure`."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.lines import Line2D
+
     # every contour is scaled to its own largest |output|: one colour bar in those units serves all
     cax = fig.add_axes((right + 30 / width, bottom, 12 / width, top - bottom))
     bar = fig.colorbar(ScalarMappable(Normalize(-1, 1), cmap="RdBu_r"), cax=cax)
@@ -207,7 +213,6 @@ def node_outputs_figure(outputs: Sequence[np.ndarray], weights: Sequence[np.ndar
                frameon=False)
     fig.text(8 / width, 6 / height, "each panel: a node's output over the input square [-1, 1]^2 "
              "(x1 horizontal, x2 vertical); W_l: the weights into layer l (L_l)", fontsize=7)
-    return fig
 
 
 def similarity_figure(matrix: np.ndarray, metric: Similarity, title: str = "") -> Figure:

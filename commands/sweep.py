@@ -177,24 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
 
 def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     """The sweep of the parsed arguments (see :func:`main`)."""
-    for config in parsed.config + parsed.then:
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"--config: no file '{config}'")
+    parsed.evaluations = checked_evaluations(parsed)
     points = grid_points([parse_axis(axis) for axis in parsed.grid])
-    for option, settings in (("--set", parsed.set), ("--run-set", parsed.run_set), ("--then-set", parsed.then_set)):
-        for setting in settings:
-            if "=" not in setting:
-                raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
-    if parsed.then_set and not parsed.then:
-        raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
-    # --then is the evaluation named "probe" (its folder): one record shape, one report branch
-    parsed.evaluations = ([Evaluation(FOLLOW_UP_DIR, tuple(parsed.then), tuple(parsed.then_set))] if parsed.then
-                          else []) + [parse_evaluation(text) for text in parsed.evaluate]
-    repeated = sorted({e.name for e in parsed.evaluations if [f.name for f in parsed.evaluations].count(e.name) > 1})
-    if repeated:
-        raise ValueError(f"--evaluate: {', '.join(repeated)} named more than once")
-    if parsed.stop_grace <= 0:
-        raise ValueError(f"--stop-grace: must be > 0 seconds, got {parsed.stop_grace:g}")
     check_points(parsed, points)
     save_dir = Path(parsed.runs_dir) / parsed.experiment
     record_plan(save_dir, [run_name(point) for point in points])
@@ -204,13 +188,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         run = save_dir / name
         args = fit_command(parsed.config, point, run_settings(parsed), save_dir, name)
         if parsed.print_only:
-            line = shell_line(args)
-            for evaluation in parsed.evaluations:
-                follow = shell_line(follow_up_command(evaluation.configs, run, Path(CHECKPOINT_AT_RUN_TIME), point,
-                                                      [*parsed.set, *evaluation.settings], save_dir, name,
-                                                      evaluation.name))
-                line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
-            print(line)
+            print(printed_line(parsed, args, run, point, save_dir, name))
             continue
         record_file = run / "sweep.json"
         record = sweep_record(json.loads(record_file.read_text())) if record_file.is_file() else {}
@@ -242,6 +220,41 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     if failed:
         raise SystemExit(exit_statuses.SWEEP_RUN_FAILED)
     return records
+
+
+def checked_evaluations(parsed: argparse.Namespace) -> list[Evaluation]:
+    """The sweep's ``--then`` and ``--evaluate`` fits, once its files and options are checked
+    (``FileNotFoundError`` or ``ValueError``, one line)."""
+    for config in parsed.config + parsed.then:
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"--config: no file '{config}'")
+    for option, settings in (("--set", parsed.set), ("--run-set", parsed.run_set), ("--then-set", parsed.then_set)):
+        for setting in settings:
+            if "=" not in setting:
+                raise ValueError(f"{option}: expected KEY=VALUE, got {setting!r}")
+    if parsed.then_set and not parsed.then:
+        raise ValueError("--then-set: needs --then CONFIG (the fit it sets)")
+    if parsed.stop_grace <= 0:
+        raise ValueError(f"--stop-grace: must be > 0 seconds, got {parsed.stop_grace:g}")
+    # --then is the evaluation named "probe" (its folder): one record shape, one report branch
+    evaluations = ([Evaluation(FOLLOW_UP_DIR, tuple(parsed.then), tuple(parsed.then_set))] if parsed.then
+                   else []) + [parse_evaluation(text) for text in parsed.evaluate]
+    repeated = sorted({e.name for e in evaluations if [f.name for f in evaluations].count(e.name) > 1})
+    if repeated:
+        raise ValueError(f"--evaluate: {', '.join(repeated)} named more than once")
+    return evaluations
+
+
+def printed_line(parsed: argparse.Namespace, args: list[str], run: Path, point: dict[str, str], save_dir: Path,
+                 name: str) -> str:
+    """The shell line of one run for ``--print``: its fit, then ``&&`` each evaluation, whose
+    checkpoint the shell picks when the line runs."""
+    line = shell_line(args)
+    for evaluation in parsed.evaluations:
+        follow = shell_line(follow_up_command(evaluation.configs, run, Path(CHECKPOINT_AT_RUN_TIME), point,
+                                              [*parsed.set, *evaluation.settings], save_dir, name, evaluation.name))
+        line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
+    return line
 
 
 def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str], save_dir: Path, name: str,

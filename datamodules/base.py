@@ -61,6 +61,35 @@ def check_positive(owner: str, **fields: int | float) -> None:
             raise ValueError(f"{owner}: {name} must be > 0, got {value}")
 
 
+def check_loading(name: str, batch_size: int, eval_batch_size: int | None, num_workers: int, image_size: int,
+                  eval_crop_ratio: float, crop_scale: Sequence[float]) -> None:
+    """One-line errors for loader and crop settings that cannot work."""
+    check_positive(name, batch_size=batch_size, image_size=image_size)
+    if eval_batch_size is not None:
+        check_positive(name, eval_batch_size=eval_batch_size)
+    if num_workers < 0:
+        raise ValueError(f"{name}: num_workers must be >= 0, got {num_workers}")
+    if not 0.0 < eval_crop_ratio <= 1.0:
+        raise ValueError(f"{name}: eval_crop_ratio must be in (0, 1], got {eval_crop_ratio}")
+    if len(crop_scale) != 2 or not 0.0 < crop_scale[0] <= crop_scale[1] <= 1.0:
+        raise ValueError(f"{name}: crop_scale must be (low, high) with 0 < low <= high <= 1, "
+                         f"got {tuple(crop_scale)}")
+
+
+def check_normalisation_and_augmentation(name: str, in_chans: int, mean: Sequence[float], std: Sequence[float],
+                                         rand_augment: str | None, random_erasing: float) -> None:
+    """One-line errors for per-channel statistics and fine-tuning augmentation that cannot work."""
+    for field, stats in (("mean", mean), ("std", std)):
+        if len(stats) != in_chans:
+            raise ValueError(f"{name}: {field} needs {in_chans} value(s), one per channel, got {len(stats)}")
+    if min(std) <= 0:
+        raise ValueError(f"{name}: std values must be > 0, got {tuple(std)}")
+    if not 0.0 <= random_erasing <= 1.0:
+        raise ValueError(f"{name}: random_erasing must be a probability in [0, 1], got {random_erasing}")
+    if random_erasing and rand_augment is None:
+        raise ValueError(f"{name}: random_erasing comes with rand_augment (timm's fine-tuning transform)")
+
+
 def _to_pil(image: Any) -> Any:
     """timm's RandAugment works on PIL images: a uint8 or float tensor becomes one."""
     return v2.functional.to_pil_image(image) if isinstance(image, torch.Tensor) else image
@@ -123,16 +152,7 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         name = self.dataset_name
-        check_positive(name, batch_size=batch_size, image_size=image_size)
-        if eval_batch_size is not None:
-            check_positive(name, eval_batch_size=eval_batch_size)
-        if num_workers < 0:
-            raise ValueError(f"{name}: num_workers must be >= 0, got {num_workers}")
-        if not 0.0 < eval_crop_ratio <= 1.0:
-            raise ValueError(f"{name}: eval_crop_ratio must be in (0, 1], got {eval_crop_ratio}")
-        if len(crop_scale) != 2 or not 0.0 < crop_scale[0] <= crop_scale[1] <= 1.0:
-            raise ValueError(f"{name}: crop_scale must be (low, high) with 0 < low <= high <= 1, "
-                             f"got {tuple(crop_scale)}")
+        check_loading(name, batch_size, eval_batch_size, num_workers, image_size, eval_crop_ratio, crop_scale)
         self.data_dir = data_dir
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
@@ -144,16 +164,7 @@ class ImageDataModule(ResumableTrainData, L.LightningDataModule):
         self.eval_crop_ratio = eval_crop_ratio
         self.mean = tuple(float(m) for m in (mean if mean is not None else self.default_mean))
         self.std = tuple(float(s) for s in (std if std is not None else self.default_std))
-        for field, stats in (("mean", self.mean), ("std", self.std)):
-            if len(stats) != self.in_chans:
-                raise ValueError(f"{name}: {field} needs {self.in_chans} value(s), one per channel, "
-                                 f"got {len(stats)}")
-        if min(self.std) <= 0:
-            raise ValueError(f"{name}: std values must be > 0, got {self.std}")
-        if not 0.0 <= random_erasing <= 1.0:
-            raise ValueError(f"{name}: random_erasing must be a probability in [0, 1], got {random_erasing}")
-        if random_erasing and rand_augment is None:
-            raise ValueError(f"{name}: random_erasing comes with rand_augment (timm's fine-tuning transform)")
+        check_normalisation_and_augmentation(name, self.in_chans, self.mean, self.std, rand_augment, random_erasing)
         self.rand_augment, self.random_erasing = rand_augment, float(random_erasing)
         self.pin_memory = pin_memory
         self.drop_last_train = drop_last_train

@@ -46,6 +46,47 @@ from lightning_mods.evaluation.feature_contract import Indices, take_indices
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
 
+def check_settings(class_conditional: bool, num_classes: int, label_dropout: float, guidance_scale: float,
+                   lr_schedule: str, reference_batch: Optional[int], num_sample_images: int, feature_timestep: int,
+                   num_train_timesteps: int, in_chans: int, pixel_mean: Optional[Sequence[float]],
+                   pixel_std: Optional[Sequence[float]]) -> None:
+    """One-line errors for :class:`DiffusionModule` settings that cannot work together."""
+    if class_conditional and num_classes <= 0:
+        raise ValueError(f"num_classes must be > 0 for a class-conditional model, got {num_classes}")
+    if not 0.0 <= label_dropout <= 1.0:
+        raise ValueError(f"label_dropout must be in [0, 1], got {label_dropout}")
+    if guidance_scale < 0.0:
+        raise ValueError(f"guidance_scale must be >= 0 (1 = no guidance), got {guidance_scale}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {lr_schedule!r}")
+    if reference_batch is not None and reference_batch <= 0:
+        raise ValueError(f"reference_batch must be > 0 or null, got {reference_batch}")
+    if num_sample_images < 0:
+        raise ValueError(f"num_sample_images must be >= 0, got {num_sample_images}")
+    if not 0 <= feature_timestep < num_train_timesteps:
+        raise ValueError(f"feature_timestep must be in [0, {num_train_timesteps - 1}], got {feature_timestep}")
+    for name, stats in (("pixel_mean", pixel_mean), ("pixel_std", pixel_std)):
+        if stats is not None and len(stats) != in_chans:
+            raise ValueError(f"{name} needs {in_chans} value(s), one per channel, got {len(stats)}")
+
+
+def middle_block(num_blocks: int, feature_block: Optional[int]) -> int:
+    """The block the evaluation features come from: ``feature_block``, else the middle one."""
+    block = num_blocks // 2 if feature_block is None else feature_block
+    if not 0 <= block < num_blocks:
+        raise ValueError(f"feature_block must be in [0, {num_blocks - 1}], got {feature_block}")
+    return block
+
+
+def latent_vae(vae_path: str, scaling_factor: Optional[float], in_chans: int) -> FrozenVAE:
+    """The frozen VAE of latent mode, whose latent channels must be the network's ``in_chans``."""
+    vae = FrozenVAE(vae_path, scaling_factor=scaling_factor)
+    if vae.latent_channels != in_chans:
+        raise ValueError(f"in_chans ({in_chans}) must equal the VAE's latent_channels "
+                         f"({vae.latent_channels}) in latent mode")
+    return vae
+
+
 class DiffusionModule(Samples, ExactEvaluation, LightningModule):
     """U-ViT noise-prediction diffusion, pixel or latent, unconditional or class-conditional.
 
@@ -89,92 +130,49 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
 
     def __init__(
         self,
-        image_size: int = 32,
-        in_chans: int = 3,
-        num_classes: int = 0,
-        class_conditional: bool = False,
-        patch_size: int = 2,
-        embed_dim: int = 512,
-        depth: int = 12,
-        num_heads: int = 8,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = False,
-        mlp_time_embed: bool = False,
-        final_conv: bool = True,
+        # the data and the U-ViT network
+        image_size: int = 32, in_chans: int = 3, num_classes: int = 0, class_conditional: bool = False,
+        patch_size: int = 2, embed_dim: int = 512, depth: int = 12, num_heads: int = 8, mlp_ratio: float = 4.0,
+        qkv_bias: bool = False, mlp_time_embed: bool = False, final_conv: bool = True,
         shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.7),
         zero_init_branches: bool = True,
-        noise_process: Literal["discrete", "vp_sde"] = "discrete",
-        num_train_timesteps: int = 1000,
+        # the noise process and the sampler
+        noise_process: Literal["discrete", "vp_sde"] = "discrete", num_train_timesteps: int = 1000,
         beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear",
-        beta_start: float = 1e-4,
-        beta_end: float = 0.02,
+        beta_start: float = 1e-4, beta_end: float = 0.02,
         sampler: Literal["ddpm", "ddim", "dpmsolver++", "dpmsolver++_singlestep", "euler_maruyama"] = "ddpm",
-        num_sampling_steps: int = 1000,
-        guidance_scale: float = 1.0,
-        label_dropout: float = 0.1,
+        num_sampling_steps: int = 1000, guidance_scale: float = 1.0, label_dropout: float = 0.1,
         clip_sample: Optional[bool] = None,
-        vae_path: Optional[str] = None,
-        latent_scaling_factor: Optional[float] = None,
-        pixel_mean: Optional[Sequence[float]] = None,
-        pixel_std: Optional[Sequence[float]] = None,
-        lr: float = 2e-4,
-        reference_batch: Optional[int] = None,
-        weight_decay: float = 0.03,
-        decay_all_parameters: bool = False,
-        betas: tuple[float, float] = (0.99, 0.999),
-        warmup_steps: int = 2500,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        min_lr_ratio: float = 0.0,
-        num_sample_images: int = 16,
-        sample_seed: int = 0,
-        feature_block: Optional[int] = None,
-        feature_timestep: int = 100,
-        feature_seed: int = 0,
+        # latent mode and pixel statistics
+        vae_path: Optional[str] = None, latent_scaling_factor: Optional[float] = None,
+        pixel_mean: Optional[Sequence[float]] = None, pixel_std: Optional[Sequence[float]] = None,
+        # the optimiser and its schedule
+        lr: float = 2e-4, reference_batch: Optional[int] = None, weight_decay: float = 0.03,
+        decay_all_parameters: bool = False, betas: tuple[float, float] = (0.99, 0.999), warmup_steps: int = 2500,
+        lr_schedule: Literal["constant", "cosine"] = "constant", min_lr_ratio: float = 0.0,
+        # pictures and evaluation features
+        num_sample_images: int = 16, sample_seed: int = 0, feature_block: Optional[int] = None,
+        feature_timestep: int = 100, feature_seed: int = 0,
     ) -> None:
         super().__init__()
-        if class_conditional and num_classes <= 0:
-            raise ValueError(f"num_classes must be > 0 for a class-conditional model, got {num_classes}")
-        if not 0.0 <= label_dropout <= 1.0:
-            raise ValueError(f"label_dropout must be in [0, 1], got {label_dropout}")
-        if guidance_scale < 0.0:
-            raise ValueError(f"guidance_scale must be >= 0 (1 = no guidance), got {guidance_scale}")
-        if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {lr_schedule!r}")
-        if reference_batch is not None and reference_batch <= 0:
-            raise ValueError(f"reference_batch must be > 0 or null, got {reference_batch}")
-        if num_sample_images < 0:
-            raise ValueError(f"num_sample_images must be >= 0, got {num_sample_images}")
+        check_settings(class_conditional, num_classes, label_dropout, guidance_scale, lr_schedule, reference_batch,
+                       num_sample_images, feature_timestep, num_train_timesteps, in_chans, pixel_mean, pixel_std)
         self.noise_process = make_noise_process(noise_process, num_train_timesteps, beta_schedule, beta_start,
                                                 beta_end)
         check_sampler(sampler, num_sampling_steps, num_train_timesteps, noise_process)
-        if not 0 <= feature_timestep < num_train_timesteps:
-            raise ValueError(f"feature_timestep must be in [0, {num_train_timesteps - 1}], got {feature_timestep}")
-        for name, stats in (("pixel_mean", pixel_mean), ("pixel_std", pixel_std)):
-            if stats is not None and len(stats) != in_chans:
-                raise ValueError(f"{name} needs {in_chans} value(s), one per channel, got {len(stats)}")
-
         self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.7))
         self.save_hyperparameters(ignore=["shortcut"])
         self._pixel_stats_cache: Optional[tuple] = None  # (key, mean, std) on the last device used
         self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
-
-        self.vae: Optional[FrozenVAE] = None
-        if vae_path is not None:
-            self.vae = FrozenVAE(vae_path, scaling_factor=latent_scaling_factor)
-            if self.vae.latent_channels != in_chans:
-                raise ValueError(f"in_chans ({in_chans}) must equal the VAE's latent_channels "
-                                 f"({self.vae.latent_channels}) in latent mode")
+        self.vae: Optional[FrozenVAE] = None if vae_path is None else latent_vae(vae_path, latent_scaling_factor,
+                                                                                 in_chans)
         self.clip_sample = (self.vae is None) if clip_sample is None else bool(clip_sample)
-
         self.model = UViT(
             img_size=image_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
             num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
             num_classes=num_classes if class_conditional else 0, mlp_time_embed=mlp_time_embed,
             final_conv=final_conv, shortcut=self.shortcut, zero_init_branches=zero_init_branches)
-        num_blocks = self.model.num_blocks
-        self.feature_block = num_blocks // 2 if feature_block is None else feature_block
-        if not 0 <= self.feature_block < num_blocks:
-            raise ValueError(f"feature_block must be in [0, {num_blocks - 1}], got {feature_block}")
+        self.feature_block = middle_block(self.model.num_blocks, feature_block)
         self.num_features = embed_dim
         self.val_loss_mean = MeanMetric()  # each validation image once, also under DDP
 

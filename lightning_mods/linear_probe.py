@@ -94,6 +94,17 @@ def train_linear_probe_on_features(
     return {"top1": topk_accuracy(logits, val_labels.long(), 1), "top5": topk_accuracy(logits, val_labels.long(), 5)}
 
 
+def set_feature_pool(backbone: nn.Module, feature_pool: str) -> None:
+    """Make an MAE backbone pool its features as ``feature_pool`` (what the probe reads, not the weights)."""
+    pools = getattr(getattr(backbone, "hparams", None), "get", lambda key: None)("feature_pool")
+    if pools is None:
+        raise ValueError(f"LinearProbe: feature_pool needs a backbone with that setting (the MAE); "
+                         f"{type(backbone).__name__} has none")
+    backbone.hparams.feature_pool = feature_pool
+    if hasattr(backbone, "feature_pool"):  # the network's own setting (lightning_mods.backbone.mae)
+        backbone.feature_pool = feature_pool
+
+
 class LinearProbe(ClassificationSteps, LightningModule):
     """Linear probe of a frozen backbone loaded from a ``shortcutlab fit`` checkpoint.
 
@@ -163,13 +174,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
         if reference_batch is not None and reference_batch < 1:
             raise ValueError(f"LinearProbe: reference_batch must be >= 1 or None, got {reference_batch!r}")
         if feature_pool is not None:
-            pools = getattr(getattr(backbone, "hparams", None), "get", lambda key: None)("feature_pool")
-            if pools is None:
-                raise ValueError(f"LinearProbe: feature_pool needs a backbone with that setting (the MAE); "
-                                 f"{type(backbone).__name__} has none")
-            backbone.hparams.feature_pool = feature_pool  # what the probe reads, not the weights
-            if hasattr(backbone, "feature_pool"):  # the network's own setting (lightning_mods.backbone.mae)
-                backbone.feature_pool = feature_pool
+            set_feature_pool(backbone, feature_pool)
         self.backbone = backbone
         self.backbone.requires_grad_(False)
         self.backbone.eval()

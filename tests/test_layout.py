@@ -155,3 +155,18 @@ def test_the_exit_statuses_are_defined_once_and_match_the_documented_table():
                    exit_statuses.DISK_ERROR, exit_statuses.LOST_RANK):
         assert f"\n| {status} | " in table
     assert exit_statuses.stopped_by(15) == 143 and "| 130 / 143 |" in table
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    """A module or function that long does several things: split it by what it does."""
+    long_modules, long_functions = [], []
+    for folder in OURS:
+        for path in sorted(ROOT.glob(f"{folder}/**/*.py")) + sorted(ROOT.glob(f"{folder}.py")):
+            source = path.read_text()
+            if len(source.splitlines()) > 400:
+                long_modules.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
+                                          f"{node.end_lineno - node.lineno + 1} lines")
+    assert long_modules == [] and long_functions == []

@@ -41,6 +41,21 @@ def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10
     return embedding
 
 
+def check_geometry(img_size: int, patch_size: int, in_chans: int, embed_dim: int, depth: int, num_heads: int,
+                   num_classes: int) -> None:
+    """One-line errors for a U-ViT that cannot be built."""
+    for name, value in (("img_size", img_size), ("patch_size", patch_size), ("in_chans", in_chans),
+                        ("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads)):
+        if value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if img_size % patch_size:
+        raise ValueError(f"img_size ({img_size}) must be divisible by patch_size ({patch_size})")
+    if embed_dim % num_heads:
+        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+    if num_classes < 0:
+        raise ValueError(f"num_classes must be >= 0 (0 = unconditional), got {num_classes}")
+
+
 class UViT(nn.Module):
     """Noise-prediction U-ViT whose blocks decay their identity shortcuts.
 
@@ -75,16 +90,7 @@ class UViT(nn.Module):
         act_layer: Type[nn.Module] = nn.GELU,
     ) -> None:
         super().__init__()
-        for name, value in (("img_size", img_size), ("patch_size", patch_size), ("in_chans", in_chans),
-                            ("embed_dim", embed_dim), ("depth", depth), ("num_heads", num_heads)):
-            if value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value}")
-        if img_size % patch_size:
-            raise ValueError(f"img_size ({img_size}) must be divisible by patch_size ({patch_size})")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0 (0 = unconditional), got {num_classes}")
+        check_geometry(img_size, patch_size, in_chans, embed_dim, depth, num_heads, num_classes)
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.num_features = self.embed_dim = embed_dim
         self.num_classes = num_classes

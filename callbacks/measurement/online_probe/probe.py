@@ -1,42 +1,5 @@
-"""Online linear probe: a linear classifier trained during pre-training on detached features
-(callbacks; the MAE linear probe's head of the decay paper, section 4, trained online as in lightly's
-``OnlineLinearClassifier``).
-
-Every ``every_n_steps``-th training batch the callback embeds the first ``max_samples`` images of
-the batch (augmented, full, unmasked) with an EXTRA forward pass ``pl_module.forward_features``,
-in eval mode, under ``torch.no_grad`` and with forked RNG states, adds those features to a
-replay of the last ``replay_samples`` probed samples (:mod:`callbacks._utils.feature_replay`) and takes
-``every_n_steps`` optimiser steps of its own head (BatchNorm without affine, as MAE's linear
-probe, then Linear) on batches of ``replay_samples // every_n_steps`` replayed samples, newest
-first: one head step per training batch, on as many samples as the every-batch probe's.
-Nothing the pre-training sees changes: not the module's gradients, weights, batch-norm
-statistics or train/eval modes, nor the global RNG streams that draw the MAE masks and the data
-order, so the pre-training is the same run with and without the callback.
-
-Cost and accuracy: the extra forward runs over ALL tokens while an MAE training step encodes a
-quarter of them; the defaults (every 4th batch, its first 16 of 128 images) embed 1/32 of what
-probing every full batch would, and the head steps are written by hand
-(:mod:`callbacks._utils.stacked_heads`: all heads of one width in one step). After the quickstart's 100 epochs the
-shipped probe reads 56.4 % validation top-1 against the every-batch probe's 57.5 % at the same
-rate (``python -m benchmarks --only probe-accuracy``; other cadences in docs/performance.md).
-``every_n_steps=1, max_samples=None, replay_samples=None`` is lightly's every-batch probe. The
-training loss and accuracy, over the fresh samples before the head steps on them, are summed on
-the device and logged once per epoch; the validation accuracy reads the validation features kNN
-and effective rank read (:mod:`callbacks.measurement.shared_features`) when the datamodule has a
-``val_dataset``, else it embeds the validation loop's batches itself.
-
-No host read per probe: the heads step on a probe's samples at the next probe (or the epoch's
-end, a validation, the end of training), once the check of their finiteness, copied to the host
-asynchronously, has arrived; the same samples in the same order, and a checkpoint in between
-keeps the waiting samples.
-
-Under DDP the heads are outside the DDP-wrapped module: their gradients are averaged over ranks
-before each step and their batch-norm statistics after it, and the replay holds every rank's
-samples (one all_gather per probe), so every rank holds the same heads and rank 0's checkpoint
-resumes every rank exactly. Validation accuracy counts every validation sample once (each rank
-scores its strided shard of the shared features; the duplicates a DistributedSampler pads with
-are masked out), summed over ranks by torchmetrics.
-"""
+"""The :class:`OnlineLinearProbe` callback: its cadence, hooks, logging and state (how it works:
+the package docstring, :mod:`callbacks.measurement.online_probe`)."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
@@ -48,8 +11,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from callbacks._utils.distributed import all_reduce_sum, is_distributed, log_identical
 from callbacks._utils.feature_collection import loader_settings
-from callbacks._utils.online_probe_heads import OnlineProbeHeads, ValidationScores, check_settings
-from callbacks._utils.probed_samples import Probed, gather_probed, nonfinite_flag_to_host
+from .heads import OnlineProbeHeads, ValidationScores, check_settings
+from .probed_samples import Probed, gather_probed, nonfinite_flag_to_host
 from callbacks.measurement.shared_features import SharedEvaluation
 from callbacks.settings_key import SettingsKeyed, check_name, format_setting
 from lightning_mods.evaluation import metric_names
@@ -94,7 +57,7 @@ class OnlineLinearProbe(SettingsKeyed):
             loader shuffles, so the first ones are a random sample.
         replay_samples: keep the features of the last this many probed samples and take
             ``every_n_steps`` head steps on them per probe, newest first
-            (:mod:`callbacks._utils.feature_replay`; in the state, for exact resumes); ``None``:
+            (:mod:`callbacks.measurement.online_probe.feature_replay`; in the state, for exact resumes); ``None``:
             one head step on the fresh samples alone.
         head_batch: samples of each replayed head step (default ``replay_samples //
             every_n_steps``: one sweep of the replay per probe; larger goes round it again).
@@ -162,7 +125,7 @@ class OnlineLinearProbe(SettingsKeyed):
         self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
         self._val_nonfinite = False  # a non-finite feature seen this validation epoch
 
-    # --- the heads (callbacks._utils.online_probe_heads) ---------------------------------------
+    # --- the heads (callbacks.measurement.online_probe.heads) ---------------------------------------
     @property
     def heads(self) -> list[ProbeHead]:
         """One head per rate of :attr:`lrs` (empty until the features' width is known)."""
@@ -394,7 +357,7 @@ class OnlineLinearProbe(SettingsKeyed):
 
     # --- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The heads' state (:class:`~callbacks._utils.online_probe_heads.OnlineProbeHeads`) and the
+        """The heads' state (:class:`~callbacks.measurement.online_probe.heads.OnlineProbeHeads`) and the
         cadence's: batches seen, the epoch's sums so far, the samples waiting for the heads and the
         per-block rows."""
         heads = self.probe_heads.state_dict() if self.probe_heads else dict(self._restored or {})

@@ -1,0 +1,99 @@
+"""The settings the ``shortcutlab`` CLI gives every run or checks in a config: the callbacks every
+run carries unless its config lists its own, the model settings linked from the datamodule, the
+top-level cadence knobs, the ``--ckpt_path`` help, and the prediction writer of ``predict``."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+
+from callbacks.reporting.prediction_writer import PredictionWriter
+from callbacks.schedule import ScheduledEvaluation
+from lightning_mods.checkpointing.rebuild import import_path
+
+LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
+DEFAULT_CALLBACKS = [
+    {"class_path": "callbacks.reporting.progress_bar.TrainingLossProgressBar"},
+    {"class_path": "callbacks.reporting.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
+    # reliability (docs/reliability.md); a config's callback list replaces these, so each
+    # shipped config names them too
+    {"class_path": "callbacks.reliability.exact_resume.ExactResume"},
+    {"class_path": "callbacks.reliability.nonfinite_guard.NonFiniteGuard"},
+    {"class_path": "callbacks.reliability.preemption.PreemptionCheckpoint"},
+]
+
+
+def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
+    if isinstance(callback, dict) or hasattr(callback, "get"):
+        return callback.get("class_path", "")
+    return type(callback).__name__
+
+
+CKPT_PATH_HELP = {
+    True: "A checkpoint file to resume from, checked against the config before anything runs, or 'auto': the "
+          "newest checkpoint under trainer.default_root_dir that loads (a fresh start when there is none; a "
+          "restarted SLURM job does this without asking). Lightning's 'last', 'best', 'hpc', 'registry' and "
+          "URLs are refused.",
+    False: "A checkpoint file whose weights are used, checked against the config before anything runs "
+           "(Lightning's 'last', 'best', 'hpc', 'registry' and URLs are refused).",
+}
+
+
+def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path/init_args)
+    """The settings of ``model`` that the data links (:data:`LINKED_FROM_DATA`) and that the
+    config or the command line set to other than the class's default: what a link would replace."""
+    if model is None or not hasattr(model, "get") or not model.get("class_path"):
+        return {}
+    try:
+        defaults = inspect.signature(import_path(str(model.get("class_path")))).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+    init = model.get("init_args") or {}
+    given = {}
+    for key in LINKED_FROM_DATA:
+        value = init.get(key) if hasattr(init, "get") else None
+        if key in defaults and value is not None and value != defaults[key].default:
+            given[key] = value
+    return given
+
+
+def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
+    return str(component.get("class_path", "")).rpartition(".")[2]
+
+
+def _describe(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
+    """``AdamW(lr=0.001, weight_decay=0.05)``: the class, its ``lr`` and the settings that differ
+    from the class's defaults."""
+    class_name = str(component.class_path).rpartition(".")[2]
+    defaults = inspect.signature(import_path(str(component.class_path))).parameters
+    init = component.get("init_args")
+    settings = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
+    shown = {k: v for k, v in settings.items()
+             if k == "lr" or k not in defaults or v != defaults[k].default}
+    return f"{class_name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
+def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_every: Optional[int]) -> None:
+    """The top-level cadence knobs: ``evaluation_every`` into the evaluation callbacks
+    (:class:`callbacks.schedule.ScheduledEvaluation`), ``checkpoint_every`` into the ModelCheckpoint
+    callbacks but the every-epoch ``latest`` one (parsed ``class_path``/``init_args`` entries,
+    changed in place; None leaves a cadence as configured)."""
+    for callback in callbacks:
+        if not hasattr(callback, "get") or callback.get("init_args") is None:
+            continue
+        module, _, name = str(callback.get("class_path", "")).rpartition(".")
+        cls, init = getattr(importlib.import_module(module), name, None) if module else None, callback["init_args"]
+        if not isinstance(cls, type):
+            continue
+        if evaluation_every is not None and issubclass(cls, ScheduledEvaluation):
+            init["every_n_epochs"] = int(evaluation_every)  # a plain int: PositiveInt does not dump to YAML
+        if checkpoint_every is not None and issubclass(cls, ModelCheckpoint) and init.get("filename") != "latest":
+            init["every_n_epochs"] = int(checkpoint_every)
+
+
+def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)
+    """``predict`` saves its outputs (``callbacks/reporting/prediction_writer.py``) unless a writer is configured."""
+    if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
+        trainer.callbacks.append(PredictionWriter())
