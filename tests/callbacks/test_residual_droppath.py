@@ -499,6 +499,17 @@ class RankRecorder(SpiralClassifier):
         return loss
 
 
+class EndProcessGroup(L.Callback):
+    """Destroys a spawned rank's process group once the fit is torn down, as the shortcutlab command
+    does before it exits (commands.lightning_cli.end_process_group): left to the interpreter's exit,
+    gloo's threads now and then abort the finished rank (SIGABRT)."""
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from commands.lightning_cli import end_process_group
+
+        end_process_group()
+
+
 @pytest.mark.slow
 def test_ddp_does_not_wait_for_blocks_without_gradient_and_ranks_draw_their_own_masks(tmp_path):
     """One sample per rank: at a reuse step a block kept for that sample gets only a zero gradient
@@ -506,7 +517,7 @@ def test_ddp_does_not_wait_for_blocks_without_gradient_and_ranks_draw_their_own_
     may have dropped it. The fit must finish, with masks drawn per rank."""
     L.seed_everything(0, verbose=False)
     model = RankRecorder(str(tmp_path), depth=3, width=WIDTH)
-    trainer = tiny_trainer(tmp_path, [ResidualDroppath(drop_rate=0.5, seed=1)], max_steps=4,
+    trainer = tiny_trainer(tmp_path, [ResidualDroppath(drop_rate=0.5, seed=1), EndProcessGroup()], max_steps=4,
                            limit_val_batches=0, strategy="ddp_spawn", devices=2)
     trainer.fit(model, datamodule=Spiral(num_points=64, val_points=8, batch_size=1, grid_size=4))
     masks = {(r, s): torch.load(tmp_path / f"rank{r}_step{s}.pt") for r in (0, 1) for s in range(4)}

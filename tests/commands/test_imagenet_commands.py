@@ -1,6 +1,10 @@
 """docs/reproducing.md's Table 1 on ImageNet-100, run as written on stand-in data: the sweep (alpha_min
 0.6 and 1.0, each pre-training followed by its three evaluations) and its report.
 
+Each fit runs in this process (the sweep's ``run_once``, which starts ``shortcutlab`` in a process
+of its own and is run for real by tests/commands/test_sweep_signals.py, is replaced by the same
+command's in-process call), so eight fits cost their work, not eight start-ups.
+
 What the test changes, and only that: the data folder points at a generated ImageFolder tree (two of
 ImageNet-100's classes, a few 64-pixel JPEGs, ``class_list`` naming those two), every fit runs one
 step of a narrow, two-block MAE on 32-pixel crops in fp32 on one CPU process, and the ``lp_mae``
@@ -13,13 +17,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
 
 import folders
 from benchmarks.data_pipeline import write_jpeg_folder
-from commands import report, sweep
+from commands import report, supervised_run, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 EIGHT_GPU_ITEMS = {"data.init_args.batch_size=512": "data.init_args.batch_size=4", "trainer.devices=8": "trainer.devices=1",
@@ -57,6 +62,19 @@ SMALL_PRETRAINING = ["model.init_args.embed_dim=32", "model.init_args.depth=2", 
                      "model.init_args.decoder_num_heads=2"]
 
 
+def in_process(args, log, grace=None) -> tuple[int, float]:  # noqa: ANN001 (commands.supervised_run.run_once's)
+    """``shortcutlab <args>`` as ``run_once`` runs it, in this process: ``(exit status, seconds)``."""
+    from commands import lightning_cli as cli
+
+    start = time.perf_counter()
+    try:
+        cli.run_reporting_stops(list(args))
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+    return status, time.perf_counter() - start
+
+
 @pytest.mark.slow
 def test_table1_on_imagenet100_as_written(tmp_path, monkeypatch, capsys):
     (sweep_args, report_args) = documented_commands("--experiment table1_imagenet100")
@@ -70,6 +88,7 @@ def test_table1_on_imagenet100_as_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(user)
     monkeypatch.setenv("PYTHONPATH", folders.PYTHONPATH)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(supervised_run, "run_once", in_process)
     extra = stand_in_imagenet100(tmp_path / "imagenet")
     extra += [word for setting in SMALL_PRETRAINING for word in ("--run-set", setting)]
     records = sweep.main([*sweep_args, *extra])

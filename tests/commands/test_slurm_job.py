@@ -2,15 +2,23 @@
 configs it runs: one task per GPU (its srun line, with the environment SLURM gives a task of that
 job, resolves to 2 nodes x 8 devices under DDP), the paper's global batch of 1024 kept on 16 GPUs,
 loader workers that fit the task's CPUs, the environment activated, a fixed root folder that a
-requeued job resumes from, and the pre-emption signal and requeue asked for. The requeue itself is
-run by tests/commands/test_slurm_requeue.py (one node, simulated srun)."""
+requeued job resumes from, and the pre-emption signal and requeue asked for; and its srun line runs
+as SLURM starts it on a simulated 2-node x 1-task allocation. The requeue itself is run by
+tests/commands/test_slurm_requeue.py (one node, simulated srun)."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
+
+import folders
 
 from composed_configs import resolved_config
 from datamodules import imagenet
@@ -63,3 +71,51 @@ def test_its_srun_line_is_16_ddp_tasks_with_the_paper_s_global_batch(monkeypatch
     recipe = (ROOT / "configs" / "mae" / "imagenet.yaml").read_text()
     assert "global batch 1024" in recipe and global_batch == 1024
     assert data.get("num_workers") is None  # the workers come from the task's CPUs
+
+
+@pytest.mark.slow
+def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path):
+    """The script's srun line as SLURM starts it on a 2-node x 1-task allocation (the 2 x 8 job's
+    shape, one task per node here): each task gets SLURM's environment for its node and rank,
+    Lightning forms one DDP group of 2 over gloo from it, and the run writes its checkpoint under
+    the script's fixed folder. On stand-in ImageNet-100 (a generated two-class tree), one step of
+    a narrow MAE on 32-pixel crops in fp32."""
+    from benchmarks.data_pipeline import write_jpeg_folder
+    from test_callbacks_ddp import free_port
+
+    (line,) = [line for line in job_script() if line.startswith("srun ")]
+    allocation = {"SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1"}
+    words = [re.sub(r"\$(\w+)", lambda m: allocation[m.group(1)], w) for w in shlex.split(line)[1:]]
+    assert words[:2] == ["shortcutlab", "fit"]
+    user = tmp_path / "checkout"
+    user.mkdir()
+    (user / "configs").symlink_to(ROOT / "configs")
+    data = tmp_path / "imagenet"
+    wnids = (ROOT / "configs" / "imagenet100_classes.txt").read_text().split()[:2]
+    write_jpeg_folder(str(data), per_class=4, names=wnids, val_per_class=2, size=(64, 64))
+    (data / "classes.txt").write_text("\n".join(wnids) + "\n")
+    budget = [f"--data.init_args.data_dir={data}", f"--data.init_args.class_list={data / 'classes.txt'}",
+              "--data.init_args.image_size=32", "--data.init_args.batch_size=2", "--data.init_args.num_workers=0",
+              "--data.init_args.pin_memory=false", "--trainer.accelerator=cpu", "--trainer.precision=32",
+              "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
+              "--trainer.enable_progress_bar=false", "--model.init_args.embed_dim=32", "--model.init_args.depth=2",
+              "--model.init_args.num_heads=2", "--model.init_args.decoder_embed_dim=32",
+              "--model.init_args.decoder_depth=1", "--model.init_args.decoder_num_heads=2"]
+    port = str(free_port())
+    tasks = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=folders.PYTHONPATH, OMP_NUM_THREADS="1", SLURM_JOB_ID="4343",
+                   SLURM_JOB_NAME="mae_in100_vit_b16", SLURM_NTASKS="2", SLURM_PROCID=str(rank),
+                   SLURM_LOCALID="0", SLURM_NODEID=str(rank), SLURM_NODELIST="localhost",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **allocation)
+        tasks.append(subprocess.Popen([sys.executable, "-m", "cli", *words[1:], *budget], cwd=user, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [task.communicate(timeout=300)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for rank, out in enumerate(outs):  # Lightning's line as each task joins the group SLURM described
+        assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in out, out[-3000:]
+    (run,) = (user / "runs" / "mae_in100_vit_b16" / "lightning_logs").iterdir()
+    assert run.name == "version_4343"  # under SLURM, Lightning names the version after the job id
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert (config["trainer"]["num_nodes"], str(config["trainer"]["devices"]), config["trainer"]["strategy"]) == (2, "1", "ddp")
+    assert torch.load(run / "checkpoints" / "latest.ckpt", weights_only=True, map_location="cpu")["global_step"] == 1

@@ -123,11 +123,13 @@ def run(tmp_path, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_two_and_three_processes_report_the_one_process_metrics(tmp_path):
+def test_two_processes_report_the_one_process_metrics(tmp_path):
+    """37 samples over 2 ranks: one repeated sample left out (three ranks' strides and repeats:
+    the index test above)."""
     one = run(tmp_path, 1)
     assert one["mae"]["images counted"] == one["diffusion"]["images counted"] == 37
     assert set(one["probe blocks"]) == {"1", "2"}
-    for world in (2, 3):
+    for world in (2,):
         many = run(tmp_path, world)
         for name in ("classifier", "probe", "spiral", "mae", "diffusion"):
             assert set(many[name]) == set(one[name]), name
