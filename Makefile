@@ -20,7 +20,7 @@ demo: $(STAMP)
 # one worker per core of the 2-core CI machine; a test file stays on one worker (its module fixtures)
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The benchmark suite (README, Performance): writes benchmarks/results.md and .json.
 bench: $(STAMP)

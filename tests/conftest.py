@@ -27,6 +27,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# The slowest test files (seconds on a 2-core machine), collected first: under ``--dist loadfile
+# --no-loadscope-reorder`` each file is one unit of work handed to the next free worker in this
+# order, so the two workers take the long files early and end together (ordered by their number
+# of tests, as xdist does by default, the few long ones came last and one worker ran them alone).
+SLOWEST_FIRST = ["test_docs.py", "commands/test_slurm_requeue.py", "test_examples.py", "commands/test_sweep_signals.py",
+                 "configs/test_configs.py", "commands/test_slurm_job.py", "callbacks/test_lost_rank.py",
+                 "callbacks/test_compile.py", "lightning_mods/test_disk_faults.py", "callbacks/test_preemption.py",
+                 "lightning_mods/test_distributed_evaluation.py", "commands/test_imagenet_commands.py",
+                 "callbacks/test_multinode.py", "callbacks/test_nonfinite.py", "callbacks/test_callbacks_ddp.py",
+                 "commands/test_cli.py"]
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 (pytest's)
+    order = {name: rank for rank, name in enumerate(SLOWEST_FIRST)}
+    tests = Path(__file__).resolve().parent
+
+    def rank(item) -> int:  # noqa: ANN001
+        return order.get(Path(str(item.fspath)).resolve().relative_to(tests).as_posix(), len(order))
+    items.sort(key=rank)  # stable: the other files, and the tests inside each, keep their order
+
+
 CIFAR10_BATCH_NAMES = [f"data_batch_{i}" for i in range(1, 6)]
 MNIST_RAW_NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}

@@ -119,3 +119,55 @@ def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path):
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["trainer"]["num_nodes"], str(config["trainer"]["devices"]), config["trainer"]["strategy"]) == (2, "1", "ddp")
     assert torch.load(run / "checkpoints" / "latest.ckpt", weights_only=True, map_location="cpu")["global_step"] == 1
+
+
+def reproducing_block(marker: str) -> str:
+    """The shell block of docs/reproducing.md holding ``marker``, continuation lines joined."""
+    text = (ROOT / "docs" / "reproducing.md").read_text()
+    at = text.index(marker)
+    start = text.rindex("```bash", 0, at) + len("```bash")
+    return text[start:text.index("```", at)].replace("\\\n", " ")
+
+
+@pytest.mark.slow
+def test_the_array_job_of_printed_sweep_lines_runs_under_a_stand_in_sbatch(tmp_path, data_root):
+    """docs/reproducing.md's cluster sweep as written: ``sweep --print`` writes one line per run,
+    ``sbatch --array=1-18 --wrap '...'`` (a stand-in ``sbatch`` on PATH that runs the first array
+    task as SLURM would, with ``SLURM_ARRAY_TASK_ID=1``) activates the environment and runs line 1,
+    and ``report`` counts that run and names the 17 not run. On the generated CIFAR-10 pickles, one
+    step of each fit (the budget given to the sweep with ``--set``)."""
+    lines = [line.strip() for line in reproducing_block("cifar10_resnet18_alpha.commands").strip().splitlines()]
+    sweep_line, sbatch_line, report_line = lines
+    user = tmp_path / "checkout"
+    user.mkdir()
+    (user / "configs").symlink_to(ROOT / "configs")
+    (user / ".venv").symlink_to(Path(sys.prefix))  # the environment running the tests
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "sbatch"  # the first array task, as SLURM runs it: the --wrap command under bash
+    stand_in.write_text("#!/usr/bin/env python3\nimport os, subprocess, sys\n"
+                        "args = sys.argv[1:]\nwrap = args[args.index('--wrap') + 1]\n"
+                        "assert any(a.startswith('--array=1-') for a in args), args\n"
+                        "sys.exit(subprocess.run(['bash', '-c', wrap], env=dict(os.environ, SLURM_ARRAY_TASK_ID='1'))"
+                        ".returncode)\n")
+    stand_in.chmod(0o755)
+    budget = " ".join(f"--set {s}" for s in (
+        f"data.init_args.data_dir={data_root['root']}", "data.init_args.num_workers=0", "data.init_args.batch_size=4",
+        "trainer.accelerator=cpu", "trainer.precision=32", "trainer.max_epochs=1", "trainer.limit_train_batches=1",
+        "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"))
+    sweep_command, _, redirect = sweep_line.partition(">")
+    script = "\n".join([f"{sweep_command} {budget} >{redirect}", sbatch_line, report_line])
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=folders.PYTHONPATH,
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=user, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len((user / "cifar10_resnet18_alpha.commands").read_text().splitlines()) == 18
+    experiment = user / "runs" / "cifar10_resnet18_alpha"
+    first = experiment / "alpha_min=1.0,seed=0"
+    assert (first / "fit_end.json").is_file()  # line 1 ran to its end, logging to its run folder
+    data = yaml.safe_load((experiment / "report" / "report.json").read_text())
+    counted = [run["name"] for run in data["runs"] if run["counted"]]
+    assert counted == ["alpha_min=1.0,seed=0"]
+    problems = [line for group in data["groups"] for line in group["problems"]]
+    assert len(problems) == 17 and all("missing" in line for line in problems)
