@@ -17,7 +17,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/shortcutlab fit --config configs/digits_mae.yaml $(ARGS)
 
-# one worker per core of the 2-core CI machine; a test file stays on one worker (its module fixtures)
+# one worker per core of the 2-core CI machine; a test file stays on one worker (its module fixtures),
+# the slowest files first (tests/conftest.py SLOWEST_FIRST, in collection order)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests

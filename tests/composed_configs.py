@@ -52,6 +52,24 @@ def narrow_args(model_class_path: str, full_size: bool) -> list[str]:
     return [f"--model.init_args.{k}={v}" for k, v in settings.items()]
 
 
+SWEPT = ("alpha_min=", "seed_everything=", "default_root_dir=")  # the values a paper table sweeps
+
+
+def representatives(names: list[str]) -> list[str]:
+    """The first of each group of ``names`` whose rows differ only in the values a table sweeps
+    (``alpha_min``, the seed, the run folder): a one-step fit of the others runs the same code
+    with another number (their commands are parsed by test_configs.py)."""
+    seen, chosen = set(), []
+    for name in names:
+        row = ROWS.get(name)
+        key = name if row is None else (tuple(row["configs"]), tuple(a for a in row.get("args", [])
+                                                                      if not any(s in a for s in SWEPT)))
+        if key not in seen:
+            seen.add(key)
+            chosen.append(name)
+    return chosen
+
+
 def is_diffusion(name: str) -> bool:
     """Whether the run trains a DiffusionModule (read from its files' text, without parsing)."""
     files = ROWS[name]["configs"] if name in ROWS else [name]

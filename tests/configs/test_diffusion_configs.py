@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from commands import lightning_cli as cli
-from composed_configs import CONFIG_DIR, NARROW, ROWS, SINGLE_FILES, command_args, is_diffusion, resolved_config, sizes
+from composed_configs import (CONFIG_DIR, NARROW, ROWS, SINGLE_FILES, command_args, is_diffusion, representatives,
+                              resolved_config, sizes)
 from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
@@ -60,7 +61,7 @@ def point_at_test_data(config: dict, tmp_path: Path, data_root: dict, latents: d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, full_size", sizes([n for n in DIFFUSION_RUNS if n not in LATENT_RUNS]))
+@pytest.mark.parametrize("name, full_size", sizes(representatives([n for n in DIFFUSION_RUNS if n not in LATENT_RUNS])))
 def test_fit_one_step_then_validate_from_checkpoint(name, full_size, tmp_path, data_root, tiny_latents):
     fit_one_step_then_validate(name, full_size, tmp_path, data_root, tiny_latents)
 
