@@ -43,18 +43,30 @@ def documented_commands(marker: str) -> list[list[str]]:
     return [words[1:] for words in commands]
 
 
-def stand_in_imagenet100(root: Path) -> list[str]:
-    """``--set`` items pointing every fit at a two-class tree of ImageNet-100's wnids, one step each."""
+def write_stand_in(root: Path) -> Path:
+    """A two-class ImageFolder tree of ImageNet-100's first wnids under ``root`` (4 train and 2 val
+    64-pixel JPEGs each) and a class list naming them: its path."""
     wnids = (ROOT / "configs" / "imagenet100_classes.txt").read_text().split()[:2]
     write_jpeg_folder(str(root), per_class=4, names=wnids, val_per_class=2, size=(64, 64))
     (root / "classes.txt").write_text("\n".join(wnids) + "\n")
-    settings = [f"data.init_args.data_dir={root}", f"data.init_args.class_list={root / 'classes.txt'}",
-                "data.init_args.image_size=32", "data.init_args.batch_size=4", "data.init_args.num_workers=0",
-                "data.init_args.pin_memory=false", "trainer.accelerator=cpu", "trainer.devices=1",
-                "trainer.strategy=auto", "trainer.precision=32", "trainer.max_epochs=1",
-                "trainer.limit_train_batches=1", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
-                "trainer.accumulate_grad_batches=1"]
-    return [word for setting in settings for word in ("--set", setting)]
+    return root / "classes.txt"
+
+
+def one_step(data_dir: Path, epochs: int = 1, one_process: bool = True) -> list[str]:
+    """``KEY=VALUE`` settings of a documented fit on the stand-in tree: one fp32 CPU step an epoch
+    (``one_process``: in one process, whatever the config's devices and strategy)."""
+    settings = [f"data.init_args.data_dir={data_dir}", "data.init_args.image_size=32", "data.init_args.batch_size=4",
+                "data.init_args.num_workers=0", "data.init_args.pin_memory=false", "trainer.accelerator=cpu",
+                "trainer.precision=32", f"trainer.max_epochs={epochs}", "trainer.limit_train_batches=1",
+                "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", "trainer.accumulate_grad_batches=1"]
+    return settings + (["trainer.devices=1", "trainer.strategy=auto"] if one_process else [])
+
+
+def stand_in_imagenet100(root: Path) -> list[str]:
+    """``--set`` items pointing every fit at the stand-in tree, one step each."""
+    class_list = write_stand_in(root)
+    return [word for setting in [*one_step(root), f"data.init_args.class_list={class_list}"]
+            for word in ("--set", setting)]
 
 
 SMALL_PRETRAINING = ["model.init_args.embed_dim=32", "model.init_args.depth=2", "model.init_args.num_heads=2",
@@ -128,12 +140,8 @@ def test_table1_on_imagenet100_as_written(tmp_path, monkeypatch, capsys):
 
 
 def cpu_budget(data_dir: Path, epochs: int) -> list[str]:
-    """One step an epoch of the documented fit on the stand-in tree, fp32, one CPU process."""
-    return [f"--data.init_args.data_dir={data_dir}", "--data.init_args.image_size=32", "--data.init_args.batch_size=4",
-            "--data.init_args.num_workers=0", "--data.init_args.pin_memory=false", "--trainer.accelerator=cpu",
-            "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.precision=32",
-            f"--trainer.max_epochs={epochs}", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
-            "--trainer.enable_progress_bar=false", "--trainer.accumulate_grad_batches=1"]
+    """:func:`one_step` as command-line options."""
+    return [f"--{setting}" for setting in one_step(data_dir, epochs)]
 
 
 @pytest.mark.slow

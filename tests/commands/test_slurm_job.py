@@ -80,8 +80,8 @@ def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path):
     Lightning forms one DDP group of 2 over gloo from it, and the run writes its checkpoint under
     the script's fixed folder. On stand-in ImageNet-100 (a generated two-class tree), one step of
     a narrow MAE on 32-pixel crops in fp32."""
-    from benchmarks.data_pipeline import write_jpeg_folder
     from test_callbacks_ddp import free_port
+    from test_imagenet_commands import SMALL_PRETRAINING, one_step, write_stand_in
 
     (line,) = [line for line in job_script() if line.startswith("srun ")]
     allocation = {"SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1"}
@@ -90,17 +90,9 @@ def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path):
     user = tmp_path / "checkout"
     user.mkdir()
     (user / "configs").symlink_to(ROOT / "configs")
-    data = tmp_path / "imagenet"
-    wnids = (ROOT / "configs" / "imagenet100_classes.txt").read_text().split()[:2]
-    write_jpeg_folder(str(data), per_class=4, names=wnids, val_per_class=2, size=(64, 64))
-    (data / "classes.txt").write_text("\n".join(wnids) + "\n")
-    budget = [f"--data.init_args.data_dir={data}", f"--data.init_args.class_list={data / 'classes.txt'}",
-              "--data.init_args.image_size=32", "--data.init_args.batch_size=2", "--data.init_args.num_workers=0",
-              "--data.init_args.pin_memory=false", "--trainer.accelerator=cpu", "--trainer.precision=32",
-              "--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
-              "--trainer.enable_progress_bar=false", "--model.init_args.embed_dim=32", "--model.init_args.depth=2",
-              "--model.init_args.num_heads=2", "--model.init_args.decoder_embed_dim=32",
-              "--model.init_args.decoder_depth=1", "--model.init_args.decoder_num_heads=2"]
+    class_list = write_stand_in(tmp_path / "imagenet")
+    budget = [f"--{setting}" for setting in [*one_step(tmp_path / "imagenet", one_process=False),
+                                             f"data.init_args.class_list={class_list}", *SMALL_PRETRAINING]]
     port = str(free_port())
     tasks = []
     for rank in range(2):
