@@ -222,14 +222,14 @@ def read_run(folder: Path) -> Run:
                 run.metrics.update(read_depth_csv(folder / DEPTH_FILE))
         except (ValueError, csv.Error) as err:
             run.problem = f"unreadable ({err})"
-    for name, follow_up in ((f.name, f) for f in sorted(folder.iterdir()) if f.is_dir()) if folder.is_dir() else []:
+    fits = sorted(f for f in folder.iterdir() if f.is_dir()) if folder.is_dir() else []  # the fits from its checkpoint
+    for follow_up in fits:
         checkpoint = checkpoint_of(follow_up)
         if checkpoint is not None:
-            run.started_from[name] = checkpoint
+            run.started_from[follow_up.name] = checkpoint
     record = sweep_record(record)
     evaluations = record.get("evaluations") if isinstance(record.get("evaluations"), dict) else {}
-    names = set(evaluations) | {f.name for f in folder.iterdir() if f.is_dir() and (f / METRICS_FILE).is_file()
-                                and not f.name.startswith(".")} if folder.is_dir() else set(evaluations)
+    names = set(evaluations) | {f.name for f in fits if (f / METRICS_FILE).is_file() and not f.name.startswith(".")}
     for name in sorted(names):
         entry = evaluations.get(name) if isinstance(evaluations.get(name), dict) else {}
         metrics, problem = read_follow_up(folder / name, name, _exit_status(entry, "status"), "command" in entry)

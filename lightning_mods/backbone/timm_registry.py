@@ -127,14 +127,14 @@ def resnet18_cifar_decayed(pretrained: bool = False, **kwargs: Any) -> ResNet18C
 TIMM_ONLY = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")  # what create_model adds for its builder
 
 
-def _mae(variant: str, arch: dict[str, Any], kwargs: dict[str, Any]) -> MaskedAutoencoderViT:
+def _network(cls: Callable[..., nn.Module], variant: str, pretrained: bool, arch: dict[str, Any],
+             kwargs: dict[str, Any]) -> nn.Module:
+    """A whole network of the papers by name: no weights are registered for these."""
+    if pretrained:
+        raise ValueError(f"{variant}: no pretrained weights are registered; load a checkpoint's state_dict "
+                         "(lightning_mods.backbone.mae.checkpoint_filter_fn reads both MAE repositories' names)")
     kwargs = {k: v for k, v in kwargs.items() if k not in TIMM_ONLY}
-    return MaskedAutoencoderViT(shortcut=_schedule(kwargs), **{**arch, **kwargs})
-
-
-def _uvit(variant: str, arch: dict[str, Any], kwargs: dict[str, Any]) -> UViT:
-    kwargs = {k: v for k, v in kwargs.items() if k not in TIMM_ONLY}
-    return UViT(shortcut=_schedule(kwargs), **{"zero_init_branches": True, **arch, **kwargs})
+    return cls(shortcut=_schedule(kwargs), **{**arch, **kwargs})
 
 
 MAE_BASE = dict(image_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12, decoder_embed_dim=512,
@@ -145,21 +145,16 @@ MAE_BASE = dict(image_size=224, patch_size=16, embed_dim=768, depth=12, num_head
 def mae_vit_base_patch16_decayed(pretrained: bool = False, **kwargs: Any) -> MaskedAutoencoderViT:
     """The decay paper's ImageNet MAE: ViT-B/16 encoder with decayed shortcuts, U-Net skip
     decoder of width 512 and depth 8 (``unet_skips=False, alpha_min=1.0``: He et al.'s MAE)."""
-    if pretrained:
-        raise ValueError("mae_vit_base_patch16_decayed: no pretrained weights are registered; load a checkpoint's "
-                         "state_dict (checkpoint_filter_fn reads both MAE repositories' names)")
-    return _mae("mae_vit_base_patch16_decayed", MAE_BASE, kwargs)
+    return _network(MaskedAutoencoderViT, "mae_vit_base_patch16_decayed", pretrained, MAE_BASE, kwargs)
 
 
 @register_model
 def mae_vit_tiny_patch4_32_decayed(pretrained: bool = False, **kwargs: Any) -> MaskedAutoencoderViT:
     """The decay paper's CIFAR MAE (configs/mae/base.yaml): ViT-Ti/4 at 32 pixels, depth 12, skip
     decoder of width 256 and depth 4."""
-    if pretrained:
-        raise ValueError("mae_vit_tiny_patch4_32_decayed: no pretrained weights are registered")
-    return _mae("mae_vit_tiny_patch4_32_decayed", dict(image_size=32, patch_size=4, embed_dim=192, depth=12,
-                                                       num_heads=3, decoder_embed_dim=256, decoder_depth=4,
-                                                       decoder_num_heads=8), kwargs)
+    return _network(MaskedAutoencoderViT, "mae_vit_tiny_patch4_32_decayed", pretrained,
+                    dict(image_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3, decoder_embed_dim=256,
+                         decoder_depth=4, decoder_num_heads=8), kwargs)
 
 
 @register_model
@@ -167,7 +162,6 @@ def uvit_small_patch2_32_decayed(pretrained: bool = False, **kwargs: Any) -> UVi
     """U-ViT-S/2 of the decay paper's CIFAR diffusion (configs/diffusion/base.yaml): 32 pixels,
     width 512, depth 12, 8 heads, no qkv bias, zero-initialised branch ends; ``num_classes`` > 0
     for class conditioning."""
-    if pretrained:
-        raise ValueError("uvit_small_patch2_32_decayed: no pretrained weights are registered")
-    return _uvit("uvit_small_patch2_32_decayed", dict(img_size=32, patch_size=2, embed_dim=512, depth=12, num_heads=8,
-                                                      qkv_bias=False, mlp_time_embed=False, final_conv=True), kwargs)
+    return _network(UViT, "uvit_small_patch2_32_decayed", pretrained,
+                    dict(img_size=32, patch_size=2, embed_dim=512, depth=12, num_heads=8, qkv_bias=False,
+                         mlp_time_embed=False, final_conv=True, zero_init_branches=True), kwargs)
