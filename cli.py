@@ -76,8 +76,9 @@ def overview() -> str:
         "Data (--data NAME):",
         *_rows([(f.name, f.summary) for f in catalogue.find("data")]),
         "",
-        "Callbacks (trainer.callbacks in a config, or --trainer.callbacks+=NAME):",
-        *_rows([(f.name, f.summary) for f in catalogue.find("callback")]),
+        "Callbacks (a config adds to the defaults with trainer.callbacks+, or --trainer.callbacks+=NAME;",
+        "[when each works: per step, per validation, per checkpoint, once]; docs/callbacks.md):",
+        *_rows([(f.name, f"[{f.cost}] {f.summary}") for f in catalogue.find("callback")]),
         "",
         f"Configs: configs/ ({len(configs)} YAML files; configs/README.md says what each one reproduces)"
         if configs else "Configs: the configs/ folder of the source repository (configs/README.md).",

@@ -26,11 +26,13 @@ KINDS = {
 
 @dataclass(frozen=True)
 class Found:
-    """One class: its name, the module defining it and the first sentence of its docstring."""
+    """One class: its name, the module defining it, the first sentence of its docstring and,
+    for a callback, when it works (its ``cost`` attribute, :mod:`callbacks.cost`)."""
 
     name: str
     module: str
     summary: str
+    cost: str = ""
 
     @property
     def class_path(self) -> str:
@@ -48,6 +50,17 @@ def _base_name(node: ast.expr) -> str:
     return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
+def _cost(node: ast.ClassDef) -> str:
+    """The name assigned to ``cost`` in the class body (``cost = PER_STEP`` -> ``per step``)."""
+    for statement in node.body:
+        if isinstance(statement, ast.Assign) and [getattr(t, "id", "") for t in statement.targets] == ["cost"]:
+            value = statement.value
+            if isinstance(value, ast.Constant):
+                return str(value.value)
+            return getattr(value, "id", "").lower().replace("_", " ")
+    return ""
+
+
 def public_module_files(package: str) -> list[Path]:
     """The modules of ``package`` and its sub-packages, less the private ones (``_utils/``,
     ``_moved_modules.py``) and the packages' ``__init__``."""
@@ -60,19 +73,24 @@ def find(kind: str) -> list[Found]:
     package, roots = KINDS[kind]
     bases: dict[str, list[str]] = {}
     found: dict[str, Found] = {}
+    costs: dict[str, str] = {}
     for path in public_module_files(package):
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.ClassDef):
                 bases[node.name] = [_base_name(b) for b in node.bases]
+                costs[node.name] = _cost(node)
                 found[node.name] = Found(node.name, module, _first_sentence(ast.get_docstring(node)))
 
     def is_kind(name: str, seen: frozenset = frozenset()) -> bool:
         return any(b in roots or (b in bases and b not in seen and is_kind(b, seen | {name})) for b in bases[name])
 
+    def cost(name: str) -> str:  # its own, else the first in-package base's
+        return costs.get(name) or next((c for b in bases.get(name, []) if b in bases and (c := cost(b))), "")
+
     used_as_base = {b for names in bases.values() for b in names}
-    return sorted((f for name, f in found.items() if is_kind(name) and name not in used_as_base),
-                  key=lambda f: f.name)
+    return sorted((Found(f.name, f.module, f.summary, cost(name)) for name, f in found.items()
+                   if is_kind(name) and name not in used_as_base), key=lambda f: f.name)
 
 
 def import_all() -> None:

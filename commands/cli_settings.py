@@ -1,6 +1,7 @@
 """The settings the ``shortcutlab`` CLI gives every run or checks in a config: the callbacks every
-run carries unless its config lists its own, the model settings linked from the datamodule, the
-top-level cadence knobs, the ``--ckpt_path`` help, and the prediction writer of ``predict``."""
+run carries (configs add theirs with ``trainer.callbacks+``), the model settings linked from the
+datamodule, the top-level cadence knobs, the ``--ckpt_path`` help, and the prediction writer of
+``predict``."""
 from __future__ import annotations
 
 import importlib
@@ -9,20 +10,42 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 
+from lightning.pytorch.utilities import rank_zero_info
+
+from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
+from callbacks.reliability.lost_rank import LostRankReport
 from callbacks.reporting.prediction_writer import PredictionWriter
 from callbacks.schedule import ScheduledEvaluation
 from lightning_mods.checkpointing.rebuild import import_path
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
+# Every run carries these (--print_config shows them): a config or the command line adds to them
+# with `trainer.callbacks+`; a config's `trainer.callbacks:` replaces them, and then the CLI adds
+# back the two that make failures readable (REQUIRED), saying so
 DEFAULT_CALLBACKS = [
     {"class_path": "callbacks.reporting.progress_bar.TrainingLossProgressBar"},
     {"class_path": "callbacks.reporting.model_summary.RichModelSummaryWithoutFlops", "init_args": {"max_depth": 2}},
-    # reliability (docs/reliability.md); a config's callback list replaces these, so each
-    # shipped config names them too
     {"class_path": "callbacks.reliability.exact_resume.ExactResume"},
     {"class_path": "callbacks.reliability.nonfinite_guard.NonFiniteGuard"},
     {"class_path": "callbacks.reliability.preemption.PreemptionCheckpoint"},
+    {"class_path": "callbacks.reliability.bad_input_cleanup.RemoveLogsOnBadInput"},
+    {"class_path": "callbacks.reliability.lost_rank.LostRankReport"},
+    {"class_path": "callbacks.measurement.shared_features.SharedEvaluation"},
 ]
+REQUIRED = (RemoveLogsOnBadInput, LostRankReport)
+
+
+def add_required_callbacks(trainer) -> None:  # noqa: ANN001 (Trainer)
+    """Add the :data:`REQUIRED` callbacks a replaced list left out (one line says which), and let
+    :class:`RemoveLogsOnBadInput` record the log folders that do not exist yet."""
+    missing = [cls for cls in REQUIRED if not any(isinstance(c, cls) for c in trainer.callbacks)]
+    if missing:
+        rank_zero_info(f"trainer.callbacks: added {', '.join(cls.__name__ for cls in missing)} (the CLI's reports "
+                       "of bad input and of a lost rank; the config's list replaced the defaults)")
+        trainer.callbacks.extend(cls() for cls in missing)
+    for callback in trainer.callbacks:
+        if isinstance(callback, RemoveLogsOnBadInput):
+            callback.watch(trainer)
 
 
 def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
@@ -96,4 +119,6 @@ def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_
 def add_prediction_writer(trainer) -> None:  # noqa: ANN001 (Trainer)
     """``predict`` saves its outputs (``callbacks/reporting/prediction_writer.py``) unless a writer is configured."""
     if not any(isinstance(callback, BasePredictionWriter) for callback in trainer.callbacks):
+        rank_zero_info("trainer.callbacks: added PredictionWriter (predict saves its outputs; a configured "
+                       "prediction writer replaces it)")
         trainer.callbacks.append(PredictionWriter())

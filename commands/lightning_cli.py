@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 import lightning_mods.exit_statuses as exit_statuses
 from commands import catalogue
 from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, _class_path,  # noqa: F401
-                                   _describe, _short_name, add_prediction_writer, apply_cadences,
+                                   _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    linked_settings_given)
 from commands.ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
 from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
@@ -44,8 +44,6 @@ from commands.cli_errors import (BadInput, duplicate_callback_message, explain_p
 from commands.console import (answer_repeated_samples_warning, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
                               warn_on_slow_precision)
 from callbacks.reliability import lost_rank
-from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
-from callbacks.reliability.lost_rank import LostRankReport
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.reliability.preemption import received_signal
 from lightning_mods.checkpointing import atomic_files
@@ -225,8 +223,7 @@ class ShortcutLabCLI(LightningCLI):
                                f"model.{name} or change the data")
         expect_frozen_eval_modules(self.model)
         answer_repeated_samples_warning(self.model)
-        self.trainer.callbacks.append(RemoveLogsOnBadInput(self.trainer))
-        self.trainer.callbacks.append(LostRankReport())
+        add_required_callbacks(self.trainer)
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
 

@@ -77,9 +77,11 @@ def is_diffusion(name: str) -> bool:
 
 
 def declared_callbacks(name: str) -> list[dict]:
-    """The ``trainer.callbacks`` a run's files declare, as written: the last list given, plus
-    what later files append with ``callbacks+``."""
-    callbacks: list[dict] = []
+    """The ``trainer.callbacks`` a run's files declare, as LightningCLI reads them: the CLI's
+    defaults, replaced by a file's ``callbacks`` list, with what files append with ``callbacks+``."""
+    from commands.cli_settings import DEFAULT_CALLBACKS
+
+    callbacks: list[dict] = [dict(c) for c in DEFAULT_CALLBACKS]
     for f in ROWS[name]["configs"] if name in ROWS else [name]:
         trainer = (yaml.safe_load((CONFIG_DIR / f).read_text()) or {}).get("trainer") or {}
         callbacks = list(trainer.get("callbacks", callbacks)) + list(trainer.get("callbacks+", []))

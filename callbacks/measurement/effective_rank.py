@@ -45,6 +45,7 @@ from lightning_mods.evaluation.over_depth import DepthRows, write_pending
 from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
+from callbacks.cost import PER_VALIDATION
 
 Source = Literal["covariance", "features"]
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -198,6 +199,7 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
             has several ``EffectiveRank`` (default: its settings that differ from the defaults,
             e.g. ``rank/effective_rank@source=features``; :mod:`callbacks.settings_key`).
     """
+    cost = PER_VALIDATION
 
     def __init__(self, every_n_epochs: Optional[int] = None, source: Source = "covariance",
                  dtype: Literal["float64", "float32"] = "float64", per_block: bool = False,

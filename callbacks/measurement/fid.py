@@ -29,6 +29,7 @@ from lightning_mods.generation.fid import GeneratedImages, UInt8Images, generati
 from lightning_mods.evaluation import metric_names
 from callbacks._utils.distributed import log_identical
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
+from callbacks.cost import PER_VALIDATION
 
 
 # datamodule settings that change how images are loaded, never which images or their pixels
@@ -77,6 +78,7 @@ class GenerationMetrics(ScheduledEvaluation):
             ``fit`` settings above; None: ``validate`` uses the ``fit`` settings.
         seed: seed of the first sampling batch (batch ``i`` uses ``seed + i``).
     """
+    cost = PER_VALIDATION
 
     def __init__(
         self,

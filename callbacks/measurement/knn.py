@@ -33,6 +33,7 @@ from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolv
 from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
+from callbacks.cost import PER_VALIDATION
 
 SIMILARITY_BUDGET = 2 ** 24  # similarity entries per chunk (64 MiB in float32)
 
@@ -162,6 +163,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             in ``eval_per_block.csv`` and the picture ``eval/over_depth``
             (:mod:`lightning_mods.evaluation.over_depth`); the logged metrics stay those of ``forward_features``.
     """
+    cost = PER_VALIDATION
 
     def __init__(self, k: Union[int, list[int]] = 20, temperature: float = 0.07,
                  every_n_epochs: Optional[int] = None, num_classes: Optional[int] = None,

@@ -16,6 +16,7 @@ from lightning_mods.pictures.patch_pca import images_for_display, patch_feature_
 from lightning_mods.pictures.grids import log_picture
 from callbacks._utils.feature_collection import datamodule_dataset
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
+from callbacks.cost import PER_VALIDATION
 
 
 class PatchFeaturePicture(ScheduledEvaluation):
@@ -27,6 +28,7 @@ class PatchFeaturePicture(ScheduledEvaluation):
         block: the block whose patch tokens are drawn (Python index: -1 is the last).
         every_n_epochs: None: at every validation (``trainer.check_val_every_n_epoch``).
     """
+    cost = PER_VALIDATION
 
     def __init__(self, num_images: int = 8, block: int = -1, every_n_epochs: Optional[int] = None) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ probe scores its heads on the validation set: the same network, the same images,
 ``forward_features`` (and, for per-block evaluations, ``forward_intermediates``). One
 :class:`SharedEvaluation` per Trainer holds the pass: each measurement callback declares at
 ``setup`` what it will read (:meth:`SharedEvaluation.of` finds the Trainer's, adding it to the
-Trainer's callbacks the first time), the first to ask for a dataset's features runs
+Trainer's callbacks when none is there), the first to ask for a dataset's features runs
 :func:`~callbacks._utils.feature_collection.collect_features` and the others read its result.
 
 - **When a result is reused.** Only within one evaluation of one set of weights: the entry
@@ -29,10 +29,12 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
 from callbacks._utils.distributed import gather_strided
 from callbacks._utils.feature_collection import Features, collect_features, datamodule_dataset, smoke_test_subset
+from callbacks.cost import PER_VALIDATION
 
 
 class SharedEvaluation(Callback):
@@ -46,6 +48,7 @@ class SharedEvaluation(Callback):
         def on_validation_epoch_end(self, trainer, pl_module):
             found = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "Mine", 128, 0)
     """
+    cost = PER_VALIDATION
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,11 +58,13 @@ class SharedEvaluation(Callback):
 
     @classmethod
     def of(cls, trainer: Trainer) -> "SharedEvaluation":
-        """The Trainer's shared pass: the one among its callbacks, else a new one added to them
-        (after the callbacks that read it, whose hooks then run first)."""
+        """The Trainer's shared pass: the one among its callbacks (the ``shortcutlab`` CLI's
+        defaults carry one), else a new one added to them, which one line says."""
         for callback in trainer.callbacks:
             if isinstance(callback, cls):
                 return callback
+        rank_zero_info("trainer.callbacks: added SharedEvaluation (the evaluation pass the measurement "
+                       "callbacks share)")
         shared = cls()
         trainer.callbacks.append(shared)
         return shared

@@ -15,6 +15,7 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_mods.checkpointing.atomic_files import DiskWriteError
+from callbacks.cost import ONCE
 
 
 def new_folders(path: Path) -> list[Path]:
@@ -30,10 +31,17 @@ def new_folders(path: Path) -> list[Path]:
 class RemoveLogsOnBadInput(Callback):
     """Removes the log folders a run created when it stops on bad input before its first step.
 
-    Built before the run starts (it records which log folders do not exist yet).
+    Which folders are new is recorded by :meth:`watch`, called once the Trainer (its loggers) is
+    built and before it runs: the ``shortcutlab`` CLI calls it on the instance of its default
+    callback list. A Trainer built in Python calls it too, or the folders are never removed.
     """
+    cost = ONCE
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self) -> None:
+        self.created: list[Path] = []
+
+    def watch(self, trainer: Trainer) -> None:
+        """Record the Trainer's log folders that do not exist yet (before anything creates them)."""
         self.created = [folder for logger in trainer.loggers if getattr(logger, "log_dir", None)
                         for folder in new_folders(Path(logger.log_dir))]
 

@@ -33,6 +33,7 @@ from torchmetrics import Metric
 
 from lightning_mods.checkpointing import checkpoint_io
 from lightning_mods.compat import lightning_private
+from callbacks.cost import PER_CHECKPOINT
 
 
 def capture_rng_states() -> dict[str, Any]:
@@ -65,6 +66,7 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 
 class ExactResume(Callback):
     """Save every rank's RNG states with each checkpoint and restore them on resume."""
+    cost = PER_CHECKPOINT
 
     def __init__(self) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from lightning_mods.pictures.grids import run_dir
+from callbacks.cost import ONCE
 
 FIT_END_FILE = "fit_end.json"
 
@@ -25,6 +26,7 @@ FIT_END_FILE = "fit_end.json"
 class FitEndRecord(Callback):
     """Write ``{"epochs", "steps", "max_epochs", "max_steps"}`` to ``<log dir>/fit_end.json``
     when ``fit`` ends normally (global rank 0)."""
+    cost = ONCE
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a resumed or repeated fit into the same folder is not finished until it ends again;

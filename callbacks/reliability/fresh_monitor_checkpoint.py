@@ -20,10 +20,13 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from callbacks.cost import PER_CHECKPOINT
+
 
 class FreshMonitorCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) whose validation-end save is skipped when
     ``monitor`` was not logged anew in that validation."""
+    cost = PER_CHECKPOINT
 
     _before: Any = None
     _fresh = False  # whether the last validation logged ``monitor`` anew

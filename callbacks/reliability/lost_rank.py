@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 import lightning_mods.exit_statuses as exit_statuses
+from callbacks.cost import ONCE
 
 # what a failed collective says when a peer went away (gloo, NCCL, the c10d store)
 PEER_FAILURE_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
@@ -64,7 +65,9 @@ def looks_like_a_lost_peer(exception: BaseException) -> bool:
 
 
 class LostRankReport(Callback):
-    """Name the lost rank when a DDP fit fails because a peer went away (module docstring)."""
+    """Name the lost rank, and the newest checkpoint to resume from, when a DDP fit fails because a
+    peer process went away (see the module docstring)."""
+    cost = ONCE
 
     def __init__(self) -> None:
         super().__init__()

@@ -36,6 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from callbacks._utils.distributed import all_reduce_min
 from callbacks.schedule import check_step_cadence, every_n_steps_or_logging
+from callbacks.cost import PER_STEP
 
 NEVER = torch.iinfo(torch.int64).max  # "no step failed this check" in the record
 CHECKS = ("training loss", "gradient norm", "weight")
@@ -55,6 +56,7 @@ class NonFiniteGuard(Callback):
             ``log_every_n_steps``); reads before checkpoints, validations and the end of
             training come on top.
     """
+    cost = PER_STEP
 
     def __init__(self, check_every_n_steps: Optional[int] = None) -> None:
         self.check_every_n_steps = check_step_cadence("NonFiniteGuard", check_every_n_steps)

@@ -59,6 +59,7 @@ from lightning_mods.checkpointing import checkpoint_io
 from lightning_mods.compat import lightning_private
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.schedule import check_step_cadence, every_n_steps_or_logging
+from callbacks.cost import PER_STEP
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REQUEUE_SIGNAL = "SIGUSR1"  # SLURM's --signal of the papers' job scripts
@@ -92,6 +93,7 @@ class PreemptionCheckpoint(Callback):
             and after every validation. One process stops after the step the signal arrived in.
             A signal's lead time must cover that many steps (SLURM: ``--signal=SIGUSR1@90``).
     """
+    cost = PER_STEP
 
     def __init__(self, filename: str = "last", requeue_signal: Optional[str] = REQUEUE_SIGNAL,
                  check_every_n_steps: Optional[int] = None) -> None:

@@ -14,12 +14,15 @@ from typing import Any
 from lightning.pytorch.callbacks import RichModelSummary
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 
+from callbacks.cost import ONCE
+
 RIGHT_ALIGNED = ("Params", "Params per Device", "In sizes", "Out sizes")
 
 
 class RichModelSummaryWithoutFlops(RichModelSummary):
     """:class:`~lightning.pytorch.callbacks.RichModelSummary` (same arguments) without the
     per-layer FLOPs column and the "Total FLOPs" line."""
+    cost = ONCE
 
     @staticmethod
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,

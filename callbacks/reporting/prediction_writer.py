@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mods.pictures.embedding_map import EMBEDDING_MAP_POINTS, write_embedding_map
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
+from callbacks.cost import ONCE
 
 
 def concatenate_predictions(batches: Sequence[dict[str, torch.Tensor]],
@@ -67,6 +68,7 @@ class PredictionWriter(BasePredictionWriter):
         max_points: the map shows a seeded random subset of this many samples above it.
         seed: of the subset and of t-SNE.
     """
+    cost = ONCE
 
     def __init__(self, path: Optional[str] = None, embedding_map: bool = True,
                  max_points: int = EMBEDDING_MAP_POINTS, seed: int = 0) -> None:

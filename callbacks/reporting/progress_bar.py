@@ -16,11 +16,13 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 
 from lightning_mods.evaluation.metric_names import TRAIN_LOSS
+from callbacks.cost import PER_STEP
 
 
 class TrainingLossProgressBar(RichProgressBar):
     """``RichProgressBar`` (same arguments) that also shows ``train/loss``, the last step's value
     read every ``log_every_n_steps`` optimiser steps."""
+    cost = PER_STEP
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)

@@ -18,6 +18,7 @@ from lightning_mods.compat import lightning_private
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from lightning_mods.pictures.grids import picture_dir, run_dir
+from callbacks.cost import ONCE
 
 DEFAULT_METRICS = (metric_names.KNN_TOP1, metric_names.ONLINE_PROBE_VAL_TOP1, metric_names.EFFECTIVE_RANK,
                    metric_names.RANK_ENTROPY)
@@ -69,6 +70,7 @@ class RunSummary(Callback):
         title: the table's title.
         summary_file: JSON file written in the log directory (None: no file).
     """
+    cost = ONCE
 
     def __init__(self, metrics: Sequence[str] = DEFAULT_METRICS, title: str = "shortcutlab run summary",
                  summary_file: Optional[str] = "summary.json") -> None:

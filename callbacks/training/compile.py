@@ -21,6 +21,7 @@ from typing import Any, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_mods.backbone.residual import residual_blocks
+from callbacks.cost import ONCE
 
 
 class CompileBlocks(Callback):
@@ -33,6 +34,7 @@ class CompileBlocks(Callback):
         fullgraph: fail on a graph break instead of splitting the graph.
         dynamic: ``torch.compile``'s ``dynamic`` (``None``: decide from recompilations).
     """
+    cost = ONCE
 
     def __init__(self, backend: str = "inductor", mode: Optional[str] = None, fullgraph: bool = False,
                  dynamic: Optional[bool] = None) -> None:

@@ -23,6 +23,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from callbacks.cost import PER_STEP
+
 
 class HostCountedEMAModel(AveragedModel):
     """``AveragedModel`` with an exponential moving average of ``decay`` whose update reads no
@@ -97,6 +99,7 @@ class _EMALists:
 class EMA(EMAWeightAveraging):
     """Lightning's ``EMAWeightAveraging`` (same arguments, same behaviour and checkpoints) whose
     per-step update makes no host read (:class:`HostCountedEMAModel`)."""
+    cost = PER_STEP
 
     def __init__(self, device: Optional[Union[torch.device, str, int]] = None, use_buffers: bool = True,
                  decay: float = 0.999, update_every_n_steps: int = 1, update_starting_at_step: Optional[int] = None,

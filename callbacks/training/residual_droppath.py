@@ -61,6 +61,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from timm.layers import DropPath
 
 from lightning_mods.backbone.residual import DecayedResidual, residual_blocks
+from callbacks.cost import PER_STEP
 
 Phase = Literal["drop", "reuse"]
 
@@ -88,6 +89,7 @@ class ResidualDroppath(Callback):
         seed: base seed of the mask draws; ``None`` uses rank 0's ``torch.initial_seed()`` at the
             start of training.
     """
+    cost = PER_STEP
 
     def __init__(self, drop_rate: float = 0.1, seed: Optional[int] = None) -> None:
         super().__init__()

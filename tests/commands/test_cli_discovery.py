@@ -71,7 +71,8 @@ def test_overview_names_models_data_configs_and_every_command(argv, capsys):
     unwrapped = " ".join(text.split())
     for kind in catalogue.KINDS:
         for found in catalogue.find(kind):
-            assert f"\n  {found.name}  " in text and f"{found.name} {found.summary}" in unwrapped
+            shown = f"[{found.cost}] {found.summary}" if kind == "callback" else found.summary
+            assert f"\n  {found.name}  " in text and f"{found.name} {shown}" in unwrapped
     for name in ("fit", "validate", "test", "predict", *cli.COMMANDS):
         assert f"\n  {name} " in text
     for _, description in cli.COMMANDS.values():

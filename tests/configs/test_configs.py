@@ -68,7 +68,12 @@ def test_fit_one_step(name, full_size, tmp_path, data_roots):
     data = declared_section(name, "data")
     overrides = data_roots(data["class_path"], data["init_args"]) + probe_checkpoint(name, tmp_path / "ckpt")
     overrides += narrow_args(declared_section(name, "model").get("class_path", ""), full_size)
-    cli.main(["fit", *command_args(name), *overrides,
+    run = cli.main(["fit", *command_args(name), *overrides,
               "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",
               "--trainer.sync_batchnorm=false", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    # every callback the run carried is in its resolved config (what --print_config shows), but
+    # Lightning's own SaveConfigCallback
+    listed = {c["class_path"].rpartition(".")[2] for c in run.config["fit"]["trainer"]["callbacks"]}
+    carried = {type(c).__name__ for c in run.trainer.callbacks} - {"SaveConfigCallback"}
+    assert carried <= listed, sorted(carried - listed)

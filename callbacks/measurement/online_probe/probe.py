@@ -21,6 +21,7 @@ from lightning_mods.evaluation.eval_mode import isolated_eval
 from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 from lightning_mods.evaluation.probe_head import ProbeHead
+from callbacks.cost import PER_STEP
 
 DEFAULT_LR = {"adamw": 2e-2, "sgd": 0.1}
 
@@ -72,6 +73,7 @@ class OnlineLinearProbe(SettingsKeyed):
             ``eval/over_depth`` (:mod:`lightning_mods.evaluation.over_depth`); the logged metrics stay those of the
             ``forward_features`` heads.
     """
+    cost = PER_STEP
 
     def __init__(self, num_classes: Optional[int] = None, feature_dim: Optional[int] = None,
                  optimizer: Literal["adamw", "sgd"] = "adamw", lr: Union[float, list[float], None] = None,
