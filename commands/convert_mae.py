@@ -45,7 +45,7 @@ import lightning_mods.exit_statuses as exit_statuses
 from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.checkpointing.rebuild import canonical_class_path, init_parameters, read_torch_file, state_dict_mismatch
+from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
 from lightning_mods.backbone.mae import foreign_name
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
@@ -243,23 +243,6 @@ def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any
 
 
 # --- export --------------------------------------------------------------------------------------
-def load_shortcutlab(path: str) -> MaskedAutoencoder:
-    """Rebuild the MaskedAutoencoder of a shortcutlab checkpoint (weights-only load, strict)."""
-    ckpt = read_torch_file(path, "checkpoint")
-    # a foreign file (no state_dict, no class) is named as such, not as a broken checkpoint
-    hparams = dict(ckpt.get("hyper_parameters", {})) if isinstance(ckpt, dict) else {}
-    if canonical_class_path(hparams.get("_class_path")) != CLASS_PATH or not isinstance(ckpt.get("state_dict"), dict):
-        raise ValueError(f"checkpoint: {path!r} is not a MaskedAutoencoder checkpoint (hyper_parameters._class_path "
-                         f"is {hparams.get('_class_path')!r})")
-    accepted = init_parameters(CLASS_PATH)
-    model = MaskedAutoencoder(**{k: v for k, v in hparams.items() if k in accepted})
-    mismatch = state_dict_mismatch(model, ckpt["state_dict"])
-    if mismatch is not None:
-        raise ValueError(f"checkpoint: {path!r} does not fit the MaskedAutoencoder its own settings build: {mismatch}")
-    model.load_state_dict(ckpt["state_dict"], strict=True)
-    return model
-
-
 def timm_encoder(model: MaskedAutoencoder) -> VisionTransformer:
     """A timm ``VisionTransformer`` (no head, token pooling) holding our encoder's weights."""
     hp = model.hparams
@@ -284,7 +267,7 @@ def is_plain(model: MaskedAutoencoder) -> bool:
 
 def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor]:
     """Our encoder as a timm ``VisionTransformer`` state_dict."""
-    model = load_shortcutlab(src)
+    model = load_run(src, {"class_path": CLASS_PATH}, with_data=False)[0]
     if not is_plain(model) and not allow_decayed:
         raise ValueError(f"allow_decayed: the encoder's shortcuts are decayed ({model.shortcut!r}); timm's blocks sum "
                          "plainly, so these weights compute another function there; pass --allow-decayed to export "
@@ -349,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{hp['shortcut']['alpha_min']}, {'U-Net skip' if hp['unet_skips'] else 'classic'} decoder"
                   + (" (new)" if ckpt["converted_from"]["new_decoder"] else ""))
         elif args.command == "export-encoder":
-            model = load_shortcutlab(args.checkpoint)
+            model = load_run(args.checkpoint, {"class_path": CLASS_PATH}, with_data=False)[0]
             save(model.encoder.state_dict(), args.output)
             hp = model.hparams
             print(f"wrote {args.output}: the encoder (ViT depth {hp.depth}, width {hp.embed_dim}, patch "

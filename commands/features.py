@@ -15,7 +15,6 @@ the input above its patch colours (at least 96 pixels per tile).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -40,24 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def rebuild_datamodule(ckpt: dict, overrides: list[str]) -> Any:
-    """The checkpoint's datamodule from its saved settings (``datamodule_hyper_parameters``)."""
-    saved = dict(ckpt.get("datamodule_hyper_parameters") or {})
-    class_path = saved.get("_class_path")
-    if not class_path:
-        raise ValueError("--images: the checkpoint names no datamodule (it was not written by shortcutlab fit); "
-                         "give a folder of images")
-    settings = {k: v for k, v in saved.items() if not k.startswith("_")}
-    for item in overrides:
+def data_settings(items: list[str]) -> dict[str, Any]:
+    """``--data-set KEY=VALUE`` items as settings (values read as YAML: ``batch_size=32`` is a number)."""
+    import yaml
+
+    settings = {}
+    for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise ValueError(f"--data-set: expected KEY=VALUE, got {item!r}")
-        settings[key] = value
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), name)(**settings)
-    except TypeError as err:
-        raise ValueError(f"--data-set: {err}") from None
+        settings[key] = yaml.safe_load(value) if value else value
+    return settings
 
 
 def folder_images(folder: Path, count: int, channels: int, size: int, mean: list, std: list):  # noqa: ANN201
@@ -86,7 +78,7 @@ def draw(args: argparse.Namespace) -> Path:
     """The picture of ``args`` (see the module docstring); returns the file written."""
     import torch
 
-    from lightning_mods.checkpointing.rebuild import load_checkpoint, module_from_checkpoint
+    from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
     from lightning_mods.pictures.patch_pca import images_for_display, patch_feature_figure, patch_rgb
     from lightning_mods.pictures.grids import figure_to_array, save_png
 
@@ -94,23 +86,26 @@ def draw(args: argparse.Namespace) -> Path:
         raise ValueError(f"--num-images: must be >= 1, got {args.num_images}")
     if args.block == 0:
         raise ValueError("--block: 1 is the block nearest the input, -1 the last; 0 is none")
-    model, _ = module_from_checkpoint(args.ckpt_path, name="model")
+    from_split = args.images in ("val", "train")
+    try:
+        model, datamodule = load_run(args.ckpt_path, data=data_settings(args.data_set))
+    except (ValueError, OSError):
+        if from_split:
+            raise
+        # a folder of images: the datamodule (its data may live elsewhere) only gives the mean and std
+        model, datamodule = load_run(args.ckpt_path, with_data=False)
     if not hasattr(model, "forward_patch_features"):
         raise ValueError(f"--ckpt_path: {type(model).__name__} has no patch features (forward_patch_features: the "
                          "MAE and the classifiers have them)")
-    ckpt = load_checkpoint(args.ckpt_path)
     source = Path(args.images)
-    datamodule = None
-    if args.images in ("val", "train"):
-        datamodule = rebuild_datamodule(ckpt, args.data_set)
+    if from_split:
+        if datamodule is None:
+            raise ValueError("--images: the checkpoint names no datamodule (it was not written by shortcutlab fit); "
+                             "give a folder of images")
         datamodule.setup("fit")
         dataset = datamodule.val_dataset if args.images == "val" else datamodule.bank_dataset
         images = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(args.num_images, len(dataset)))])
     elif source.is_dir():
-        try:
-            datamodule = rebuild_datamodule(ckpt, args.data_set)
-        except Exception:  # noqa: BLE001 (its data may live elsewhere: only its mean and std are wanted)
-            datamodule = None
         hp = model.hparams
         channels = int(hp.get("in_chans", 3))
         mean = list(getattr(datamodule, "mean", None) or [0.5] * channels)
@@ -129,7 +124,8 @@ def draw(args: argparse.Namespace) -> Path:
         except IndexError:
             raise ValueError(f"--block: {args.block} does not exist in this {type(model).__name__}") from None
     where = "the last block" if args.block == -1 else f"block {args.block}"
-    title = (f"{type(model).__name__} patch features, {where}, step {ckpt.get('global_step', '?')} of "
+    step = read_torch_file(args.ckpt_path, "checkpoint", mmap=True).get("global_step", "?")
+    title = (f"{type(model).__name__} patch features, {where}, step {step} of "
              f"{Path(args.ckpt_path).name}\ntop-3 principal components over these {len(images)} images as RGB")
     figure = patch_feature_figure(images_for_display(images, mean, std), patch_rgb(features.float()).numpy(), title)
     label = "last" if args.block == -1 else str(args.block)

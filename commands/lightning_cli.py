@@ -48,7 +48,7 @@ from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.reliability.preemption import received_signal
 from lightning_mods.checkpointing import atomic_files
 from lightning_mods.checkpointing.rebuild import (canonical_class_path, checkpoint_model_config, conflict_message,
-                                                  flat_settings, import_path, load_checkpoint, setting_conflicts,
+                                                  flat_settings, import_path, setting_conflicts,
                                                   state_dict_mismatch)
 from lightning_mods.compat import lightning_private
 
@@ -162,7 +162,7 @@ class ShortcutLabCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path")
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
-        ckpt = getattr(self, "_checked_ckpt", None) or load_checkpoint(ckpt_path)
+        ckpt = getattr(self, "_checked_ckpt", None) or check_ckpt_path(ckpt_path)
         self._checked_ckpt = None
         given = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
         given = (given.get(subcommand) or {}).get("model") or {}

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from callbacks.measurement.knn import knn_predict
 from commands.progress import command_progress, show_progress, tracked
 from lightning_mods.pictures.grids import figure_to_array, save_png
-from lightning_mods.checkpointing.rebuild import module_from_checkpoint
+from lightning_mods.checkpointing.rebuild import load_run
 from lightning_mods.linear_probe import topk_accuracy, train_linear_probe_on_features
 from lightning_mods.generation.fid import subset_indices
 
@@ -177,8 +177,8 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
         given = built.config_dump["model"]
         settings = {k: v for k, v in (given.get("init_args") or {}).items()
                     if k not in LINKED_FROM_DATA and v is not None}
-        module, _ = module_from_checkpoint(ckpt, {"class_path": given["class_path"], "init_args": settings},
-                                           allow_model_override, name="model")
+        module, _ = load_run(ckpt, {"class_path": given["class_path"], "init_args": settings}, allow_model_override,
+                             with_data=False)  # the config's datamodule: its data settings are the ones given
     if not hasattr(module, "noised_block_features"):  # checked on the module returned, the checkpoint's too
         raise ValueError(f"config: the model {type(module).__name__} has no noised_block_features; "
                          "expected lightning_mods.diffusion.DiffusionModule")

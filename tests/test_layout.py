@@ -170,3 +170,14 @@ def test_no_module_over_400_lines_and_no_function_over_60():
                     long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
                                           f"{node.end_lineno - node.lineno + 1} lines")
     assert long_modules == [] and long_functions == []
+
+
+def test_commands_rebuild_a_checkpoint_only_through_load_run():
+    """One way to rebuild a run: the commands call ``rebuild.load_run``, never the pieces it is
+    made of, nor a datamodule from a checkpoint's settings of their own."""
+    pieces = ("module_from_checkpoint", "build_module", "datamodule_hyper_parameters", "load_checkpoint(")
+    found = [f"{path.relative_to(ROOT)}: {piece}" for path in sorted((ROOT / "commands").glob("*.py")) + [ROOT / "cli.py"]
+             for piece in pieces if piece in path.read_text()]
+    assert found == []
+    users = {path.name for path in (ROOT / "commands").glob("*.py") if "load_run(" in path.read_text()}
+    assert {"features.py", "convert_mae.py", "probe_diffusion.py"} <= users

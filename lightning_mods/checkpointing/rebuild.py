@@ -318,7 +318,8 @@ def build_module(config: dict) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None, allow_override: bool = False,
-                           name: str = "backbone") -> tuple[nn.Module, dict[str, Any]]:
+                           name: str = "backbone", ckpt: Optional[dict[str, Any]] = None
+                           ) -> tuple[nn.Module, dict[str, Any]]:
     """The network that wrote the checkpoint at ``path``, its weights loaded strictly, and its
     settings ``{"class_path", "init_args"}``.
 
@@ -326,9 +327,9 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
     a value that disagrees with the checkpoint is a one-line ValueError naming both values
     (``name`` prefixes the setting), unless ``allow_override``, which builds with the given
     values (a warning says so), the given shortcut schedule included, and loads the
-    checkpoint's other weights.
+    checkpoint's other weights. ``ckpt``: the file at ``path``, when the caller has read it.
     """
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path) if ckpt is None else ckpt
     given = dict(given or {})
     given_class = given.pop("class_path", None)
     config = checkpoint_model_config(ckpt, path, given_class)
@@ -363,3 +364,36 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
         state = {**state, **own_entries}
     load_into(module, state, path)
     return module, _dump(parser, cfg)
+
+
+def datamodule_settings(ckpt: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """``{"class_path", "init_args"}`` of the datamodule a checkpoint's run trained on (its
+    ``datamodule_hyper_parameters``), or None when the checkpoint names none."""
+    saved = dict(ckpt.get("datamodule_hyper_parameters") or {})
+    class_path = saved.get("_class_path")
+    if not class_path:
+        return None
+    return {"class_path": class_path, "init_args": {k: v for k, v in saved.items() if not k.startswith("_")}}
+
+
+def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_model_override: bool = False,
+             data: Optional[dict[str, Any]] = None, with_data: bool = True) -> tuple[nn.Module, Optional[Any]]:
+    """The run that wrote the checkpoint at ``path``: ``(module, datamodule)``.
+
+    - ``module``: the network that wrote it, weights loaded strictly (:func:`module_from_checkpoint`;
+      ``model`` and ``allow_model_override`` as its ``given`` and ``allow_override``).
+    - ``datamodule``: the run's datamodule rebuilt from the settings the checkpoint holds, with
+      ``data`` (settings by name, e.g. ``{"data_dir": "/data/cifar"}``) on top; not set up. None
+      when ``with_data`` is false or the checkpoint names no datamodule (written outside the CLI).
+    """
+    ckpt = load_checkpoint(path)
+    module, _ = module_from_checkpoint(path, model, allow_model_override, name="model", ckpt=ckpt)
+    written = datamodule_settings(ckpt) if with_data else None
+    if written is None:
+        return module, None
+    cls = import_path(written["class_path"])
+    settings = {**written["init_args"], **dict(data or {})}
+    try:
+        return module, cls(**settings)
+    except TypeError as err:
+        raise ValueError(f"data: {cls.__name__} of {os.fspath(path)!r}: {err}") from None

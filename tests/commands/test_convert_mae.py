@@ -154,7 +154,7 @@ def test_converted_checkpoint_validates_and_probes(tmp_path):
     (["import", "{src}", "out.ckpt", "--num-heads=5"], "--num-heads"),
     (["import", "{src}", "out.ckpt"], "--num-heads"),  # width 32 has no default head count
     (["import", "{src}", "out.ckpt", "--num-heads=4", "--new-decoder"], "new_decoder"),
-    (["export-timm", "{src}", "out.pth"], "not a MaskedAutoencoder checkpoint"),
+    (["export-timm", "{src}", "out.pth"], "has no 'state_dict'; expected a Lightning .ckpt"),
 ])
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, argv, field):
     ref = OfficialMAE(**DIMS, depth=2, decoder_depth=1)
@@ -188,7 +188,7 @@ def test_export_of_a_checkpoint_whose_weights_do_not_fit_is_one_line(tmp_path, c
         convert("export-timm", str(tmp_path / "mae.ckpt"), str(tmp_path / "vit.pth"))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
-    assert "does not fit the MaskedAutoencoder its own settings build: missing encoder.blocks.1.mlp.fc2.weight" in err
+    assert "does not fit the MaskedAutoencoder: missing encoder.blocks.1.mlp.fc2.weight" in err
     assert not (tmp_path / "vit.pth").exists()
 
 
