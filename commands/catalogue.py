@@ -63,7 +63,7 @@ def _cost(node: ast.ClassDef) -> str:
 
 def public_module_files(package: str) -> list[Path]:
     """The modules of ``package`` and its sub-packages, less the private ones (``_utils/``,
-    ``_moved_modules.py``) and the packages' ``__init__``."""
+    ``_graveyard.py``) and the packages' ``__init__``."""
     return [p for p in sorted((ROOT / package).rglob("*.py"))
             if not any(part.startswith("_") for part in p.relative_to(ROOT).parts)]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "training", "_moved_modules",
+MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "training",
                   "exit_statuses")
-CALLBACK_BASES = ("_utils", "schedule", "settings_key")
+CALLBACK_BASES = ("_utils", "schedule", "settings_key", "cost")
 # layer -> the layers it may import (besides itself and third-party packages)
 BELOW_MODULES = {"lightning_mods.helpers", "lightning_mods.backbone"}
 ALLOWED = {

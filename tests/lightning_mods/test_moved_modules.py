@@ -1,6 +1,8 @@
 """A run written before the helpers moved into their role folders still loads and resumes: its
 saved config names ``callbacks.knn.KNNEvaluator`` and its checkpoint was written by those paths.
-Every old module path imports the new module itself, with one ``FutureWarning`` naming it.
+Every old module path a config names imports the new module itself, with one ``FutureWarning``
+naming it and the release that removes the old path; a moved helper that no config names has no
+shim.
 
 ``tests/data/written_by_0_1_0`` holds the ``config.yaml`` and ``last.ckpt`` of a 2-epoch run of
 the quickstart config (a 2-block encoder of width 24, 2 batches an epoch) written by release 0.1.0
@@ -17,14 +19,13 @@ import pytest
 import torch
 import yaml
 
-import callbacks
-import lightning_mods
+from callbacks._graveyard import SHIMS
 from commands import lightning_cli as cli
 from lightning_mods.mae import MaskedAutoencoder
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_RUN = ROOT / "tests" / "data" / "written_by_0_1_0"
-MOVED = {**lightning_mods.MOVED, **callbacks.MOVED}
+MOVED = {old: new for old, (new, _) in SHIMS.items()}
 
 
 def test_the_saved_config_names_old_module_paths():
@@ -48,14 +49,28 @@ for old, new in moved.items():
     assert module is importlib.import_module(new), (old, module)
     assert module.__spec__.name == new, module.__spec__.name
     said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning) and old in str(w.message)]
-    assert len(said) == 1 and new in said[0], (old, said)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    from lightning_mods.pictures import log_picture
-from lightning_mods.pictures import grids
-assert log_picture is grids.log_picture and "lightning_mods.pictures.grids" in str(caught[0].message)
+    assert len(said) == 1 and new in said[0] and "removed in shortcutlab 0.3.0" in said[0], (old, said)
+for gone in ("lightning_mods.optim", "callbacks.distributed", "callbacks.feature_replay"):  # helpers: no shim
+    try:
+        importlib.import_module(gone)
+    except ModuleNotFoundError:
+        continue
+    raise AssertionError(gone + " still imports")
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_shims_are_the_config_named_paths_and_go_at_their_release():
+    """Each shim is an old callback module path (a config names callbacks), and the package's
+    version is before the release that removes it: at that release this fails until it is gone."""
+    import configparser
+
+    version = configparser.ConfigParser()
+    version.read(ROOT / "setup.cfg")
+    current = tuple(int(p) for p in version["metadata"]["version"].split("."))
+    for old, (new, removed_in) in SHIMS.items():
+        assert old.startswith("callbacks.") and new.startswith("callbacks."), old
+        assert current < tuple(int(p) for p in removed_in.split(".")), (old, removed_in)
 
 
 def test_the_moved_map_names_real_modules_only():
