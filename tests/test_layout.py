@@ -181,3 +181,21 @@ def test_commands_rebuild_a_checkpoint_only_through_load_run():
     assert found == []
     users = {path.name for path in (ROOT / "commands").glob("*.py") if "load_run(" in path.read_text()}
     assert {"features.py", "convert_mae.py", "probe_diffusion.py"} <= users
+
+
+def test_every_shipped_callback_has_its_test_file():
+    """Tests mirror the package: tests/callbacks/test_<module>.py (or test_<class in snake case>.py)
+    for each callback of ``shortcutlab --help``."""
+    import re
+
+    from commands import catalogue
+
+    have = {p.name for p in (ROOT / "tests" / "callbacks").glob("test_*.py")}
+    missing = []
+    for found in catalogue.find("callback"):
+        parts = found.module.split(".")
+        module = parts[-2] if parts[-1] == "probe" else parts[-1]  # the online probe is a package
+        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", found.name).lower()
+        if not {f"test_{module}.py", f"test_{snake}.py"} & have:
+            missing.append(f"{found.class_path}: tests/callbacks/test_{module}.py")
+    assert missing == []

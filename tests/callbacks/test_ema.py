@@ -12,7 +12,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.training.ema import EMA, HostCountedEMAModel
-from test_nonfinite import HostReads
+from test_nonfinite_guard import HostReads
 
 
 def net() -> nn.Module:

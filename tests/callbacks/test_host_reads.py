@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.gpu_check import QUICK
 from commands import lightning_cli as cli
-from test_nonfinite import HostReads
+from test_nonfinite_guard import HostReads
 
 NOT_DEVICE_READS = ("torch/utils/data/", "torchvision/", "torch/optim/")
 SMALLER = {"MAE": ["--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",

@@ -18,7 +18,7 @@ import torch
 from commands import lightning_cli as cli
 from composed_configs import ROWS, SINGLE_FILES, declared_callbacks
 from test_cli import DIGITS, TINY_MAE
-from test_resume import assert_identical
+from test_exact_resume import assert_identical
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_STEP = 3
@@ -87,7 +87,6 @@ def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(na
                    and c.get("init_args", {}).get("every_n_epochs", 1) == 1
                    and c.get("init_args", {}).get("save_top_k", 1) != 0]
     assert every_epoch, "no ModelCheckpoint saving at every training epoch's end"
-
 
 
 def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_swapped_in(tmp_path, capsys):

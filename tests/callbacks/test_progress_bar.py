@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from callbacks.reporting.progress_bar import TrainingLossProgressBar
-from test_nonfinite import HostReads
+from test_nonfinite_guard import HostReads
 
 
 def stand_in_trainer(training: bool = True) -> SimpleNamespace:

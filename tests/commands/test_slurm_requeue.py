@@ -26,7 +26,7 @@ import torch
 from callbacks.reliability.preemption import requeue_slurm_job, slurm_job_id
 from commands.lightning_cli import resolve_auto_ckpt_path
 from test_callbacks_ddp import free_port
-from test_resume import assert_identical
+from test_exact_resume import assert_identical
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8  # 2 epochs of 4 batches

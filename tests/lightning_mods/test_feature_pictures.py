@@ -10,12 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from callbacks.measurement.patch_features import PatchFeaturePicture
 from commands import features as features_command
 from commands import lightning_cli as cli
 from lightning_mods.pictures.embedding_map import subsample
 from lightning_mods.pictures.patch_pca import patch_rgb, principal_components, upsample
-from test_over_depth import fit
 
 MIN_TILE = 96  # pixels per tile at least (lightning_mods.pictures.grids.labelled_grid)
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,19 +62,6 @@ def test_patch_colours_are_the_components_min_max_scaled_over_the_set():
 def png_size(path: Path) -> tuple[int, int]:
     with Image.open(path) as image:
         return image.size
-
-
-def test_the_callback_draws_the_same_images_at_every_evaluation(tmp_path):
-    from datamodules.digits import Digits
-    from lightning_mods.mae import MaskedAutoencoder
-
-    module = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                               decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, num_reconstructions=0)
-    fit(tmp_path, [PatchFeaturePicture(num_images=5)], module=module, data=Digits(batch_size=64, image_size=16))
-    pictures = sorted((tmp_path / "pictures").glob("features_patch_pca_step*.png"))
-    assert len(pictures) == 2
-    width, height = png_size(pictures[-1])
-    assert width >= 5 * MIN_TILE and height >= 2 * MIN_TILE  # 5 columns, input above colours
 
 
 @pytest.fixture(scope="module")

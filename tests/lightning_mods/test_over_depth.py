@@ -1,7 +1,7 @@
-"""Evaluation over depth (items 1, 2 and 8): per-block kNN equal to ``knn_predict`` on
-block features extracted here by hand; per-block probe heads equal to probes of that block alone
-with the same seed (online and offline); the feature norm against numpy float64; the table and
-its picture; bad block choices; the report's best- and last-block columns."""
+"""Evaluation over depth (``lightning_mods.evaluation.over_depth``): the linear probe's per-block
+heads equal to probes of that block alone with the same seed; bad block choices; the report's
+best- and last-block columns. Each measurement callback's per-block figures are checked in its
+own test file (tests/callbacks/test_knn.py, test_online_probe.py, test_effective_rank.py)."""
 from __future__ import annotations
 
 import json
@@ -13,69 +13,14 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from callbacks.measurement.effective_rank import EffectiveRank
-from callbacks.measurement.knn import KNNEvaluator, knn_predict, topk_correct
-from callbacks.measurement.online_probe import OnlineLinearProbe
 from commands import report
 from datamodules.digits import Digits
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.evaluation.over_depth import DEPTH_FILE, check_blocks, read_table, resolve_blocks
-from test_callbacks import TinyData, TinyNet, tiny_trainer
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+from lightning_mods.evaluation.over_depth import DEPTH_FILE, check_blocks, resolve_blocks
+from tiny_runs import rows_by_block
 
 
-def fit(tmp_path, callbacks, module=None, data=None, max_epochs=2):
-    seed_everything(0)
-    trainer = tiny_trainer(tmp_path, callbacks, max_epochs=max_epochs, limit_train_batches=3)
-    module = module or TinyNet()
-    trainer.fit(module, datamodule=data or TinyData())
-    return trainer, module
-
-
-def rows_by_block(path: Path, epoch: int) -> dict[int, dict]:
-    return {row["block"]: row for row in read_table(path) if row["epoch"] == epoch}
-
-
-def test_per_block_knn_equals_knn_predict_on_hand_extracted_block_features(tmp_path):
-    data = TinyData()
-    trainer, module = fit(tmp_path, [KNNEvaluator(k=5, blocks="all")], data=data)
-    rows = rows_by_block(tmp_path / DEPTH_FILE, epoch=1)
-    assert sorted(rows) == [1, 2]
-    module.eval()
-    with torch.no_grad():
-        bank_x, bank_y = data.bank_dataset.tensors
-        val_x, val_y = data.val_dataset.tensors
-        bank_blocks, val_blocks = module.forward_intermediates(bank_x, intermediates_only=True), module.forward_intermediates(val_x, intermediates_only=True)
-    for block in (1, 2):
-        scores = knn_predict(bank_blocks[block - 1], bank_y, val_blocks[block - 1], num_classes=3, k=5)
-        expected = int(topk_correct(scores, val_y, ks=(1,))[0]) / len(val_y)
-        assert rows[block]["knn/top1"] == expected, block
-        norms = np.linalg.norm(val_blocks[block - 1].double().numpy(), axis=1)
-        assert rows[block]["feature/norm"] == pytest.approx(float(norms.mean()), rel=1e-12)
-    # the logged metric is still that of forward_features (the last block for TinyNet)
-    assert float(trainer.callback_metrics["knn/top1"]) == rows[2]["knn/top1"]
-    assert (tmp_path / "pictures").is_dir()
-    pictures = sorted((tmp_path / "pictures").glob("eval_over_depth_step*.png"))
-    assert len(pictures) == 2 and pictures[-1].read_bytes()[:8] == PNG_SIGNATURE  # one per evaluation
-
-
-def test_per_block_online_heads_equal_probes_of_each_block_alone(tmp_path):
-    data = TinyData(n_train=96, n_val=30, num_classes=4, spread=0.5)
-    together = OnlineLinearProbe(blocks="all", every_n_steps=1, max_samples=None, lr=0.05)
-    fit(tmp_path / "all", [together], data=data, max_epochs=3)
-    all_rows = rows_by_block(tmp_path / "all" / DEPTH_FILE, epoch=2)
-    for block in (1, 2):
-        alone = OnlineLinearProbe(blocks=[block], every_n_steps=1, max_samples=None, lr=0.05)
-        fit(tmp_path / f"b{block}", [alone], data=data, max_epochs=3)
-        row = rows_by_block(tmp_path / f"b{block}" / DEPTH_FILE, epoch=2)[block]
-        assert row["online_probe/val_top1"] == all_rows[block]["online_probe/val_top1"], block
-        for a, b in zip(together.block_heads[block][0].state_dict().values(),
-                        alone.block_heads[block][0].state_dict().values()):
-            # equal up to float rounding: the stacked optimiser step runs each head's slice through
-            # other vector lanes when the stack holds other heads
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"block {block}")
 
 
 def tiny_mae() -> MaskedAutoencoder:
@@ -111,14 +56,6 @@ def test_linear_probe_over_all_blocks_equals_single_block_probes(tmp_path):
     plain = probe_fit(tmp_path / "plain", None)
     for a, b in zip(together.head.state_dict().values(), plain.head.state_dict().values()):
         assert torch.equal(a, b)
-
-
-def test_effective_rank_per_block_joins_the_table(tmp_path):
-    fit(tmp_path, [KNNEvaluator(k=3, blocks=[-1]), EffectiveRank(per_block=True, draw_profile=False)])
-    rows = rows_by_block(tmp_path / DEPTH_FILE, epoch=1)
-    assert sorted(rows) == [1, 2]  # the rank covers every block, the kNN only the last
-    assert "knn/top1" in rows[2] and "knn/top1" not in rows[1]
-    assert all(row["rank/effective_rank"] >= 1.0 for row in rows.values())
 
 
 @pytest.mark.parametrize("blocks", [[], [0], [1, 1], "some", [1.5], True])

@@ -67,3 +67,16 @@ def test_labelled_grid_keeps_every_text_inside_the_picture_and_off_the_images(ti
 
 def _intersect(a, b) -> bool:  # noqa: ANN001
     return min(a.x1, b.x1) - max(a.x0, b.x0) > 0.5 and min(a.y1, b.y1) - max(a.y0, b.y0) > 0.5
+
+
+def test_image_grid_tiles_and_enlarges_small_images():
+    from lightning_mods.pictures.grids import image_grid
+
+    a = np.array([[0.0, 0.25], [0.5, 1.0]], dtype=np.float32)[:, :, None]
+    b = np.full((2, 2, 1), 0.75, dtype=np.float32)
+    grid = image_grid(np.stack([a, b]), nrow=2, pad=1, pad_value=0.5, min_tile=4)
+    expected = np.full((1 + 4 + 1, 1 + 2 * (4 + 1), 1), 0.5, dtype=np.float32)
+    expected[1:5, 1:5, 0] = [[0, 0, 0.25, 0.25], [0, 0, 0.25, 0.25], [0.5, 0.5, 1, 1], [0.5, 0.5, 1, 1]]
+    expected[1:5, 6:10, 0] = 0.75
+    np.testing.assert_array_equal(grid, expected)
+    assert image_grid(np.stack([a, b]), nrow=1, pad=0, min_tile=1).shape == (4, 2, 1)

@@ -224,7 +224,7 @@ rank = os.environ["RANK"]
 args = ["fit", *TINY_MAE, *DIGITS, "--trainer.max_steps=12", "--trainer.limit_val_batches=0",
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp",
         "--trainer.enable_progress_bar=false", "--trainer.logger=false", "--trainer.default_root_dir=" + out,
-        "--trainer.callbacks+=test_nonfinite.InjectNaN", "--trainer.callbacks.step=4", "--trainer.callbacks.rank=1",
+        "--trainer.callbacks+=test_nonfinite_guard.InjectNaN", "--trainer.callbacks.step=4", "--trainer.callbacks.rank=1",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         "--trainer.callbacks.every_n_train_steps=3", "--trainer.callbacks.save_top_k=-1",
         "--trainer.callbacks.save_last=true"]
