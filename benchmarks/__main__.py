@@ -12,14 +12,14 @@ from typing import Callable
 
 import torch
 
-from . import (data_pipeline, fit_breakdown, models, op_counts, over_depth, probe_accuracy, report, several_settings,
-               startup, training)
+from . import (data_pipeline, depth_evaluation_cost, fit_breakdown, models, op_counts, probe_accuracy,
+               quickstart_training, results_page, several_settings, startup)
 from .settings import Settings
 from .timing import skipped
 
 RESULTS = Path(__file__).with_name("results.md")  # the full suite's table (README, Performance)
-GROUPS = {"models": models.run, "training": training.run, "several": several_settings.run,
-          "depth": over_depth.run, "startup": startup.run, "data": data_pipeline.run,
+GROUPS = {"models": models.run, "training": quickstart_training.run, "several": several_settings.run,
+          "depth": depth_evaluation_cost.run, "startup": startup.run, "data": data_pipeline.run,
           "probe-accuracy": probe_accuracy.run, "breakdown": fit_breakdown.run, "ops": op_counts.run}
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks: --device cuda but no CUDA device is available; nothing measured", file=sys.stderr)
         rows = [skipped("CUDA", "every figure", "no CUDA device")]
         settings = Settings(device="cpu", precision=args.precision, quick=args.quick, rounds=0)
-        report.write(rows, report.environment(settings, 0.0), command, args.out, args.out.with_suffix(".json"))
+        results_page.write(rows, results_page.environment(settings, 0.0), command, args.out, args.out.with_suffix(".json"))
         return 0
     settings = Settings(device=args.device, precision=args.precision, quick=args.quick,
                         rounds=args.rounds or (1 if args.quick else 5), compile=args.compile)
@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     def write(rows: list, seconds: float) -> None:
-        env = report.environment(settings, seconds)
+        env = results_page.environment(settings, seconds)
         env["threads"] = args.threads or threads
-        report.write(rows, env, command, args.out, args.out.with_suffix(".json"))
+        results_page.write(rows, env, command, args.out, args.out.with_suffix(".json"))
 
     try:
         rows, seconds = run_groups(args.only, settings, after_group=write)
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
-    env = report.environment(settings, seconds)
+    env = results_page.environment(settings, seconds)
     env["threads"] = args.threads or threads
-    print(report.markdown(rows, env, command))
+    print(results_page.markdown(rows, env, command))
     print(f"written: {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
     return 0
 

@@ -265,7 +265,7 @@ def settled_rate(step: Callable[[int], None], batch_size: int, device: torch.dev
 def network_step(model: LightningModule, batch: Any, settings: Settings) -> Callable[[int], None]:
     """One step of forward + loss (``training_step``), backward and a fused AdamW step on
     ``batch``, already on the device (``self.log`` without a Trainer: warnings silenced)."""
-    from lightning_mods.training.optim import adamw, param_groups_weight_decay
+    from lightning_mods.recipe.optim import adamw, param_groups_weight_decay
 
     model.to(settings.torch_device).train()
     optimizer = adamw(param_groups_weight_decay(model, 0.05), lr=1e-4)

@@ -110,7 +110,7 @@ def timed_loop(step: Callable[[Any], None], loader: DataLoader, settings: Settin
 
 
 def _optimizer(model: LightningModule) -> torch.optim.Optimizer:
-    from lightning_mods.training.optim import adamw, param_groups_weight_decay
+    from lightning_mods.recipe.optim import adamw, param_groups_weight_decay
 
     return adamw(param_groups_weight_decay(model, 0.05), lr=1e-4, betas=(0.9, 0.95))
 

@@ -21,7 +21,7 @@ from lightning_mods.evaluation import metric_names
 
 from .settings import Settings
 from .timing import Row, skipped
-from .training import SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY, quickstart_data, quickstart_model, quiet, trainer
+from .quickstart_training import SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY, quickstart_data, quickstart_model, quiet, trainer
 
 SECTION = "online probe accuracy on the quickstart"
 EARLIER_RATE = 1e-2  # the probe's default before this comparison moved it to 2e-2

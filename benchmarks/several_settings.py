@@ -17,7 +17,7 @@ from callbacks.measurement.online_probe import OnlineLinearProbe
 
 from .settings import Settings
 from .timing import Row, ratio_row, synchronize
-from .training import quickstart_data, quickstart_model, quiet, trainer
+from .quickstart_training import quickstart_data, quickstart_model, quiet, trainer
 
 FOUR_K = [10, 20, 100, 200]  # DINO's
 FOUR_RATES = [1e-3, 3e-3, 1e-2, 3e-2]

@@ -46,7 +46,7 @@ from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
-from lightning_mods.backbone.mae import foreign_name
+from lightning_mods.backbone.masked_autoencoder import foreign_name
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -55,7 +55,7 @@ CLASS_PATH = "lightning_mods.mae.MaskedAutoencoder"
 # timm's ViT-S/B/L/H (and MAE's) head counts by width; anything else needs --num-heads
 DEFAULT_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
-# foreign name -> ours: lightning_mods.backbone.mae.FOREIGN_NAMES (encoder keys of all three layouts are timm's)
+# foreign name -> ours: lightning_mods.backbone.masked_autoencoder.FOREIGN_NAMES (encoder keys of all three layouts are timm's)
 
 
 # --- reading -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ The LightningModules (the class paths configs and checkpoints name):
 - ``evaluation``: probe heads, evaluation over depth, metric names, evaluation mode;
 - ``generation``: the diffusion model's SDE, samplers, latent VAE and FID image sets;
 - ``pictures``: pictures of a run;
-- ``training``: the shared optimiser recipe and classification steps.
+- ``recipe``: the shared optimiser recipe and classification steps.
 """
 __all__ = ["backbone", "mae", "diffusion", "classifier", "linear_probe", "finetune", "spiral_classifier",
-           "checkpointing", "compat", "evaluation", "generation", "pictures", "training"]
+           "checkpointing", "compat", "evaluation", "generation", "pictures", "recipe"]

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_mods.training.classification_steps import ClassificationSteps
-from lightning_mods.training.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
+from lightning_mods.recipe.classification_steps import ClassificationSteps
+from lightning_mods.recipe.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from lightning_mods.backbone.residual import residual_blocks
 from lightning_mods.evaluation.feature_contract import Indices, take_indices

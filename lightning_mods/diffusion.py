@@ -37,7 +37,7 @@ from lightning_mods.generation.sampling import check_sampler, make_noise_process
 from lightning_mods.generation.guidance import drop_labels, guided_noise  # noqa: F401 (public here too)
 from lightning_mods.generation.latent_vae import FrozenVAE
 from lightning_mods.generation.samples import Samples
-from lightning_mods.training.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
+from lightning_mods.recipe.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.uvit import UViT
 from lightning_mods.evaluation.distributed_eval import ExactEvaluation
@@ -120,7 +120,7 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
             peak is ``lr * global batch / reference_batch``).
         weight_decay, betas: AdamW.
         decay_all_parameters: decay every parameter as U-ViT does; ``False``: no decay on norms,
-            biases, position and class embeddings (:func:`~lightning_mods.training.optim.param_groups_weight_decay`).
+            biases, position and class embeddings (:func:`~lightning_mods.recipe.optim.param_groups_weight_decay`).
         warmup_steps: linear warm-up in optimiser steps, then ``lr_schedule``: ``constant``
             (U-ViT) or ``cosine`` to ``min_lr_ratio * peak``.
         num_sample_images, sample_seed: the sample grid drawn at every validation.

@@ -30,8 +30,8 @@ from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.checkpointing.finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import build_module, canonical_class_path, module_from_checkpoint
 from lightning_mods.evaluation import metric_names
-from lightning_mods.training.classification_steps import ClassificationSteps
-from lightning_mods.training.optim import adamw, global_batch_size, scaled_lr, steps_from_epochs, warmup_cosine_scheduler
+from lightning_mods.recipe.classification_steps import ClassificationSteps
+from lightning_mods.recipe.optim import adamw, global_batch_size, scaled_lr, steps_from_epochs, warmup_cosine_scheduler
 
 MAE_CLASS = "lightning_mods.mae.MaskedAutoencoder"
 NEW_PARTS = ("head.", "fc_norm.")  # built here, not pre-trained

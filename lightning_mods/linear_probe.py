@@ -20,15 +20,15 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from lightning_mods.training.classification_steps import ClassificationSteps
+from lightning_mods.recipe.classification_steps import ClassificationSteps
 from lightning_mods.checkpointing.finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
-from lightning_mods.training.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
+from lightning_mods.recipe.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
                                           warmup_cosine_scheduler)
 from lightning_mods.evaluation.probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
 from lightning_mods.evaluation import metric_names
-from lightning_mods.training.classification_steps import top_k_accuracy
+from lightning_mods.recipe.classification_steps import top_k_accuracy
 from lightning_mods.evaluation.feature_contract import block_features, features_and_blocks, require_blocks, require_features
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 
@@ -101,7 +101,7 @@ def set_feature_pool(backbone: nn.Module, feature_pool: str) -> None:
         raise ValueError(f"LinearProbe: feature_pool needs a backbone with that setting (the MAE); "
                          f"{type(backbone).__name__} has none")
     backbone.hparams.feature_pool = feature_pool
-    if hasattr(backbone, "feature_pool"):  # the network's own setting (lightning_mods.backbone.mae)
+    if hasattr(backbone, "feature_pool"):  # the network's own setting (lightning_mods.backbone.masked_autoencoder)
         backbone.feature_pool = feature_pool
 
 

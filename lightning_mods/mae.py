@@ -1,5 +1,5 @@
 """Masked autoencoder pre-training with decayed identity shortcuts (the decay paper, section 4):
-the network of :mod:`lightning_mods.backbone.mae` (encoder, decoder with U-Net skips, masking,
+the network of :mod:`lightning_mods.backbone.masked_autoencoder` (encoder, decoder with U-Net skips, masking,
 loss) with its training recipe: AdamW with MAE's weight-decay groups, the peak rate scaled with
 the global batch, warm-up then cosine, the validation loss over each image once, and the
 reconstruction picture.
@@ -22,20 +22,20 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lightning_mods.backbone.mae import (Generators, MaskedAutoencoderViT, masked_patch_loss,  # noqa: F401
+from lightning_mods.backbone.masked_autoencoder import (Generators, MaskedAutoencoderViT, masked_patch_loss,  # noqa: F401
                                          normalise_patches)
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation.distributed_eval import ExactEvaluation
 from lightning_mods.pictures.grids import labelled_grid, log_picture
-from lightning_mods.training.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr,
+from lightning_mods.recipe.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr,
                                            steps_from_epochs, warmup_cosine_scheduler)
 
 
 class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
     """MAE pre-training with decayed shortcuts; defaults follow the paper's recipe (ViT-B/16).
 
-    The network is :class:`~lightning_mods.backbone.mae.MaskedAutoencoderViT` (its methods and
+    The network is :class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT` (its methods and
     weight names); this class adds the recipe.
 
     Args:

@@ -12,7 +12,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mods.evaluation import metric_names
-from lightning_mods.training.classification_steps import top_k_accuracy
+from lightning_mods.recipe.classification_steps import top_k_accuracy
 from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.evaluation.distributed_eval import ExactEvaluation

@@ -84,10 +84,10 @@ def test_a_suite_stopped_part_way_keeps_the_groups_it_finished(tmp_path, monkeyp
 
 
 def test_overhead_accounting_splits_set_up_from_epochs():
-    """A hand-computed case of the fit / plain loop accounting (benchmarks/training.py): each fit
+    """A hand-computed case of the fit / plain loop accounting (benchmarks/quickstart_training.py): each fit
     epoch runs from its start to the next one's, less the plain steps taken in it; one measured
     epoch is its own steady cost; later epochs' mean plus the first one's excess make a run."""
-    from benchmarks.training import PlainStepAfterEach, over_a_run
+    from benchmarks.quickstart_training import PlainStepAfterEach, over_a_run
 
     clock = PlainStepAfterEach(iter(()), torch.device("cpu"))
     clock.marks, clock.epoch_seconds = [10.0, 11.0, 12.1, 13.0], [0.5, 0.5, 0.45]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "training",
+MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "recipe",
                   "exit_statuses")
 CALLBACK_BASES = ("_utils", "schedule", "settings_key", "cost")
 # layer -> the layers it may import (besides itself and third-party packages)
@@ -84,9 +84,9 @@ def test_imports_point_down_the_layers(path, module):
 def test_the_checker_sees_a_wrong_arrow(tmp_path):
     """The check itself can fail: a backbone module importing a LightningModule is caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from lightning_mods.mae import MaskedAutoencoder\nfrom ..training.optim import scaled_lr\n")
+    bad.write_text("from lightning_mods.mae import MaskedAutoencoder\nfrom ..recipe.optim import scaled_lr\n")
     names = imported_modules(bad, "lightning_mods.backbone.bad")
-    assert "lightning_mods.mae" in names and "lightning_mods.training.optim" in names
+    assert "lightning_mods.mae" in names and "lightning_mods.recipe.optim" in names
     assert {layer_of(n) for n in names} == {"lightning_mods", "lightning_mods.helpers"}
     assert layer_of("callbacks._utils.distributed") == "callbacks.bases"
     assert "lightning_mods" not in ALLOWED["lightning_mods.helpers"]
@@ -199,3 +199,18 @@ def test_every_shipped_callback_has_its_test_file():
         if not {f"test_{module}.py", f"test_{snake}.py"} & have:
             missing.append(f"{found.class_path}: tests/callbacks/test_{module}.py")
     assert missing == []
+
+
+def test_each_module_name_occurs_once():
+    """A module or package name says which one it is: no two modules of the package and its
+    benchmarks share a name (``fid.py`` or ``training/`` in two places read alike in a traceback)."""
+    import collections
+
+    names = collections.Counter()
+    for folder in (*OURS[1:], "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" in path.parts:
+                continue
+            names[path.parent.name if path.name == "__init__.py" else path.stem] += 1
+    names["cli"] += 1
+    assert sorted(name for name, count in names.items() if count > 1 and name != "__main__") == []

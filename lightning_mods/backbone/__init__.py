@@ -8,7 +8,7 @@ Public (stable) names are listed in ``__all__``; the extension points are
 sub-layer with ``self.residual(j, shortcut, branch)``) and its ``branch_hook`` (read or change
 a branch's output, e.g. for a measurement).
 """
-from .mae import MaskedAutoencoderViT
+from .masked_autoencoder import MaskedAutoencoderViT
 from .residual import DecayedResidual, apply_shortcut_schedule, residual_blocks, shortcut_alphas
 from .resnet import DecayedBasicBlock, DecayedBottleneck, DecayedResNet, ResNet18Cifar, ResNet50, ResNet50d
 from .residual_mlp import ResidualMLP

@@ -21,7 +21,7 @@ import torch
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from .mae import MaskedAutoencoderViT
+from .masked_autoencoder import MaskedAutoencoderViT
 from .resnet import ResNet50, ResNet50d, ResNet18Cifar
 from .shortcut import ShortcutSchedule
 from .uvit import UViT
@@ -132,7 +132,7 @@ def _network(cls: Callable[..., nn.Module], variant: str, pretrained: bool, arch
     """A whole network of the papers by name: no weights are registered for these."""
     if pretrained:
         raise ValueError(f"{variant}: no pretrained weights are registered; load a checkpoint's state_dict "
-                         "(lightning_mods.backbone.mae.checkpoint_filter_fn reads both MAE repositories' names)")
+                         "(lightning_mods.backbone.masked_autoencoder.checkpoint_filter_fn reads both MAE repositories' names)")
     kwargs = {k: v for k, v in kwargs.items() if k not in TIMM_ONLY}
     return cls(shortcut=_schedule(kwargs), **{**arch, **kwargs})
 

@@ -11,7 +11,7 @@ from lightning import LightningModule
 
 import lightning_mods.backbone  # noqa: F401 (registers the networks)
 from lightning_mods.backbone import shortcut_alphas
-from lightning_mods.backbone.mae import MaskedAutoencoderViT, checkpoint_filter_fn
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT, checkpoint_filter_fn
 from lightning_mods.backbone.uvit import UViT
 
 SMALL_MAE = dict(depth=2, decoder_depth=1, embed_dim=32, num_heads=2, decoder_embed_dim=32, decoder_num_heads=2)

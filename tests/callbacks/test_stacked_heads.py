@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from benchmarks.op_counts import OpCounter
 from callbacks.measurement.online_probe.stacked_heads import StackedHeads
 from lightning_mods.evaluation.probe_head import ProbeHead
-from lightning_mods.training.optim import adamw
+from lightning_mods.recipe.optim import adamw
 
 WIDTH, CLASSES, SAMPLES, HEADS, STEPS = 6, 4, 10, 3, 5
 

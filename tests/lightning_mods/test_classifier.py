@@ -142,7 +142,7 @@ def test_sgd_recipe_scales_lr_warms_up_and_skips_decay_on_norms_and_biases(tmp_p
     assert optimizer.defaults["nesterov"] and optimizer.defaults["momentum"] == 0.9
     peak = 0.1 * 8 / 256
     total, warmup = 8, 4
-    expected = [peak * s / warmup for s in range(warmup)]  # from 0 (lightning_mods/training/optim.py)
+    expected = [peak * s / warmup for s in range(warmup)]  # from 0 (lightning_mods/recipe/optim.py)
     expected += [peak * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup))) for s in range(warmup, total)]
     assert lrs == pytest.approx(expected, rel=1e-9)
     decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 1e-4 for p in g["params"]}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.training.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
+from lightning_mods.recipe.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
                                   warmup_cosine)
 
 
@@ -67,7 +67,7 @@ def test_lightning_runs_the_first_steps_at_0_then_1_over_warmup_of_the_peak(tmp_
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_mods.training.optim import warmup_cosine_scheduler
+    from lightning_mods.recipe.optim import warmup_cosine_scheduler
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -154,7 +154,7 @@ def test_every_family_runs_fused_adamw_and_10_steps_equal_foreach(family, monkey
     as ``foreach`` within 1e-6 over 10 steps of the family's own groups, lr and schedule."""
     import copy
 
-    import lightning_mods.training.optim as optim
+    import lightning_mods.recipe.optim as optim
 
     fused_module = family_modules()[family]
     foreach_module = copy.deepcopy(fused_module)
@@ -182,7 +182,7 @@ def test_every_family_runs_fused_adamw_and_10_steps_equal_foreach(family, monkey
 
 
 def test_adamw_falls_back_where_torch_has_no_fused_kernel():
-    from lightning_mods.training.optim import adamw
+    from lightning_mods.recipe.optim import adamw
 
     integer = torch.zeros(3, dtype=torch.int64)
     assert adamw([torch.nn.Parameter(torch.zeros(3))], lr=1e-3).defaults["fused"] is True
@@ -197,7 +197,7 @@ def optim_fused(optimizer: torch.optim.Optimizer) -> bool:
 def test_adamw_skips_the_capture_check_only_without_a_cuda_or_xpu_context(monkeypatch):
     """The capture check asks NVML whether CUDA is available under Lightning (no cache on a CUDA
     build without a GPU); it is skipped only while no context exists, and runs as torch's otherwise."""
-    from lightning_mods.training.optim import adamw
+    from lightning_mods.recipe.optim import adamw
 
     checks = []
     monkeypatch.setattr(torch.optim.AdamW, "_accelerator_graph_capture_health_check", lambda self: checks.append(1))
@@ -239,7 +239,7 @@ def lars_reference(weights: list[np.ndarray], grads_per_step: list[list[np.ndarr
 
 
 def test_lars_step_equals_maes_lars_in_float64():
-    from lightning_mods.training.optim import lars
+    from lightning_mods.recipe.optim import lars
 
     draws = np.random.default_rng(0)
     start = [draws.normal(size=(3, 4)), draws.normal(size=4), np.zeros((2, 2))]  # a zero weight: ratio 1

@@ -18,7 +18,7 @@ from .feature_replay import FeatureReplay
 from .stacked_heads import StackedHeads
 from lightning_mods.evaluation.probe_head import ProbeHead
 from lightning_mods.evaluation import metric_names
-from lightning_mods.training.classification_steps import top_k_accuracy
+from lightning_mods.recipe.classification_steps import top_k_accuracy
 
 OWNER = "OnlineLinearProbe"
 FINAL = "features"  # the member key of the heads on forward_features (block heads: the block's number)

@@ -30,7 +30,7 @@ from torch import nn
 
 from callbacks._utils.distributed import average_across_ranks_
 from lightning_mods.evaluation.probe_head import ProbeHead
-from lightning_mods.training.optim import adamw
+from lightning_mods.recipe.optim import adamw
 
 
 class StackedHeads:

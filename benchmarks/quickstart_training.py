@@ -28,7 +28,7 @@ from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.evaluation.eval_mode import isolated_eval
 from lightning_mods.mae import MaskedAutoencoder
-from lightning_mods.training.optim import adamw, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
+from lightning_mods.recipe.optim import adamw, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 

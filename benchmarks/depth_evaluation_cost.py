@@ -21,7 +21,7 @@ from lightning_mods.mae import MaskedAutoencoder
 from .several_settings import TimedKNN, TimedProbe
 from .settings import Settings
 from .timing import Row, ratio_row, synchronize
-from .training import quickstart_data, quickstart_model, quiet, trainer
+from .quickstart_training import quickstart_data, quickstart_model, quiet, trainer
 
 
 class TimedPicture(PatchFeaturePicture):
