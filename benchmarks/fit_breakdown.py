@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from .hook_clock import STEP_HOOKS, HookClock
 from .settings import Settings
 from .timing import Row, skipped, synchronize
 
@@ -117,10 +118,6 @@ class Throughput(Callback):
             Path(self.path).write_text(json.dumps(record))
 
 
-STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-              "on_before_optimizer_step", "on_before_zero_grad")  # a callback's hooks that run every step
-
-
 def callback_label(callback: Callback, seen: dict[str, int]) -> str:
     """``type(callback).__name__``, with a ModelCheckpoint's file name and a number for repeats
     (``seen`` counts the names given so far)."""
@@ -131,54 +128,35 @@ def callback_label(callback: Callback, seen: dict[str, int]) -> str:
     return name if seen[name] == 1 else f"{name} #{seen[name]}"
 
 
-class CallbackClock(Callback):
+class CallbackClock(HookClock):
     """Seconds inside every other callback's hooks while steps ``warmup_steps`` onwards run,
     written to ``path`` as ``{"steps": n, "seconds": {callback: {"per step": s, "per epoch": s}}}``.
-    "per epoch" holds the epoch, validation, checkpoint and end hooks; "per step" the others. On
-    CUDA each hook is synchronised before and after, so the GPU work it queues counts."""
+    "per epoch" holds the epoch, validation, checkpoint and end hooks; "per step" the others."""
 
     def __init__(self, path: str, warmup_steps: int = 20) -> None:
+        super().__init__(from_step=warmup_steps)
         self.path = path
         self.warmup_steps = warmup_steps
-        self.seconds: dict[str, dict[str, float]] = {}
-        self._first_step: Optional[int] = None
-        self._device = torch.device("cpu")
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._device = trainer.strategy.root_device
+        super().setup(trainer, pl_module, stage)
         names: dict[str, int] = {}
         for callback in trainer.callbacks:
             if callback is self or isinstance(callback, Throughput):
                 continue
-            label = callback_label(callback, names)
-            hooks = [hook for hook in dir(Callback) if hook.startswith("on_") and hook != "on_exception"
-                     and getattr(type(callback), hook) is not getattr(Callback, hook)]
-            for hook in hooks:
-                kind = "per step" if hook in STEP_HOOKS else "per epoch"
-                setattr(callback, hook, self._timed(label, kind, getattr(callback, hook)))
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._first_step is None and trainer.global_step >= self.warmup_steps:
-            self._first_step = int(trainer.global_step)
-
-    def _timed(self, label: str, kind: str, method: Callable) -> Callable:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._first_step is None:
-                return method(*args, **kwargs)
-            synchronize(self._device)
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                synchronize(self._device)
-                spent = self.seconds.setdefault(label, {"per step": 0.0, "per epoch": 0.0})
-                spent[kind] += time.perf_counter() - start
-        return timed
+            self.watch(callback_label(callback, names), callback,
+                       [hook for hook in dir(Callback) if hook.startswith("on_") and hook != "on_exception"
+                        and getattr(type(callback), hook) is not getattr(Callback, hook)])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        steps = int(trainer.global_step) - (self._first_step if self._first_step is not None else trainer.global_step)
+        super().on_train_end(trainer, pl_module)
+        first = self.first_timed_step if self.first_timed_step is not None else trainer.global_step
+        seconds: dict[str, dict[str, float]] = {}
+        for call in self.calls:
+            spent = seconds.setdefault(call.name, {"per step": 0.0, "per epoch": 0.0})
+            spent["per step" if call.hook in STEP_HOOKS else "per epoch"] += call.seconds
         if trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps({"steps": steps, "seconds": self.seconds}))
+            Path(self.path).write_text(json.dumps({"steps": int(trainer.global_step) - first, "seconds": seconds}))
 
 
 # --- the five measurements ---------------------------------------------------------------------

@@ -26,7 +26,8 @@ from typing import Any, Callable, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .fit_breakdown import STEP_HOOKS, callback_label
+from .fit_breakdown import callback_label
+from .hook_clock import STEP_HOOKS
 from .settings import Settings
 from .timing import Row
 

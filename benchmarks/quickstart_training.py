@@ -32,6 +32,7 @@ from lightning_mods.recipe.optim import adamw, param_groups_weight_decay, scaled
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 
+from .hook_clock import END_HOOKS, TRAIN_HOOKS, VALIDATION_HOOKS, HookClock
 from .settings import Settings
 from .timing import Row, ratio_row, skipped, synchronize
 
@@ -59,10 +60,12 @@ def quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def quickstart_model(settings: Settings) -> MaskedAutoencoder:
-    """The quickstart's MAE (``model.init_args`` of configs/digits_mae.yaml); tiny in quick mode."""
+def quickstart_model(settings: Settings, **changes: object) -> MaskedAutoencoder:
+    """The quickstart's MAE (``model.init_args`` of configs/digits_mae.yaml) with ``changes``;
+    tiny in quick mode."""
     args = dict(yaml.safe_load(QUICKSTART.read_text())["model"]["init_args"])
     args["shortcut"] = ShortcutSchedule(**args["shortcut"]["init_args"])
+    args.update(changes)
     if settings.quick:
         args.update(embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
     return MaskedAutoencoder(image_size=16, in_chans=1, **args)
@@ -259,71 +262,6 @@ def lightning_overhead(settings: Settings) -> list[Row]:
 EVALUATIONS = ("online probe", "kNN", "effective rank", "pictures", "run summary")
 
 
-class HookClock(Callback):
-    """Seconds spent inside some callbacks' hooks, per callback, per kind and per epoch: ``"train"``
-    (hooks of training batches and epochs), ``"validation"`` (``on_validation_*``) and ``"end"``
-    (``on_train_end``, ``on_fit_end``). On CUDA each hook is synchronised before and after. Pass
-    the clock to the Trainer too: it keeps the epoch count."""
-
-    HOOKS = {"train": ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-                       "on_before_optimizer_step", "on_train_epoch_start", "on_train_epoch_end"),
-             "validation": ("on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
-                            "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end"),
-             "end": ("on_train_end", "on_fit_end")}
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.epoch = 0
-        self.seconds: dict[tuple[str, str, int], float] = {}
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: object) -> None:
-        self.epoch = int(trainer.current_epoch)
-
-    def watch(self, name: str, target: object) -> None:
-        """Time ``target``'s hooks (a callback, or the LightningModule: its picture hook) under ``name``."""
-        for kind, hooks in self.HOOKS.items():
-            for hook in hooks:
-                method = getattr(target, hook, None)
-                if method is not None:
-                    setattr(target, hook, self._timed(name, kind, method))
-
-    def _timed(self, name: str, kind: str, method: Callable) -> Callable:
-        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                key = (name, kind, self.epoch)
-                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
-        return timed
-
-    def get(self, name: str, kind: str) -> float:
-        return sum(v for (n, k, _), v in self.seconds.items() if (n, k) == (name, kind))
-
-    def per_epoch(self, name: str, kind: str, epochs: int) -> list[float]:
-        return [self.seconds.get((name, kind, e), 0.0) for e in range(epochs)]
-
-
-class EpochClock(Callback):
-    """Seconds of each training epoch (its batches, from the epoch's start to its end)."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: object) -> None:
-        synchronize(trainer.strategy.root_device)
-        self._start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: object) -> None:
-        synchronize(trainer.strategy.root_device)
-        self.seconds.append(time.perf_counter() - self._start)
-
-
 def quickstart_evaluations(blocks: Optional[str] = None) -> dict[str, object]:
     """The evaluation callbacks at every validation, in the order of configs/digits_mae.yaml (the
     pictures are the module's own): at their defaults, or with ``blocks="all"`` a probe head and
@@ -360,26 +298,29 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
     shipped = OnlineLinearProbe()  # the probe's defaults: its shipped cadence
     with quiet(), tempfile.TemporaryDirectory() as root:
         for _ in range(max(2, settings.rounds // 2) if not settings.quick else 1):
-            bare = EpochClock()
+            bare = HookClock()
+            bare.span("epoch", "on_train_epoch_start", "on_train_epoch_end")
             timed_fit(lambda: (trainer(settings, os.path.join(root, "train"), [bare], epochs, None),
-                               _quickstart_model_without_pictures(settings), quickstart_data(settings)))
+                               quickstart_model(settings, num_reconstructions=0), quickstart_data(settings)))
             clock = HookClock(settings.torch_device)
             callbacks = quickstart_evaluations(blocks)
             for name, callback in callbacks.items():
                 clock.watch(name, callback)
             model = quickstart_model(settings)
             clock.watch("pictures", model)
-            evaluated = EpochClock()
+            evaluated = HookClock()
+            evaluated.span("epoch", "on_train_epoch_start", "on_train_epoch_end")
             timed_fit(lambda: (trainer(settings, os.path.join(root, "all"), [clock, *callbacks.values(), evaluated],
                                        epochs, 1), model, quickstart_data(settings)))
-            per_epoch = over_a_run(bare.seconds, SHIPPED_EPOCHS)
+            per_epoch = over_a_run(bare.per_call("epoch"), SHIPPED_EPOCHS)
             for name in EVALUATIONS:
-                training = over_a_run(clock.per_epoch(name, "train", epochs), SHIPPED_EPOCHS)
-                validation = over_a_run(clock.per_epoch(name, "validation", epochs), validations)
-                end = clock.get(name, "end")
+                training = over_a_run(clock.per_epoch(name, TRAIN_HOOKS, epochs), SHIPPED_EPOCHS)
+                validation = over_a_run(clock.per_epoch(name, VALIDATION_HOOKS, epochs), validations)
+                end = clock.seconds(name, END_HOOKS)
                 shares[name].append(training / per_epoch + validation / (SHIPPED_EVAL_EVERY * per_epoch)
                                     + end / (SHIPPED_EPOCHS * per_epoch))
-            every_epoch.append(statistics.mean(evaluated.seconds[1:]) / statistics.mean(bare.seconds[1:]) - 1)
+            every_epoch.append(statistics.mean(evaluated.per_call("epoch")[1:]) / statistics.mean(bare.per_call("epoch")[1:])
+                               - 1)
             epoch_seconds.append(per_epoch)
             if blocks is None:
                 floors.append(forwards_share(model, shipped, settings, per_epoch))
@@ -446,12 +387,6 @@ def forwards_share(model: MaskedAutoencoder, probe: OnlineLinearProbe, settings:
     validation = passes[-1] / (SHIPPED_EVAL_EVERY * per_epoch)
     probing = statistics.median(probes[2:]) * steps_per_epoch / probe.every_n_steps / per_epoch
     return validation + probing
-
-
-def _quickstart_model_without_pictures(settings: Settings) -> MaskedAutoencoder:
-    model = quickstart_model(settings)
-    model.hparams.num_reconstructions = 0
-    return model
 
 
 # --- ResidualDroppath ---------------------------------------------------------------------------

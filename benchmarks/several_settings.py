@@ -6,7 +6,6 @@ in one Trainer), each timed around its own hook, so every round pairs them on th
 from __future__ import annotations
 
 import tempfile
-import time
 from typing import Any
 
 from lightning.pytorch import seed_everything
@@ -16,69 +15,52 @@ from callbacks.measurement.shared_features import SharedEvaluation
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
 from .settings import Settings
-from .timing import Row, ratio_row, synchronize
+from .hook_clock import HookClock
+from .timing import Row, ratio_row
 from .quickstart_training import quickstart_data, quickstart_model, quiet, trainer
 
 FOUR_K = [10, 20, 100, 200]  # DINO's
 FOUR_RATES = [1e-3, 3e-3, 1e-2, 3e-2]
 
 
-class TimedKNN(KNNEvaluator):
-    """A KNNEvaluator that records the seconds of each of its evaluations."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.seconds: list[float] = []
+class UnsharedKNN(KNNEvaluator):
+    """A KNNEvaluator that runs its own feature passes, as if it were the only evaluation."""
 
     def evaluate(self, trainer, pl_module):  # noqa: ANN001, ANN201
-        synchronize(pl_module.device)
-        start = time.perf_counter()
-        with SharedEvaluation.of(trainer).unshared():  # its own feature passes, as if it were alone
-            result = super().evaluate(trainer, pl_module)
-        synchronize(pl_module.device)
-        self.seconds.append(time.perf_counter() - start)
-        return result
+        with SharedEvaluation.of(trainer).unshared():
+            return super().evaluate(trainer, pl_module)
 
 
-class TimedProbe(OnlineLinearProbe):
-    """An OnlineLinearProbe that records the seconds of its training hook, per epoch."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.seconds: list[float] = []
-        self._epoch_seconds = 0.0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        synchronize(pl_module.device)
-        start = time.perf_counter()
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        synchronize(pl_module.device)
-        self._epoch_seconds += time.perf_counter() - start
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-        self.seconds.append(self._epoch_seconds)
-        self._epoch_seconds = 0.0
+def clocked(clock: HookClock, **timed: Any) -> list:
+    """The callbacks ``timed`` (name -> callback), each watched by ``clock`` under its name: a
+    kNN's evaluations, a probe's training hook; then the clock itself."""
+    for name, callback in timed.items():
+        clock.watch(name, callback, ["evaluate"] if isinstance(callback, KNNEvaluator) else ["on_train_batch_end"])
+    return [*timed.values(), clock]
 
 
 def run(settings: Settings) -> list[Row]:
     section = "several settings in one pass"
     epochs = settings.pick(max(3, settings.rounds), 1)
     with quiet(), tempfile.TemporaryDirectory() as root:
-        one_k, four_k = TimedKNN(k=20, every_n_epochs=1), TimedKNN(k=FOUR_K, every_n_epochs=1)
-        one_rate = TimedProbe(every_n_steps=1, max_samples=32)
-        four_rates = TimedProbe(lr=FOUR_RATES, every_n_steps=1, max_samples=32)
+        clock = HookClock()
+        callbacks = clocked(clock, one_k=UnsharedKNN(k=20, every_n_epochs=1),
+                            four_k=UnsharedKNN(k=FOUR_K, every_n_epochs=1),
+                            one_rate=OnlineLinearProbe(every_n_steps=1, max_samples=32),
+                            four_rates=OnlineLinearProbe(lr=FOUR_RATES, every_n_steps=1, max_samples=32))
         seed_everything(0, verbose=False)
-        tr = trainer(settings, root, [one_k, four_k, one_rate, four_rates], epochs + 1, 1, logger=False)
+        tr = trainer(settings, root, callbacks, epochs + 1, 1, logger=False)
         tr.fit(quickstart_model(settings), datamodule=quickstart_data(settings))
     # the first epoch and evaluation warm up (allocator, lazily built heads)
-    knn = [b / a for a, b in zip(one_k.seconds[1:], four_k.seconds[1:])] or [four_k.seconds[0] / one_k.seconds[0]]
-    probe = [b / a for a, b in zip(one_rate.seconds[1:], four_rates.seconds[1:])] or \
-        [four_rates.seconds[0] / one_rate.seconds[0]]
+    one_k, four_k = clock.per_call("one_k"), clock.per_call("four_k")
+    one_rate, four_rates = (clock.per_epoch(name, None, epochs + 1) for name in ("one_rate", "four_rates"))
+    knn = [b / a for a, b in zip(one_k[1:], four_k[1:])] or [four_k[0] / one_k[0]]
+    probe = [b / a for a, b in zip(one_rate[1:], four_rates[1:])] or [four_rates[0] / one_rate[0]]
     return [
         ratio_row(section, f"kNN at k={FOUR_K} / at k=20 (one evaluation)", knn, "<= 1.2",
                   f"one feature pass, one top-{max(FOUR_K)}; k=20 takes "
-                  f"{1e3 * sorted(one_k.seconds)[len(one_k.seconds) // 2]:.0f} ms"),
+                  f"{1e3 * sorted(one_k)[len(one_k) // 2]:.0f} ms"),
         ratio_row(section, "online probe with 4 rates / 1 rate (its training hook, every batch)", probe, "<= 1.5",
                   f"one forward of 32 images per batch, 4 heads; 1 rate takes "
-                  f"{1e3 * sorted(one_rate.seconds)[len(one_rate.seconds) // 2]:.0f} ms/epoch"),
+                  f"{1e3 * sorted(one_rate)[len(one_rate) // 2]:.0f} ms/epoch"),
     ]
