@@ -9,7 +9,7 @@ Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the oth
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
 way: ``cli`` -> ``commands`` -> ``callbacks``/``datamodules`` -> ``lightning_mods`` ->
 ``lightning_mods.backbone``. The overview imports neither torch nor Lightning (it reads the
-class list from the source, :mod:`commands.catalogue`), so it prints at once.
+class list from the source, :mod:`commands._catalogue`), so it prints at once.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Optional
 
-from commands import catalogue
+from commands import _catalogue as catalogue
 
 # subcommand -> (module in commands/, one-line description)
 COMMANDS = {

@@ -26,7 +26,7 @@ from callbacks.training.residual_droppath import ResidualDroppath
 from callbacks.reporting.run_summary import RunSummary
 from datamodules.digits import Digits
 from lightning_mods.classifier import ImageClassifier
-from lightning_mods.evaluation.eval_mode import isolated_eval
+from lightning_mods.evaluation._eval_mode import isolated_eval
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.recipe.optim import adamw, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule

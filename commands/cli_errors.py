@@ -7,7 +7,7 @@ import difflib
 import re
 from typing import Optional
 
-from commands import catalogue
+from commands import _catalogue as catalogue
 from lightning_mods.checkpointing.rebuild import init_parameters
 
 

@@ -30,9 +30,9 @@ import torch
 from rich.progress import Progress
 from torch.utils.data import DataLoader, Dataset
 
-from commands.progress import command_progress, show_progress, tracked
+from commands._progress import command_progress, show_progress, tracked
 from datamodules.latents import METADATA_FILE
-from lightning_mods.generation.latent_vae import FrozenVAE
+from lightning_mods._generation.latent_vae import FrozenVAE
 
 SPLITS = ("train", "val")
 

@@ -41,7 +41,7 @@ from rich.progress import Progress
 
 from lightning_mods.evaluation import metric_names
 from callbacks.training.residual_droppath import ResidualDroppath
-from commands.progress import EpochProgress, command_progress, show_progress
+from commands._progress import EpochProgress, command_progress, show_progress
 from datamodules.spiral import Spiral, grid_points
 from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.pictures.grids import figure_to_array, save_png

@@ -1,5 +1,5 @@
 """``shortcutlab features``: the patch-feature picture of any checkpoint (the decay paper's
-Figure 3, DINO's PCA view; :mod:`lightning_mods.pictures.patch_pca`).
+Figure 3, DINO's PCA view; :mod:`lightning_mods.pictures._patch_pca`).
 
     shortcutlab features --ckpt_path runs/digits_mae/.../last.ckpt --images val --out pictures/
     shortcutlab features --ckpt_path model.ckpt --images my_images/ --block 5 --out pictures/
@@ -79,7 +79,7 @@ def draw(args: argparse.Namespace) -> Path:
     import torch
 
     from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
-    from lightning_mods.pictures.patch_pca import images_for_display, patch_feature_figure, patch_rgb
+    from lightning_mods.pictures._patch_pca import images_for_display, patch_feature_figure, patch_rgb
     from lightning_mods.pictures.grids import figure_to_array, save_png
 
     if args.num_images < 1:

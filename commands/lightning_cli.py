@@ -6,12 +6,12 @@
 Values that data and model must agree on (image size, channels, number of classes) are
 linked from the datamodule to the model; a model that has no such argument ignores the link.
 The command's one-line errors are :mod:`commands.cli_errors`, the resolution of ``--ckpt_path``
-:mod:`commands.ckpt_resolution` and what it prints :mod:`commands.console`.
+:mod:`commands._ckpt_resolution` and what it prints :mod:`commands._console`.
 
 Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_to_parser``,
 ``add_arguments_to_parser``, ``parse_arguments``, ``before/after_instantiate_classes``,
 ``instantiate_classes``) but one private step, replaced through
-:mod:`lightning_mods.compat.lightning_private`: see
+:mod:`lightning_mods._compat.lightning_private`: see
 :meth:`ShortcutLabCLI.check_ckpt_path_against_config`.
 """
 from __future__ import annotations
@@ -34,14 +34,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import lightning_mods.exit_statuses as exit_statuses
-from commands import catalogue
+from commands import _catalogue as catalogue
 from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, _class_path,  # noqa: F401
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    linked_settings_given)
-from commands.ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
+from commands._ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
 from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
                                  root_message, unknown_class_message)
-from commands.console import (answer_repeated_samples_warning, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
+from commands._console import (answer_repeated_samples_warning, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
                               warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
@@ -50,7 +50,7 @@ from lightning_mods.checkpointing import atomic_files
 from lightning_mods.checkpointing.rebuild import (canonical_class_path, checkpoint_model_config, conflict_message,
                                                   flat_settings, import_path, setting_conflicts,
                                                   state_dict_mismatch)
-from lightning_mods.compat import lightning_private
+from lightning_mods._compat import lightning_private
 
 
 class ShortcutLabCLI(LightningCLI):
@@ -147,7 +147,7 @@ class ShortcutLabCLI(LightningCLI):
         data are checked as weight shapes once the model is built (:meth:`instantiate_classes`).
 
         Replaces a private LightningCLI step on purpose (through
-        :func:`lightning_mods.compat.lightning_private.override_parse_ckpt_path`): Lightning runs it
+        :func:`lightning_mods._compat.lightning_private.override_parse_ckpt_path`): Lightning runs it
         between ``parse_arguments`` and ``before_instantiate_classes`` and offers no public hook there.
         Its version would replace the config's model by the checkpoint's silently and
         ``torch.load`` the whole checkpoint a second time (gigabytes; ours was read once, memory

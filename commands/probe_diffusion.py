@@ -29,11 +29,11 @@ from rich.progress import Progress
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.measurement.knn import knn_predict
-from commands.progress import command_progress, show_progress, tracked
+from commands._progress import command_progress, show_progress, tracked
 from lightning_mods.pictures.grids import figure_to_array, save_png
 from lightning_mods.checkpointing.rebuild import load_run
 from lightning_mods.linear_probe import topk_accuracy, train_linear_probe_on_features
-from lightning_mods.generation.fidelity_metrics import subset_indices
+from lightning_mods._generation.fidelity_metrics import subset_indices
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1", "knn_top5")
 

@@ -27,12 +27,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 import lightning_mods.exit_statuses as exit_statuses
-from commands.report_groups import Group, ReportedMetric, Summary  # noqa: F401 (Summary re-exported)
-from commands.run_metrics import Run, read_run
+from commands._report_groups import Group, ReportedMetric, Summary  # noqa: F401 (Summary re-exported)
+from commands._run_metrics import Run, read_run
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from commands.run_folder import FOLLOW_UP_DIR, read_plan
-from commands.sweep_grid import parse_run_name, short_name
+from commands._run_folder import FOLLOW_UP_DIR, read_plan
+from commands._sweep_grid import parse_run_name, short_name
 
 SEED_KEY = short_name("seed_everything")  # "seed" in run names
 REPORT_DIR = "report"
@@ -306,7 +306,7 @@ def make_report(experiment: Path, out: Path) -> dict:
     ``out``; returns ``{"markdown": text, "files": [paths], "data": report.json's content}``."""
     from rich.progress import track
 
-    from commands.report_figures import metric_vs_group_figure, rank_over_epochs_figure, probe_vs_rank_figure
+    from commands._report_figures import metric_vs_group_figure, rank_over_epochs_figure, probe_vs_rank_figure
 
     folders = find_runs(experiment, skip=out)
     runs = list(track(folders, description=f"reading {len(folders)} runs", transient=True))

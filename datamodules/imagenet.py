@@ -27,7 +27,7 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.functional import pil_to_tensor
 
 from datamodules.base import ImageDataModule
-from datamodules.gpu_decode import EncodedCrop, collate_encoded, transfer_encoded
+from datamodules._gpu_decode import EncodedCrop, collate_encoded, transfer_encoded
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -147,12 +147,12 @@ class ImageNet(ImageDataModule):
             transforms run on tensors; the faster, ``benchmarks/data_pipeline.py``) or ``"pil"``.
             The two resample slightly differently, so the pixels differ in the last few levels.
             ``"gpu"``: the training images are decoded, cropped, flipped and normalised on the
-            device the batch goes to (``datamodules.gpu_decode``; nvJPEG on CUDA, the workers
+            device the batch goes to (``datamodules._gpu_decode``; nvJPEG on CUDA, the workers
             only read files); evaluation keeps ``"torchvision"``. Needs the MAE augmentation
             (not ``rand_augment``).
         decode_ahead: with ``decoder="gpu"`` and loader workers, decode the next batch in a
             background thread (on its own CUDA stream) while the step runs
-            (``datamodules.decode_ahead``); ``False``: decode each batch when the loop moves it.
+            (``datamodules._decode_ahead``); ``False``: decode each batch when the loop moves it.
         num_workers: loader workers per process (default: from the host's cores, :func:`host_workers`).
         pin_memory: default on (page-locked batches; applied only when they go to a CUDA device).
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
@@ -241,7 +241,7 @@ class ImageNet(ImageDataModule):
 
     def train_loader_options(self) -> dict[str, Any]:
         # encoded batches: bytes that stay on the host (decode_jpeg reads them there), decoded on
-        # the device one batch ahead while the step runs (datamodules/decode_ahead.py)
+        # the device one batch ahead while the step runs (datamodules/_decode_ahead.py)
         if self.decoder != "gpu":
             return {}
         options: dict[str, Any] = {"collate_fn": collate_encoded, "pin_memory": False}

@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, RandomSampler
 
-from datamodules.decode_ahead import DecodeAhead
+from datamodules._decode_ahead import DecodeAhead
 
 
 def default_shuffle_seed() -> int:
@@ -75,7 +75,7 @@ class ResumableLoader(DataLoader):
         resume: ``{"epoch": e, "batches": b}``: the first iteration is epoch ``e`` from its
             batch ``b`` (:meth:`position` of the loader that wrote the checkpoint).
         prepare_ahead: with loader workers, each batch passed through it one batch ahead in a
-            background thread (:class:`~datamodules.decode_ahead.DecodeAhead`, on ``ahead_device``);
+            background thread (:class:`~datamodules._decode_ahead.DecodeAhead`, on ``ahead_device``);
             without workers (whose draws would then move into that thread) the batches come as
             the workers hand them over.
     """

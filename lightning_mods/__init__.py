@@ -7,11 +7,13 @@ The LightningModules (the class paths configs and checkpoints name):
 
 - ``backbone``: the decayed identity shortcut and the networks built on it;
 - ``checkpointing``: checkpoint files written whole, and the network a checkpoint rebuilds;
-- ``compat``: the private Lightning state the package needs, fenced in one module;
 - ``evaluation``: probe heads, evaluation over depth, metric names, evaluation mode;
-- ``generation``: the diffusion model's SDE, samplers, latent VAE and FID image sets;
 - ``pictures``: pictures of a run;
-- ``recipe``: the shared optimiser recipe and classification steps.
+- ``recipe``: the shared optimiser recipe.
+
+Modules and packages whose names start with ``_`` are the package's own machinery (the diffusion
+model's SDE and samplers in ``_generation``, the private Lightning state in ``_compat``, ...): no
+config names them and they may change without notice.
 """
 __all__ = ["backbone", "mae", "diffusion", "classifier", "linear_probe", "finetune", "spiral_classifier",
-           "checkpointing", "compat", "evaluation", "generation", "pictures", "recipe"]
+           "checkpointing", "evaluation", "pictures", "recipe"]

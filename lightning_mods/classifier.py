@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_mods.recipe.classification_steps import ClassificationSteps
+from lightning_mods.recipe._classification_steps import ClassificationSteps
 from lightning_mods.recipe.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr, steps_from_epochs,
                     warmup_cosine_scheduler)
 from lightning_mods.backbone.residual import residual_blocks

@@ -6,7 +6,7 @@ training timesteps (``noise_process: discrete``) or over ``[0, 1]`` on U-ViT's c
 (``vp_sde``, network input ``t * 999``), and the loss ``|| eps_theta(x_t, t, y) - eps ||^2``.
 Class-conditional models replace the label by the null class with probability ``label_dropout`` and sample with
 classifier-free guidance ``eps_u + guidance_scale * (eps_c - eps_u)`` (1 = no guidance;
-U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods.generation.sampling`.
+U-ViT's "scale 0.4" is 1.4 here). Samplers: :mod:`lightning_mods._generation.sampling`.
 
 Pixel mode: the datamodule's normalised images are mapped back to ``[-1, 1]``. Latent mode
 (``vae_path``): the batches are VAE latents already (``datamodules.latents.Latents``) and
@@ -33,14 +33,14 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 
 from lightning_mods.evaluation import metric_names
-from lightning_mods.generation.sampling import check_sampler, make_noise_process
-from lightning_mods.generation.guidance import drop_labels, guided_noise  # noqa: F401 (public here too)
-from lightning_mods.generation.latent_vae import FrozenVAE
-from lightning_mods.generation.samples import Samples
+from lightning_mods._generation.sampling import check_sampler, make_noise_process
+from lightning_mods._generation.guidance import drop_labels, guided_noise  # noqa: F401 (public here too)
+from lightning_mods._generation.latent_vae import FrozenVAE
+from lightning_mods._generation.samples import Samples
 from lightning_mods.recipe.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.uvit import UViT
-from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
@@ -103,7 +103,7 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
         zero_init_branches: zero the last linear layer of every residual branch (``False``: U-ViT's
             own init, truncated normal 0.02 everywhere).
         noise_process: ``discrete`` (DDPM) or ``vp_sde`` (U-ViT's continuous VP SDE, see
-            :mod:`lightning_mods.generation.sampling`).
+            :mod:`lightning_mods._generation.sampling`).
         num_train_timesteps, beta_schedule, beta_start, beta_end: the noise schedule (``vp_sde``:
             linear, ``beta(t)`` from ``num_train_timesteps * beta_start`` to ``... * beta_end``).
         sampler: ``ddpm`` (ancestral), ``ddim``, ``dpmsolver++`` (multistep, order 2),

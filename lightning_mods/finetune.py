@@ -27,10 +27,10 @@ from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from lightning_mods.backbone.vit import DecayedVisionTransformer
-from lightning_mods.checkpointing.finished_run import final_checkpoint
+from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import build_module, canonical_class_path, module_from_checkpoint
 from lightning_mods.evaluation import metric_names
-from lightning_mods.recipe.classification_steps import ClassificationSteps
+from lightning_mods.recipe._classification_steps import ClassificationSteps
 from lightning_mods.recipe.optim import adamw, global_batch_size, scaled_lr, steps_from_epochs, warmup_cosine_scheduler
 
 MAE_CLASS = "lightning_mods.mae.MaskedAutoencoder"
@@ -71,7 +71,7 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
         checkpoint: a ``shortcutlab fit`` checkpoint of a ``MaskedAutoencoder`` (converted
             official and timm MAE weights too: ``python -m commands.convert_mae import``), or the
             pre-training's folder: the final checkpoint of its finished fit
-            (:mod:`lightning_mods.checkpointing.finished_run`).
+            (:mod:`lightning_mods.checkpointing._finished_run`).
         encoder: without a checkpoint, the MAE to build (``class_path``/``init_args``); with one,
             settings checked against it (``allow_encoder_override`` builds them on purpose).
         num_classes: linked from the datamodule by the CLI.

@@ -20,15 +20,15 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from lightning_mods.recipe.classification_steps import ClassificationSteps
-from lightning_mods.checkpointing.finished_run import final_checkpoint
+from lightning_mods.recipe._classification_steps import ClassificationSteps
+from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
 from lightning_mods.recipe.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
                                           warmup_cosine_scheduler)
-from lightning_mods.evaluation.probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
+from lightning_mods.evaluation._probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
 from lightning_mods.evaluation import metric_names
-from lightning_mods.recipe.classification_steps import top_k_accuracy
+from lightning_mods.recipe._classification_steps import top_k_accuracy
 from lightning_mods.evaluation.feature_contract import block_features, features_and_blocks, require_blocks, require_features
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 
@@ -115,7 +115,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
             LightningModule). It must provide ``forward_features(images) -> B x D`` and ``num_features``.
         checkpoint: path of the pre-training checkpoint, or the pre-training's folder (its
             ``trainer.default_root_dir`` or sweep run): the final checkpoint of its finished fit,
-            whatever version wrote it (:mod:`lightning_mods.checkpointing.finished_run`). The
+            whatever version wrote it (:mod:`lightning_mods.checkpointing._finished_run`). The
             backbone is the network that wrote it: class, architecture and shortcut schedule come
             from its hyper-parameters, the weights (resolved shortcut weights included) from its
             state_dict.

@@ -26,7 +26,7 @@ from lightning_mods.backbone.masked_autoencoder import (Generators, MaskedAutoen
                                          normalise_patches)
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.evaluation import metric_names
-from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 from lightning_mods.pictures.grids import labelled_grid, log_picture
 from lightning_mods.recipe.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr,
                                            steps_from_epochs, warmup_cosine_scheduler)

@@ -12,10 +12,10 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mods.evaluation import metric_names
-from lightning_mods.recipe.classification_steps import top_k_accuracy
+from lightning_mods.recipe._classification_steps import top_k_accuracy
 from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.backbone.shortcut import ShortcutSchedule
-from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 
@@ -69,7 +69,7 @@ class SpiralClassifier(ExactEvaluation, LightningModule):
             # the training loss (callbacks/reporting/progress_bar.py shows it without a host read per step)
             self.log(metric_names.LOSS[stage], loss, on_step=True, on_epoch=True, batch_size=labels.shape[0])
             count = labels.shape[0]
-        else:  # each point of the split once, also under DDP (lightning_mods.evaluation.distributed_eval)
+        else:  # each point of the split once, also under DDP (lightning_mods.evaluation._distributed_eval)
             count, logits, labels = self.without_repeats(batch_idx, logits, labels)
             mean = self.val_loss_mean if stage == "val" else self.test_loss_mean
             loss = F.cross_entropy(logits, labels, reduction="none")

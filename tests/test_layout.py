@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_HELPERS = ("checkpointing", "compat", "evaluation", "generation", "pictures", "recipe",
+MODULE_HELPERS = ("checkpointing", "_compat", "evaluation", "_generation", "pictures", "recipe",
                   "exit_statuses")
 CALLBACK_BASES = ("_utils", "schedule", "settings_key", "cost")
 # layer -> the layers it may import (besides itself and third-party packages)
@@ -188,7 +188,7 @@ def test_every_shipped_callback_has_its_test_file():
     for each callback of ``shortcutlab --help``."""
     import re
 
-    from commands import catalogue
+    from commands import _catalogue as catalogue
 
     have = {p.name for p in (ROOT / "tests" / "callbacks").glob("test_*.py")}
     missing = []
@@ -214,3 +214,34 @@ def test_each_module_name_occurs_once():
             names[path.parent.name if path.name == "__init__.py" else path.stem] += 1
     names["cli"] += 1
     assert sorted(name for name, count in names.items() if count > 1 and name != "__main__") == []
+
+
+def test_what_no_config_or_page_names_is_private():
+    """Infrastructure is private: a module that no config, no page of the user guide (README,
+    docs/, configs/README.md) and no command names, that defines no class a config can name and
+    none of its package's ``__all__``, has a name (or sits in a package) starting with ``_``."""
+    import cli
+    from commands import _catalogue as catalogue
+
+    def exported(path: Path) -> bool:
+        package, names = path.parent / "__init__.py", set()
+        for node in ast.parse(package.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                names = set(ast.literal_eval(node.value))
+        defined = {node.name for node in ast.parse(path.read_text()).body
+                   if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+        return bool(names & defined)
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "configs").rglob("*.md")),
+             *sorted((ROOT / "configs").rglob("*.yaml"))]
+    text = "\n".join(page.read_text() for page in pages)
+    public = {found.module for kind in catalogue.KINDS for found in catalogue.find(kind)}
+    public |= {module for module, _ in cli.COMMANDS.values()}
+    unnamed = []
+    for path, module in source_modules():
+        if path.name == "__init__.py" or any(part.startswith("_") for part in module.split(".")) or module == "cli":
+            continue
+        if module in public or module in text or path.relative_to(ROOT).as_posix() in text or exported(path):
+            continue
+        unnamed.append(module)
+    assert unnamed == []

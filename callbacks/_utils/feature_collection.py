@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lightning_mods.evaluation.eval_mode import isolated_eval, module_device
+from lightning_mods.evaluation._eval_mode import isolated_eval, module_device
 from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 
 from callbacks._utils.distributed import gather_strided, rank_and_world_size, strided_shard

@@ -1,5 +1,5 @@
 """Generation quality at validation: FID (and KID, IS) of samples of the diffusion model against
-the dataset (the decay paper, section 5; metrics in :mod:`lightning_mods.generation.fidelity_metrics`).
+the dataset (the decay paper, section 5; metrics in :mod:`lightning_mods._generation.fidelity_metrics`).
 
 Runs every ``every_n_epochs`` validation epochs of ``fit`` (None: every validation), after the
 last epoch of ``fit``, and at every ``validate`` (e.g.
@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
 from datamodules.base import check_positive
-from lightning_mods.generation.fidelity_metrics import GeneratedImages, UInt8Images, generation_metrics, subset_indices
+from lightning_mods._generation.fidelity_metrics import GeneratedImages, UInt8Images, generation_metrics, subset_indices
 from lightning_mods.evaluation import metric_names
 from callbacks._utils.distributed import log_identical
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due

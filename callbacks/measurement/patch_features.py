@@ -1,7 +1,7 @@
 """The patch-feature picture at every evaluation (the decay paper's Figure 3, DINO's
 PCA view): for the first ``num_images`` validation images, block ``block``'s patch tokens (a
 ResNet's spatial map) projected on their joint top three principal components, drawn as RGB
-beside the input (:mod:`lightning_mods.pictures.patch_pca`). The same images every time, so the pictures
+beside the input (:mod:`lightning_mods.pictures._patch_pca`). The same images every time, so the pictures
 of a run show how the embeddings change. ``shortcutlab features`` draws it for any checkpoint.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_mods.evaluation.eval_mode import isolated_eval
-from lightning_mods.pictures.patch_pca import images_for_display, patch_feature_figure, patch_rgb
+from lightning_mods.evaluation._eval_mode import isolated_eval
+from lightning_mods.pictures._patch_pca import images_for_display, patch_feature_figure, patch_rgb
 from lightning_mods.pictures.grids import log_picture
 from callbacks._utils.feature_collection import datamodule_dataset
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due

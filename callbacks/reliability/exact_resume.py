@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_mods.checkpointing import checkpoint_io
-from lightning_mods.compat import lightning_private
+from lightning_mods._compat import lightning_private
 from callbacks.cost import PER_CHECKPOINT
 
 

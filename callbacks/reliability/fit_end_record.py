@@ -4,7 +4,7 @@ A sweep's run folder fills while the run trains, so metrics alone cannot tell a 
 from one that is still training, was killed, or crashed where nothing recorded its exit (a
 cluster array job from ``shortcutlab sweep --print``). ``shortcutlab report`` counts a run, and
 its offline probe, only when the sweep recorded exit status 0 or this file exists. The sweep adds
-the callback to every fit it runs or prints (``commands.run_folder.write_logging_fragment``).
+the callback to every fit it runs or prints (``commands._run_folder.write_logging_fragment``).
 
 Lightning calls ``on_fit_end`` only after the fit loop ends by itself (its epochs or steps are
 done, or a callback such as EarlyStopping stopped it); an exception, a divergence

@@ -56,7 +56,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_mods.checkpointing import checkpoint_io
-from lightning_mods.compat import lightning_private
+from lightning_mods._compat import lightning_private
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.schedule import check_step_cadence, every_n_steps_or_logging
 from callbacks.cost import PER_STEP

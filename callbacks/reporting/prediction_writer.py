@@ -7,7 +7,7 @@ Each ``predict_step`` returns a dict of per-sample tensors (``embeddings`` from
     predictions = torch.load("predictions.pt", weights_only=True)  # {"embeddings": N x D, ...}
 
 plus ``indices`` (the sample's position in the predict dataset), and draws the embeddings in two
-dimensions, coloured by label (``embedding_map.png`` beside it, :mod:`lightning_mods.pictures.embedding_map`:
+dimensions, coloured by label (``embedding_map.png`` beside it, :mod:`lightning_mods.pictures._embedding_map`:
 scikit-learn's t-SNE, seeded, subsampled above ``max_points``). Under DDP every rank writes
 its part next to the output file (a folder every node sees, as the log directory is), rank 0
 merges the parts in dataset order, drops the samples a ``DistributedSampler`` repeated to even
@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_mods.pictures.embedding_map import EMBEDDING_MAP_POINTS, write_embedding_map
+from lightning_mods.pictures._embedding_map import EMBEDDING_MAP_POINTS, write_embedding_map
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from callbacks.cost import ONCE
 

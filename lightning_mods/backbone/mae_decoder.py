@@ -18,7 +18,7 @@ output, one mask token at masked positions, decoder-width sin-cos position embed
 every token (cls row zero).
 
 Both: timm ``Block``s with ``LayerNorm(eps=1e-6)``, a final LayerNorm and ``Linear(dec -> p*p*C)``;
-MAE's initialisation (:mod:`lightning_mods.backbone.mae_init`). ``zero_init`` (the authors' choice)
+MAE's initialisation (:mod:`lightning_mods.backbone._mae_init`). ``zero_init`` (the authors' choice)
 starts ``attn.proj``/``mlp.fc2`` of every block, every fusion's last linear and the prediction
 weight at zero; He et al. zero none of them.
 """
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from timm.models.vision_transformer import Block
 
-from .mae_init import init_linear_and_norm_, zero_branch_ends_, zero_linear_
-from .patches import restore_order, sincos_pos_embed_2d
+from ._mae_init import init_linear_and_norm_, zero_branch_ends_, zero_linear_
+from ._patches import restore_order, sincos_pos_embed_2d
 
 LayerNorm6 = partial(nn.LayerNorm, eps=1e-6)  # every MAE factory passes eps=1e-6
 

@@ -14,7 +14,7 @@ Two layouts, parameter for parameter: with ``unet_skips=True`` the decay paper's
 (``xiao7199/decayed_Identity_shortcuts``, ``MAE/models_mae.py``: no final encoder norm, every
 branch end, fusion output and the prediction zero-initialised); with ``unet_skips=False`` and
 ``alpha_min=1`` He et al.'s MAE (``facebookresearch/mae``: final encoder LayerNorm, no zero
-starts). Both use MAE's initialisation (:mod:`lightning_mods.backbone.mae_init`) and LayerNorm
+starts). Both use MAE's initialisation (:mod:`lightning_mods.backbone._mae_init`) and LayerNorm
 eps 1e-6. :func:`checkpoint_filter_fn` maps both repositories' weight names to these.
 
 Extension points (the methods a subclass overrides; ``docs/extending.md``, ``examples/``):
@@ -33,8 +33,8 @@ from timm.models._features import feature_take_indices
 from torch import nn
 
 from .mae_decoder import ClassicDecoder, UNetSkipDecoder
-from .mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
-from .patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from ._mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
+from ._patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from .shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
 from .vit import DecayedVisionTransformer
 

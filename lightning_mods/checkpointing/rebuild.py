@@ -28,7 +28,7 @@ from jsonargparse import ArgumentParser, Namespace
 from torch import nn
 
 from lightning_mods.backbone.residual import SHORTCUT_KEY, DecayedResidual
-from lightning_mods.compat import lightning_private
+from lightning_mods._compat import lightning_private
 
 
 def read_torch_file(path: str | os.PathLike, field: str, *, noun: str = "torch checkpoint", mmap: bool = False,

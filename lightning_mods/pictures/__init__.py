@@ -1,3 +1,3 @@
-"""Pictures of a run: labelled grids and where they are written (`grids`), the patch-feature
-picture (`patch_pca`) and the embedding map of predictions (`embedding_map`)."""
-__all__ = ["grids", "patch_pca", "embedding_map"]
+"""Pictures of a run: labelled grids and where they are written (``grids``); the patch-feature
+picture and the embedding map of predictions are drawn by ``_patch_pca`` and ``_embedding_map``."""
+__all__ = ["grids"]

@@ -14,7 +14,7 @@ import yaml
 from lightning.pytorch import Trainer
 
 from callbacks.cost import COSTS
-from commands import catalogue
+from commands import _catalogue as catalogue
 from commands import lightning_cli as cli
 from commands.cli_settings import DEFAULT_CALLBACKS, add_required_callbacks
 

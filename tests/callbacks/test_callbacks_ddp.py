@@ -150,7 +150,7 @@ def test_ddp_two_processes_match_one_process(tmp_path):
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     assert len(ranks[0]["rank_profile"]) == 2 and ranks[0]["rank_profile"] == ranks[1]["rank_profile"]
     assert ranks[0]["probe_head"] == ranks[1]["probe_head"]
-    # the per-block heads, stepped together (callbacks/measurement/online_probe/stacked_heads.py), alike on every rank too
+    # the per-block heads, stepped together (callbacks/measurement/online_probe/_stacked_heads.py), alike on every rank too
     assert sorted(ranks[0]["block_heads"]) == ["1", "2"] and ranks[0]["block_heads"] == ranks[1]["block_heads"]
     assert ranks[0]["probe_steps"] == ranks[1]["probe_steps"] == 2  # batches 0 and 2 of 4
 

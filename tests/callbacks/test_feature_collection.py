@@ -10,10 +10,10 @@ from lightning.pytorch import seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_mods.evaluation.distributed_eval import padding_mask as distributed_padding_mask
+from lightning_mods.evaluation._distributed_eval import padding_mask as distributed_padding_mask
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks._utils.feature_collection import collect_features, isolated_eval
-from lightning_mods.evaluation.eval_mode import submodules
+from lightning_mods.evaluation._eval_mode import submodules
 from callbacks.measurement.knn import KNNEvaluator
 from tiny_runs import Passthrough, TinyData, TinyNet, metric, tiny_trainer
 

@@ -1,4 +1,4 @@
-"""The online probe's feature replay (callbacks/measurement/online_probe/feature_replay.py): the ring buffer's rows by age
+"""The online probe's feature replay (callbacks/measurement/online_probe/_feature_replay.py): the ring buffer's rows by age
 on hand-worked cases, its state round trip, and the probe's head steps on replayed rows
 against a float64 reference of the same SGD steps."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks.measurement.online_probe.feature_replay import FeatureReplay
+from callbacks.measurement.online_probe._feature_replay import FeatureReplay
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
 
@@ -64,7 +64,7 @@ def test_head_batch_and_head_steps_are_checked(settings):
 def test_head_batch_and_head_steps_sweep_the_replay_as_asked():
     """every_n_steps=4, replay of 8, head_batch 6, head_steps 2: the 8 samples added are swept by
     2 steps of 6 rows, ages 0-5 then 6, 7, 0, 1, 2, 3 (round the replay again)."""
-    from callbacks.measurement.online_probe.heads import OnlineProbeHeads
+    from callbacks.measurement.online_probe._heads import OnlineProbeHeads
 
     heads = OnlineProbeHeads(8, [0.1], "sgd", 0.0, False, 0, 4, 8, head_batch=6, head_steps=2)
     features, labels = numbered(list(range(8)))

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.reliability.fit_end_record import FIT_END_FILE, FitEndRecord
-from commands.run_metrics import FIT_END_FILE as REPORT_READS
+from commands._run_metrics import FIT_END_FILE as REPORT_READS
 from line_module import Line
 
 

@@ -1,4 +1,4 @@
-"""Probe heads stacked and stepped together (callbacks/measurement/online_probe/stacked_heads.py) against the same
+"""Probe heads stacked and stepped together (callbacks/measurement/online_probe/_stacked_heads.py) against the same
 heads stepped one by one with torch autograd: weights, batch-norm running statistics, the
 scored loss and accuracy, and optimiser states after several steps, for AdamW and SGD, with
 and without batch norm; the per-head optimiser layout round trip; a fixed number of
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.op_counts import OpCounter
-from callbacks.measurement.online_probe.stacked_heads import StackedHeads
-from lightning_mods.evaluation.probe_head import ProbeHead
+from callbacks.measurement.online_probe._stacked_heads import StackedHeads
+from lightning_mods.evaluation._probe_head import ProbeHead
 from lightning_mods.recipe.optim import adamw
 
 WIDTH, CLASSES, SAMPLES, HEADS, STEPS = 6, 4, 10, 3, 5

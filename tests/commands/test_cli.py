@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commands import console
+from commands import _console as console
 from commands import lightning_cli as cli
 from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
 from lightning_mods.mae import MaskedAutoencoder

@@ -17,7 +17,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 
 import cli
 from datamodules.digits import Digits
-from commands import catalogue
+from commands import _catalogue as catalogue
 from commands import lightning_cli
 
 ROOT = Path(__file__).resolve().parents[2]

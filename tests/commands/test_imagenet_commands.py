@@ -24,7 +24,7 @@ import pytest
 
 import folders
 from benchmarks.data_pipeline import write_jpeg_folder
-from commands import report, supervised_run, sweep
+from commands import report, _supervised_run as supervised_run, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 EIGHT_GPU_ITEMS = {"data.init_args.batch_size=512": "data.init_args.batch_size=4", "trainer.devices=8": "trainer.devices=1",
@@ -74,7 +74,7 @@ SMALL_PRETRAINING = ["model.init_args.embed_dim=32", "model.init_args.depth=2", 
                      "model.init_args.decoder_num_heads=2"]
 
 
-def in_process(args, log, grace=None) -> tuple[int, float]:  # noqa: ANN001 (commands.supervised_run.run_once's)
+def in_process(args, log, grace=None) -> tuple[int, float]:  # noqa: ANN001 (commands._supervised_run.run_once's)
     """``shortcutlab <args>`` as ``run_once`` runs it, in this process: ``(exit status, seconds)``."""
     from commands import lightning_cli as cli
 

@@ -6,7 +6,7 @@ import lightning as L
 from rich.console import Console
 from rich.progress import Progress
 
-from commands.progress import EpochProgress, command_progress, show_progress, tracked
+from commands._progress import EpochProgress, command_progress, show_progress, tracked
 from datamodules.spiral import Spiral
 from lightning_mods.spiral_classifier import SpiralClassifier
 

@@ -238,7 +238,7 @@ def test_a_final_value_from_before_the_runs_last_epoch_is_listed(experiment):
 
 def test_rank_curve_is_the_mean_over_seeds(experiment):
     group_keys, groups = report.group_runs(report.find_runs(experiment, skip=experiment / "report"))
-    from commands.report_figures import _mean_curve
+    from commands._report_figures import _mean_curve
 
     for group in groups:
         alpha = group.key["alpha_min"]

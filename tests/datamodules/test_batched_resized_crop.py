@@ -1,4 +1,4 @@
-"""datamodules/batched_resized_crop.py: a batch of crops of images of different sizes, resized in two
+"""datamodules/_batched_resized_crop.py: a batch of crops of images of different sizes, resized in two
 batched matmuls, equals torch's antialiased bicubic ``interpolate`` of each crop alone (down- and
 upscaling) within float rounding; the kernel is Keys' a = -0.5 at hand-computed points; the
 padding the batch adds never weighs in; large crops are split off into their own calls."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from datamodules.batched_resized_crop import bicubic, pad_images, resized_crops
-from datamodules.gpu_decode import padded_chunks
+from datamodules._batched_resized_crop import bicubic, pad_images, resized_crops
+from datamodules._gpu_decode import padded_chunks
 
 
 def test_keys_kernel_at_hand_computed_points():

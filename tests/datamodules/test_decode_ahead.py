@@ -1,5 +1,5 @@
 """ImageNet's decoder="gpu" with its batches decoded one ahead in a background thread
-(datamodules/decode_ahead.py), through the CPU stand-in: the same batches as decoding in line, a
+(datamodules/_decode_ahead.py), through the CPU stand-in: the same batches as decoding in line, a
 checkpoint's loader position counts the batches handed out (not the one being decoded) and
 resumes at the first not trained, and the thread stops at the epoch's end, on an error (raised
 in the loop) and when the loop drops the iterator."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.data_pipeline import write_jpeg_folder
-from datamodules.decode_ahead import DecodeAhead
+from datamodules._decode_ahead import DecodeAhead
 from datamodules.imagenet import ImageNet
 
 

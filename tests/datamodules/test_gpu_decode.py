@@ -1,4 +1,4 @@
-"""ImageNet's decoder="gpu" (datamodules/gpu_decode.py), through its CPU stand-in (decode_jpeg on the
+"""ImageNet's decoder="gpu" (datamodules/_gpu_decode.py), through its CPU stand-in (decode_jpeg on the
 CPU; on CUDA the same calls run nvJPEG): the crop boxes are the CPU transform's draws, the pixels
 for a given box and flip are the CPU path's within resampling rounding, and the datamodule hands a
 fit the batches it would hand it with the CPU path's shapes and statistics."""
@@ -11,7 +11,7 @@ from torchvision.io import decode_image, read_file
 from torchvision.transforms import InterpolationMode, v2
 
 from benchmarks.data_pipeline import write_jpeg_folder
-from datamodules.gpu_decode import EncodedCrop, EncodedImages, collate_encoded, decode_and_augment
+from datamodules._gpu_decode import EncodedCrop, EncodedImages, collate_encoded, decode_and_augment
 from datamodules.imagenet import IMAGENET_MEAN, IMAGENET_STD, CorruptImageError, ImageNet, read_rgb_tensor
 
 

@@ -235,7 +235,7 @@ def test_digits_config_fits_one_step_and_validates_from_its_checkpoint(tmp_path)
 def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):
     from types import SimpleNamespace
 
-    import lightning_mods.generation.samples as samples
+    import lightning_mods._generation.samples as samples
 
     module = DiffusionModule(**{**TINY, "num_classes": 10, "class_conditional": True, "num_sample_images": 16,
                                 "sampler": "ddim", "num_sampling_steps": 50, "guidance_scale": 2.0})

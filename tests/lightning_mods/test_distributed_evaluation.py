@@ -4,7 +4,7 @@ spiral classifier, and the MAE's and the diffusion model's validation losses (th
 noise drawn per image, from its dataset index), equals the one-process value on a validation set
 of 37 samples (not a multiple of the world size, nor of the batch of 5), and those losses count
 exactly the 37 images. Lightning's DistributedSampler repeats samples
-to even out the ranks; the modules leave the repeats out (lightning_mods/evaluation/distributed_eval.py)."""
+to even out the ranks; the modules leave the repeats out (lightning_mods/evaluation/_distributed_eval.py)."""
 from __future__ import annotations
 
 import json
@@ -95,7 +95,7 @@ def test_sample_indices_are_the_dataset_indices_a_distributed_sampler_hands_out(
 
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+    from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 
     import torch
 

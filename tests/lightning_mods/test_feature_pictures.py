@@ -12,8 +12,8 @@ from PIL import Image
 
 from commands import features as features_command
 from commands import lightning_cli as cli
-from lightning_mods.pictures.embedding_map import subsample
-from lightning_mods.pictures.patch_pca import patch_rgb, principal_components, upsample
+from lightning_mods.pictures._embedding_map import subsample
+from lightning_mods.pictures._patch_pca import patch_rgb, principal_components, upsample
 
 MIN_TILE = 96  # pixels per tile at least (lightning_mods.pictures.grids.labelled_grid)
 ROOT = Path(__file__).resolve().parents[2]

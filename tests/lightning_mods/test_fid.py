@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_feature_extractor
 
-from lightning_mods.generation.fidelity_metrics import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
+from lightning_mods._generation.fidelity_metrics import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
                                 to_uint8_rgb)
 from tiny_feature_extractor import IsOnlyExtractor, register_tiny_extractor
 

@@ -1,4 +1,4 @@
-"""A pre-training named by its folder (lightning_mods/checkpointing/finished_run.py): fine-tuning and
+"""A pre-training named by its folder (lightning_mods/checkpointing/_finished_run.py): fine-tuning and
 the probes start from the final checkpoint of its finished fit, whatever version wrote it (a
 resumed run logs to version_1: the written-down version_0 path would name the partly trained
 network), and a pre-training that did not finish is a one-line error naming its checkpoint."""
@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from commands import lightning_cli as cli
-from lightning_mods.checkpointing.finished_run import final_checkpoint
+from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.linear_probe import LinearProbe
 
 TINY = ["--config=configs/digits_mae.yaml", "--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32",

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from callbacks.reliability.exact_resume import ExactResume
-from lightning_mods.compat import lightning_private
+from lightning_mods._compat import lightning_private
 
 ROOT = Path(__file__).resolve().parents[2]
 FENCE = ROOT / "lightning_mods" / "compat" / "lightning_private.py"

@@ -12,7 +12,7 @@ from torch import nn
 
 from callbacks.measurement.online_probe import OnlineLinearProbe
 from lightning_mods.linear_probe import LinearProbe
-from lightning_mods.evaluation.probe_head import ProbeHead
+from lightning_mods.evaluation._probe_head import ProbeHead
 
 D, C = 12, 5
 

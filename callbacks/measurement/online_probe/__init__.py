@@ -16,7 +16,7 @@ order, so the pre-training is the same run with and without the callback.
 Cost and accuracy: the extra forward runs over ALL tokens while an MAE training step encodes a
 quarter of them; the defaults (every 4th batch, its first 16 of 128 images) embed 1/32 of what
 probing every full batch would, and the head steps are written by hand
-(:mod:`callbacks.measurement.online_probe.stacked_heads`: all heads of one width in one step). After the quickstart's 100 epochs the
+(:mod:`callbacks.measurement.online_probe._stacked_heads`: all heads of one width in one step). After the quickstart's 100 epochs the
 shipped probe reads 56.4 % validation top-1 against the every-batch probe's 57.5 % at the same
 rate (``python -m benchmarks --only probe-accuracy``; other cadences in docs/performance.md).
 ``every_n_steps=1, max_samples=None, replay_samples=None`` is lightly's every-batch probe. The
@@ -37,10 +37,10 @@ resumes every rank exactly. Validation accuracy counts every validation sample o
 scores its strided shard of the shared features; the duplicates a DistributedSampler pads with
 are masked out), summed over ranks by torchmetrics.
 
-The package holds the callback (``probe``) and its parts: the heads with their replay, step and
-validation scores (``heads``), the heads of one width stacked and stepped together
-(``stacked_heads``), the replay of probed features (``feature_replay``) and the samples of a probe
-waiting for their finiteness check (``probed_samples``).
+The package holds the callback (``probe``) and its private parts: the heads with their replay,
+step and validation scores (``_heads``), the heads of one width stacked and stepped together
+(``_stacked_heads``), the replay of probed features (``_feature_replay``) and the samples of a
+probe waiting for their finiteness check (``_probed_samples``).
 """
 from .probe import DEFAULT_LR, OnlineLinearProbe
 

@@ -11,16 +11,16 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from callbacks._utils.distributed import all_reduce_sum, is_distributed, log_identical
 from callbacks._utils.feature_collection import loader_settings
-from .heads import OnlineProbeHeads, ValidationScores, check_settings
-from .probed_samples import Probed, gather_probed, nonfinite_flag_to_host
+from ._heads import OnlineProbeHeads, ValidationScores, check_settings
+from ._probed_samples import Probed, gather_probed, nonfinite_flag_to_host
 from callbacks.measurement.shared_features import SharedEvaluation
 from callbacks.settings_key import SettingsKeyed, check_name, format_setting
 from lightning_mods.evaluation import metric_names
-from lightning_mods.evaluation.distributed_eval import padding_mask
-from lightning_mods.evaluation.eval_mode import isolated_eval
+from lightning_mods.evaluation._distributed_eval import padding_mask
+from lightning_mods.evaluation._eval_mode import isolated_eval
 from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
-from lightning_mods.evaluation.probe_head import ProbeHead
+from lightning_mods.evaluation._probe_head import ProbeHead
 from callbacks.cost import PER_STEP
 
 DEFAULT_LR = {"adamw": 2e-2, "sgd": 0.1}
@@ -58,7 +58,7 @@ class OnlineLinearProbe(SettingsKeyed):
             loader shuffles, so the first ones are a random sample.
         replay_samples: keep the features of the last this many probed samples and take
             ``every_n_steps`` head steps on them per probe, newest first
-            (:mod:`callbacks.measurement.online_probe.feature_replay`; in the state, for exact resumes); ``None``:
+            (:mod:`callbacks.measurement.online_probe._feature_replay`; in the state, for exact resumes); ``None``:
             one head step on the fresh samples alone.
         head_batch: samples of each replayed head step (default ``replay_samples //
             every_n_steps``: one sweep of the replay per probe; larger goes round it again).
@@ -127,7 +127,7 @@ class OnlineLinearProbe(SettingsKeyed):
         self._val_seen = 0  # samples of validation dataloader 0 seen by this rank this epoch
         self._val_nonfinite = False  # a non-finite feature seen this validation epoch
 
-    # --- the heads (callbacks.measurement.online_probe.heads) ---------------------------------------
+    # --- the heads (callbacks.measurement.online_probe._heads) ---------------------------------------
     @property
     def heads(self) -> list[ProbeHead]:
         """One head per rate of :attr:`lrs` (empty until the features' width is known)."""
@@ -359,7 +359,7 @@ class OnlineLinearProbe(SettingsKeyed):
 
     # --- checkpoint -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The heads' state (:class:`~callbacks.measurement.online_probe.heads.OnlineProbeHeads`) and the
+        """The heads' state (:class:`~callbacks.measurement.online_probe._heads.OnlineProbeHeads`) and the
         cadence's: batches seen, the epoch's sums so far, the samples waiting for the heads and the
         per-block rows."""
         heads = self.probe_heads.state_dict() if self.probe_heads else dict(self._restored or {})

@@ -5,7 +5,7 @@ needs more cores than a GPU host has. Here the workers only read each file and d
 augmentation (RandomResizedCrop's box from the image size in the JPEG header, nothing decoded,
 and the flip); the batch goes to the device as encoded bytes, where ``torchvision.io.decode_jpeg``
 decodes the whole batch at once (nvJPEG on CUDA), and the batch is cropped and resized to
-``image_size`` (bicubic, antialiased: two batched matmuls, :mod:`datamodules.batched_resized_crop`),
+``image_size`` (bicubic, antialiased: two batched matmuls, :mod:`datamodules._batched_resized_crop`),
 flipped and normalised there. The idea is timm's
 prefetcher's (uint8 over the bus, normalised on the device), with the decoding moved too.
 
@@ -24,7 +24,7 @@ from PIL import Image
 from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 
-from datamodules.batched_resized_crop import pad_images, resized_crops
+from datamodules._batched_resized_crop import pad_images, resized_crops
 
 GPU_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG decodes to RGB
 
@@ -104,7 +104,7 @@ def decode_and_augment(images: EncodedImages, device: torch.device, image_size: 
                        std: Sequence[float]) -> torch.Tensor:
     """The ``B x 3 x image_size x image_size`` float32 batch on ``device``: decoded (the JPEGs in one
     call), cropped and resized (bicubic, antialiased, rounded to whole levels) as one batch
-    (:mod:`datamodules.batched_resized_crop`), flipped, normalised."""
+    (:mod:`datamodules._batched_resized_crop`), flipped, normalised."""
     device = torch.device(device)
     offsets, shapes = images.offsets.tolist(), images.shapes.tolist()  # host tensors: no synchronisation
     items = [images.payload[offsets[i]:offsets[i + 1]] for i in range(len(images))]

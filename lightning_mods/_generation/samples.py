@@ -11,10 +11,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from lightning_mods.evaluation.eval_mode import isolated_eval
-from lightning_mods.generation.guidance import guided_noise
-from lightning_mods.generation.sampling import check_sampler, make_sampler, run_sampler
-from lightning_mods.generation.vp_sde import euler_maruyama
+from lightning_mods.evaluation._eval_mode import isolated_eval
+from lightning_mods._generation.guidance import guided_noise
+from lightning_mods._generation.sampling import check_sampler, make_sampler, run_sampler
+from lightning_mods._generation.vp_sde import euler_maruyama
 from lightning_mods.pictures.grids import labelled_grid, log_picture
 
 

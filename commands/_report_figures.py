@@ -16,8 +16,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 if TYPE_CHECKING:
-    from commands.report_groups import Group, ReportedMetric
-    from commands.run_metrics import Run
+    from commands._report_groups import Group, ReportedMetric
+    from commands._run_metrics import Run
 
 DPI = 120
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from commands.run_folder import merge_metrics_csv, resumable_checkpoint
+from commands._run_folder import merge_metrics_csv, resumable_checkpoint
 
 
 def shell_line(args: Sequence[str]) -> str:

@@ -115,9 +115,9 @@ def expect_frozen_eval_modules(model: torch.nn.Module) -> None:
 def answer_repeated_samples_warning(model: torch.nn.Module) -> None:
     """Lightning warns that a DDP ``validate``/``test`` evaluates some samples twice (its
     ``DistributedSampler`` evens out the ranks). A model that leaves those repeats out
-    (:class:`lightning_mods.evaluation.distributed_eval.ExactEvaluation`) reports the one-process
+    (:class:`lightning_mods.evaluation._distributed_eval.ExactEvaluation`) reports the one-process
     numbers, so the warning does not apply to it; any other model still gets it."""
-    from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+    from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 
     if isinstance(model, ExactEvaluation):
         warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "

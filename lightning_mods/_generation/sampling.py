@@ -8,7 +8,7 @@ Two noise processes, picked by ``noise_process``:
   ``abar_t = prod_{s<=t} (1 - beta_s)`` (``DDPMScheduler.add_noise``); the network sees ``t``.
 - ``vp_sde`` (U-ViT's pixel CIFAR runs, ``sde.py``): continuous ``t ~ U(0, 1)`` on the linear VP
   SDE with ``beta(t)`` from ``T * beta_start`` to ``T * beta_end`` (0.1 to 20 with the defaults);
-  the network sees ``t * 999`` (:mod:`lightning_mods.generation.vp_sde`).
+  the network sees ``t * 999`` (:mod:`lightning_mods._generation.vp_sde`).
 
 Samplers, picked by name:
 
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_mods.generation.vp_sde import NETWORK_TIME_SCALE, VPSDE
+from lightning_mods._generation.vp_sde import NETWORK_TIME_SCALE, VPSDE
 
 NOISE_PROCESSES: tuple[str, ...] = ("discrete", "vp_sde")
 SAMPLERS: tuple[str, ...] = ("ddpm", "ddim", "dpmsolver++", "dpmsolver++_singlestep", "euler_maruyama")

@@ -4,7 +4,7 @@ top-5 accuracy on val and test, logged under the names of :mod:`lightning_mods.e
 The accuracies are torchmetrics ``MulticlassAccuracy`` (micro) and the evaluation loss a
 ``MeanMetric`` of the per-sample losses: their counts are summed over ranks when the epoch value
 is computed, and the samples a DDP ``DistributedSampler`` repeats are left out
-(:mod:`lightning_mods.evaluation.distributed_eval`), so a DDP run reports the one-process
+(:mod:`lightning_mods.evaluation._distributed_eval`), so a DDP run reports the one-process
 numbers of the whole split.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mods.evaluation import metric_names
-from lightning_mods.evaluation.distributed_eval import ExactEvaluation
+from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 
 
 def top_k_accuracy(num_classes: int, k: int) -> MulticlassAccuracy:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from commands.run_folder import sweep_record
-from commands.sweep_grid import parse_run_name
+from commands._run_folder import sweep_record
+from commands._sweep_grid import parse_run_name
 
 METRICS_FILE = "metrics.csv"
 SWEEP_RECORD = "sweep.json"

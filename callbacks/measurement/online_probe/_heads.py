@@ -1,5 +1,5 @@
 """The online probe's heads: one linear head per learning rate (and per chosen block), stacked by
-width and stepped together (:mod:`callbacks.measurement.online_probe.stacked_heads`), the feature replay, with one
+width and stepped together (:mod:`callbacks.measurement.online_probe._stacked_heads`), the feature replay, with one
 ``state_dict`` in a per-head layout. :class:`callbacks.measurement.online_probe.OnlineLinearProbe`
 decides when they learn and logs what they score; this module is how they learn.
 
@@ -14,11 +14,11 @@ from typing import Any, Optional, Union
 import torch
 
 from callbacks._utils.distributed import all_reduce_sum
-from .feature_replay import FeatureReplay
-from .stacked_heads import StackedHeads
-from lightning_mods.evaluation.probe_head import ProbeHead
+from ._feature_replay import FeatureReplay
+from ._stacked_heads import StackedHeads
+from lightning_mods.evaluation._probe_head import ProbeHead
 from lightning_mods.evaluation import metric_names
-from lightning_mods.recipe.classification_steps import top_k_accuracy
+from lightning_mods.recipe._classification_steps import top_k_accuracy
 
 OWNER = "OnlineLinearProbe"
 FINAL = "features"  # the member key of the heads on forward_features (block heads: the block's number)
@@ -194,7 +194,7 @@ class OnlineProbeHeads:
                   labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Add the samples to the group's replay, then its sweep: ``every_n_steps`` batches of
         ``head_batch`` samples, newest first, going round the replay again where they hold more
-        (:mod:`callbacks.measurement.online_probe.feature_replay`), chosen with one index per probe."""
+        (:mod:`callbacks.measurement.online_probe._feature_replay`), chosen with one index per probe."""
         if group.replay is None:
             group.replay = FeatureReplay(self.replay_samples)
         replay = group.replay

@@ -1,6 +1,6 @@
 """The rows and columns of a sweep's report (``shortcutlab report``): a reported metric, the
 summary of its values over seeds, and a group of runs. Shared by :mod:`commands.report` (the
-table) and :mod:`commands.report_figures` (the pictures), which import it, not each other."""
+table) and :mod:`commands._report_figures` (the pictures), which import it, not each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from commands.run_metrics import Run
+from commands._run_metrics import Run
 
 
 @dataclass(frozen=True)

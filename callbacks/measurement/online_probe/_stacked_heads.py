@@ -14,7 +14,7 @@ biases and ``H x D`` running statistics, and a step is a fixed handful of calls 
 - one optimiser step (AdamW fused where the kernel exists, else SGD with momentum) over the two
   stacked parameters: Adam and SGD are elementwise, so each head's update is its own.
 
-Each member keeps a :class:`~lightning_mods.evaluation.probe_head.ProbeHead` whose parameters
+Each member keeps a :class:`~lightning_mods.evaluation._probe_head.ProbeHead` whose parameters
 and buffers are views of the stacked tensors (what validation scores and ``state_dict`` read),
 and its optimiser state can be read and written in the layout of a per-head optimiser, so
 checkpoints keep the per-head layout. ``tests/callbacks/test_stacked_heads.py`` checks the steps
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from callbacks._utils.distributed import average_across_ranks_
-from lightning_mods.evaluation.probe_head import ProbeHead
+from lightning_mods.evaluation._probe_head import ProbeHead
 from lightning_mods.recipe.optim import adamw
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from commands.run_folder import FOLLOW_UP_DIR
+from commands._run_folder import FOLLOW_UP_DIR
 
 # grid keys whose last component is not a readable name
 SHORT_NAMES = {"seed_everything": "seed"}
