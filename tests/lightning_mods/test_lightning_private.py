@@ -21,7 +21,7 @@ from callbacks.reliability.exact_resume import ExactResume
 from lightning_mods._compat import lightning_private
 
 ROOT = Path(__file__).resolve().parents[2]
-FENCE = ROOT / "lightning_mods" / "compat" / "lightning_private.py"
+FENCE = ROOT / "lightning_mods" / "_compat" / "lightning_private.py"
 PRIVATE_OF_THEIRS = re.compile(r"\b(trainer|loop|epoch_loop|fit_loop|pl_module|metric|connector)\b\.?\w*\._[a-z]\w*")
 
 
