@@ -9,7 +9,6 @@ import inspect
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
-
 from lightning.pytorch.utilities import rank_zero_info
 
 from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
