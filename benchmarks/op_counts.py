@@ -36,8 +36,12 @@ SECTION = "ATen operations a step, per shipped callback"
 OPS_PER_STEP_GOAL = 50
 NETWORK_FORWARDS = ("forward_features", "forward_intermediates")  # a callback's forward of the network
 FORWARD = "forward of the network"
+# between them they carry every shipped callback whose cost is "per step" (callbacks.cost)
 CONFIGS = {"quickstart MAE": ["--config=configs/digits_mae.yaml"],
-           "quick U-ViT": ["--config=configs/digits_diffusion_quick.yaml"]}
+           "quick U-ViT": ["--config=configs/digits_diffusion_quick.yaml"],
+           "quick ResNet with ResidualDroppath": ["--config=configs/data/digits.yaml",
+                                                   "--config=configs/digits_resnet/base.yaml",
+                                                   "--config=configs/rdp/residual_droppath.yaml"]}
 
 
 class OpCounter(TorchDispatchMode):

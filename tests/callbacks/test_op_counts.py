@@ -52,3 +52,20 @@ def test_every_shipped_callback_dispatches_at_most_50_operations_a_step(config, 
     if config == "quickstart MAE":  # the probe's measurement: its forward of the network every 4th step, apart
         forward = counted["per_step"][f"OnlineLinearProbe: {FORWARD}"]
         assert 50 < forward < 120, forward
+
+
+def test_the_counted_configs_carry_every_per_step_callback():
+    """Every shipped callback that works in every step (``cost = PER_STEP``) is in one of the
+    configs counted above, as the CLI reads their callback lists."""
+    from callbacks.cost import PER_STEP
+    from commands import _catalogue as catalogue
+    from composed_configs import declared_callbacks
+
+    per_step = {found.class_path for found in catalogue.find("callback") if found.cost == PER_STEP}
+    carried = set()
+    for args in CONFIGS.values():
+        files = [a.split("=", 1)[1].removeprefix("configs/") for a in args]
+        carried |= {c["class_path"] for f in files for c in declared_callbacks(f)}
+    carried = {path.replace("online_probe.OnlineLinearProbe", "online_probe.probe.OnlineLinearProbe")
+               for path in carried}
+    assert per_step - carried == set()
