@@ -167,8 +167,17 @@ def session(tmp_path: Path) -> tuple[Path, dict[str, str]]:
                          ids=page_name)
 def test_the_blocks_this_file_runs_run(page, tmp_path):
     """The page's blocks marked ``tests/test_docs.py``, in order, in one folder (a later block
-    may read what an earlier one wrote, as on the page)."""
+    may read what an earlier one wrote, as on the page). ``.venv/bin/shortcutlab`` runs through a
+    warm fork of the CLI (tests/fork_server.py: the same ``console_main``, arguments, folder,
+    environment and streams, without importing torch and Lightning anew for each command)."""
+    from fork_server import ForkServer
+
     folder, env = session(tmp_path)
+    with ForkServer(env) as warm:
+        run_blocks(page, folder, env, warm.command())
+
+
+def run_blocks(page: Path, folder: Path, env: dict[str, str], shortcutlab: str) -> None:
     for block in code_blocks(page):
         if block["lang"] not in RUNNABLE or not block["mark"] or "tests/test_docs.py" not in block["mark"][1]:
             continue
@@ -177,7 +186,9 @@ def test_the_blocks_this_file_runs_run(page, tmp_path):
             run = subprocess.run([sys.executable, "block.py"], cwd=folder, env=env, capture_output=True, text=True,
                                  timeout=600)
         else:
-            run = subprocess.run(["bash", "-euo", "pipefail", "-c", as_run_here(block["code"], folder)], cwd=folder,
+            script = re.sub(r"(^|[;&|(]\s*)\.venv/bin/shortcutlab(?= )", lambda m: m.group(1) + shortcutlab,
+                            as_run_here(block["code"], folder), flags=re.M)
+            run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder,
                                  env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, f"{page_name(page)}:{block['line']}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
 
