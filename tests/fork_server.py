@@ -23,6 +23,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+IDLE_EXIT_S = 900
+
 
 def _run_child(request: dict, fds: list[int]) -> None:
     for number, fd in enumerate(fds):
@@ -63,9 +65,14 @@ def serve(path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen()
+    server.settimeout(IDLE_EXIT_S)  # left behind by a killed test: it goes by itself
     print("ready", flush=True)
     while True:
-        connection, _ = server.accept()
+        try:
+            connection, _ = server.accept()
+        except TimeoutError:
+            return
+        connection.settimeout(None)
         message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
         while not message.endswith(b"\n"):
             message += connection.recv(1 << 16)
@@ -108,15 +115,20 @@ class ForkServer:
         self.process: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> "ForkServer":
+        # its own output in a file: a server left behind holds none of the test run's streams
+        self.log = open(self.folder / "server.log", "w")
         self.process = subprocess.Popen([sys.executable, __file__, "serve", self.path], env=self.env,
-                                        stdout=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True)
         if self.process.stdout.readline().strip() != "ready":
-            raise RuntimeError("the shortcutlab fork server did not start")
+            self.process.wait()
+            raise RuntimeError("the shortcutlab fork server did not start: "
+                               + (self.folder / "server.log").read_text()[-2000:])
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.process.kill()
         self.process.wait()
+        self.log.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def command(self) -> str:
