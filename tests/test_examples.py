@@ -21,12 +21,27 @@ SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer
 TINY_MAE = ["--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2"]
 
 
+WARM: list[str] = []  # the fork server's command line while this module's tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_cli():
+    """``shortcutlab`` through a warm fork of the CLI (tests/fork_server.py): each command still
+    runs in a process of its own, with only the user's folder on ``PYTHONPATH``."""
+    from fork_server import ForkServer
+
+    with ForkServer({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}) as warm:
+        WARM[:] = warm.command().split()
+        yield
+    WARM.clear()
+
+
 def shortcutlab(cwd: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    command = WARM or [sys.executable, "-m", "cli"]
+    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def user_folder(tmp_path: Path, *examples: str) -> Path:
