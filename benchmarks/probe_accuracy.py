@@ -48,8 +48,7 @@ def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[R
     others = {label: OnlineLinearProbe(name=label, **kwargs) for label, kwargs in (candidates or {}).items()}
     with quiet(), tempfile.TemporaryDirectory() as root:
         seed_everything(0, verbose=False)
-        model = quickstart_model(settings)
-        model.hparams.num_reconstructions = 0
+        model = quickstart_model(settings, num_reconstructions=0)
         tr = trainer(settings, os.path.join(root, "probes"), [shipped, reference, *others.values()],
                      SHIPPED_EPOCHS, SHIPPED_EVAL_EVERY)
         tr.fit(model, datamodule=quickstart_data(settings))

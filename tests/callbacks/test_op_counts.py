@@ -60,12 +60,11 @@ def test_the_counted_configs_carry_every_per_step_callback():
     from callbacks.cost import PER_STEP
     from commands import _catalogue as catalogue
     from composed_configs import declared_callbacks
+    from lightning_mods.checkpointing.rebuild import import_path
 
-    per_step = {found.class_path for found in catalogue.find("callback") if found.cost == PER_STEP}
+    per_step = {import_path(found.class_path) for found in catalogue.find("callback") if found.cost == PER_STEP}
     carried = set()
     for args in CONFIGS.values():
         files = [a.split("=", 1)[1].removeprefix("configs/") for a in args]
-        carried |= {c["class_path"] for f in files for c in declared_callbacks(f)}
-    carried = {path.replace("online_probe.OnlineLinearProbe", "online_probe.probe.OnlineLinearProbe")
-               for path in carried}
-    assert per_step - carried == set()
+        carried |= {import_path(c["class_path"]) for f in files for c in declared_callbacks(f)}
+    assert {cls.__name__ for cls in per_step - carried} == set()
