@@ -17,7 +17,9 @@ Each figure is in images per second and as a fraction of the first row:
    Lightning's default checkpoint off;
 4. **the fit as shipped**: ``shortcutlab fit`` with the config's own callbacks;
    (with ``--compile``, also the step with the residual blocks compiled, as ``CompileBlocks``
-   does, and the seconds its compiles took);
+   does, the step with the whole network captured, as ``CompileNetwork`` does: CUDA graphs on a
+   GPU, and the seconds their compiles took; and a fourth fit, as shipped with ``CompileNetwork``:
+   the captured step inside the fit, as a ratio to the fit as shipped);
 5. **each shipped callback's cost**: the seconds inside its hooks while the timed steps ran,
    per step (synchronised before and after each hook on CUDA, so its GPU work is counted), from
    a third fit; in milliseconds per step and as a share of the step alone's time.
@@ -75,11 +77,15 @@ class Breakdown:
     step: Optional[float] = None
     step_warmup: Optional[int] = None  # the steps it took the step alone to settle
     peer_loop: Optional[float] = None
+    compiled: bool = False  # the compiled figures were asked for (--compile)
     compiled_step: Optional[float] = None
     compile_seconds: Optional[float] = None
+    captured_step: Optional[float] = None
+    capture_seconds: Optional[float] = None
     loader: Optional[float] = None
     bare_fit: Optional[float] = None
     shipped_fit: Optional[float] = None
+    captured_fit: Optional[float] = None
     callback_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
@@ -178,13 +184,16 @@ def fit(args: list[str], out: Path, steps: int, precision: str, accelerator: str
 
 
 def timed_fit(case: Case, out: Path, settings: Settings, callbacks: str) -> dict:
-    """A fit of ``case`` with ``callbacks``: ``"none"``, ``"shipped"`` or ``"clocked"`` (shipped
-    plus :class:`CallbackClock`); its :class:`Throughput` record (and the clock's) merged in."""
+    """A fit of ``case`` with ``callbacks``: ``"none"``, ``"shipped"``, ``"captured"`` (shipped plus
+    ``CompileNetwork``) or ``"clocked"`` (shipped plus :class:`CallbackClock`); its
+    :class:`Throughput` record (and the clock's) merged in."""
     out.mkdir(parents=True, exist_ok=True)
     record, clock = out / "throughput.json", out / "clock.json"
     extra = ["--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"] if callbacks == "none" else []
     extra += ["--trainer.callbacks+=benchmarks.fit_breakdown.Throughput", f"--trainer.callbacks.path={record}",
               f"--trainer.callbacks.warmup_steps={case.warmup}"]
+    if callbacks == "captured":
+        extra += ["--trainer.callbacks+=callbacks.training.compile.CompileNetwork"]
     if callbacks == "clocked":
         extra += ["--trainer.callbacks+=benchmarks.fit_breakdown.CallbackClock", f"--trainer.callbacks.path={clock}",
                   f"--trainer.callbacks.warmup_steps={case.warmup}"]
@@ -307,6 +316,42 @@ def compiled_step_alone(model: LightningModule, batch: Any, settings: Settings, 
     return step_alone(model, batch, settings, 2, timed), compile_seconds
 
 
+def captured_step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int,
+                        timed: int) -> tuple[float, float]:
+    """:func:`step_alone` with the module's whole call compiled in place as ``CompileNetwork`` does
+    (CUDA graphs on a GPU); its images per second and the seconds of its warm-up steps (the
+    compiles and the graphs' capture)."""
+    from callbacks.training.compile import CompileNetwork
+
+    model.compile(**CompileNetwork().compile_options())
+    start = time.perf_counter()
+    step_alone(model, batch, settings, max(warmup, 3), 1)
+    capture_seconds = time.perf_counter() - start
+    return step_alone(model, batch, settings, 2, timed), capture_seconds
+
+
+def compiled_figures(case: Case, settings: Settings, batch: Any, result: Breakdown) -> None:
+    """The step alone with the blocks compiled and with the network captured, each on a fresh copy
+    of the network (the official loop keeps the eager one); a failure is kept as an error."""
+    for label, timed_alone, fields in (("blocks compiled", compiled_step_alone, ("compiled_step", "compile_seconds")),
+                                       ("network captured", captured_step_alone, ("captured_step", "capture_seconds"))):
+        try:
+            fresh, _ = built(case, settings)
+            figures = timed_alone(fresh, batch, settings, case.warmup, case.timed)
+            for name, value in zip(fields, figures):
+                setattr(result, name, value)
+        except Exception as err:  # noqa: BLE001 (the error goes into the table)
+            result.errors.append(f"{label}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        finally:
+            fresh = None
+            torch._dynamo.reset()  # the compiled code goes with the copy it was made for
+
+
+def fits_made(case: Case, compiled: bool) -> tuple[str, ...]:
+    """The fits a breakdown makes: the case's, and with ``compiled`` the shipped one captured."""
+    return case.fits + (("captured",) if compiled and "shipped" in case.fits else ())
+
+
 def loader_alone(loader: Any, to_device: Callable[[Any], Any], settings: Settings, warmup: int, timed: int) -> float:
     """Images per second of the loader's batches through ``to_device`` (the datamodule's
     ``transfer_batch_to_device``: a copy, or a decode on the device), a new epoch's iterator where
@@ -329,7 +374,7 @@ def loader_alone(loader: Any, to_device: Callable[[Any], Any], settings: Setting
 
 def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
     """The five figures of ``case``; a figure that failed is None, its error kept."""
-    result = Breakdown(case)
+    result = Breakdown(case, compiled=settings.compile)
     try:
         model, data = built(case, settings)
         data.prepare_data()
@@ -344,8 +389,7 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
         result.step, result.step_warmup = settled_step_alone(model, batch, settings, case.warmup,
                                                              max(2, min(case.timed, 20)))
         if settings.compile:
-            result.compiled_step, result.compile_seconds = compiled_step_alone(model, batch, settings, case.warmup,
-                                                                               case.timed)
+            compiled_figures(case, settings, batch, result)
         loader = data.train_dataloader()
         result.loader = loader_alone(loader, to_device, settings, max(2, case.warmup // 4), case.timed)
         del loader, batch
@@ -358,7 +402,7 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
     finally:
         if settings.on_cuda:
             torch.cuda.empty_cache()
-    for callbacks in case.fits:
+    for callbacks in fits_made(case, settings.compile):
         record = timed_fit(case, scratch / f"{callbacks}", settings, callbacks)
         if record["status"] != 0:
             result.errors.append(f"fit ({callbacks}): {record.get('error')}")
@@ -368,6 +412,8 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
         elif callbacks == "shipped":
             result.shipped_fit = record.get("images_per_s")
             result.steps_per_epoch = record.get("steps_per_epoch") or result.steps_per_epoch
+        elif callbacks == "captured":
+            result.captured_fit = record.get("images_per_s")
         else:
             clock = record.get("clock") or {}
             steps = max(1, clock.get("steps", 0))
@@ -377,6 +423,10 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
 
 
 # --- the rows ----------------------------------------------------------------------------------
+def seconds(what: str, value: Optional[float]) -> str:
+    return "" if value is None else f"{what} took {value:.0f} s"
+
+
 def rows(breakdown: Breakdown) -> list[Row]:
     """The table rows of one case: img/s in ``raw``, the fraction of the step alone as the value."""
     case, section = breakdown.case, f"{SECTION}: {breakdown.case.name}"
@@ -394,19 +444,25 @@ def rows(breakdown: Breakdown) -> list[Row]:
                *(((f"the official recipe's own training loop ({PEERS[case.peer]})", peer,
                    "same network, its own data pipeline and loop"),) if case.peer else ()),
                *((("the network's step alone, residual blocks compiled (CompileBlocks)", breakdown.compiled_step,
-                   f"compiling took {breakdown.compile_seconds:.0f} s"),) if breakdown.compiled_step else ()),
+                   seconds("compiling", breakdown.compile_seconds)),
+                  ("the network's step alone, captured (CompileNetwork)", breakdown.captured_step,
+                   seconds("compiling and capturing", breakdown.capture_seconds))) if breakdown.compiled else ()),
                ("the fit without callbacks", breakdown.bare_fit, ""),
-               ("the fit as shipped", breakdown.shipped_fit, ""))
-    made = {"the fit without callbacks": "none", "the fit as shipped": "shipped"}
+               ("the fit as shipped", breakdown.shipped_fit, ""),
+               *((("the fit as shipped, network captured (CompileNetwork)", breakdown.captured_fit,
+                   f"{breakdown.captured_fit / breakdown.shipped_fit:.2f}x the fit as shipped"
+                   if breakdown.captured_fit and breakdown.shipped_fit else ""),) if breakdown.compiled else ()))
+    made = {"the fit without callbacks": "none", "the fit as shipped": "shipped",
+            "the fit as shipped, network captured (CompileNetwork)": "captured"}
     for name, rate, detail in figures:
-        if name in made and made[name] not in case.fits:
+        if name in made and made[name] not in fits_made(case, breakdown.compiled):
             continue
         if rate is None:
             out.append(skipped(section, name, "; ".join(breakdown.errors) or "not measured"))
             continue
         fraction = rate / step if step else None
         if peer and name in made:
-            detail = f"{rate / peer:.2f}x the official loop"
+            detail = f"{rate / peer:.2f}x the official loop" + (f"; {detail}" if detail else "")
         out.append(Row(section, name, fraction, fraction, None, "x",
                        f"{rate:.1f} img/s" + (f"; {detail}" if detail else ""),
                        {"images_per_s": rate, **({"of_official_loop": rate / peer} if peer and name in made else {})}))

@@ -218,7 +218,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--paper-steps", type=int, default=200)
     parser.add_argument("--ddp-steps", type=int, default=200)
     parser.add_argument("--breakdown-compile", action="store_true",
-                        help="the breakdown also times the step with the residual blocks compiled")
+                        help="the breakdown also times the step with the residual blocks compiled, the step with the "
+                             "network captured (CompileNetwork) and a fit with it")
     parser.add_argument("--breakdown-steps", type=int, default=BREAKDOWN_EPOCH_STEPS,
                         help="timed steps of each breakdown figure (after the warm-up)")
     parser.add_argument("--ddp-tolerance", type=float, default=0.05, help="relative, on the final training loss")

@@ -80,3 +80,20 @@ def test_fits_are_given_as_ratios_to_the_official_loop():
     assert by_name["the fit as shipped"].raw["of_official_loop"] == pytest.approx(0.75)
     assert "0.75x the official loop" in by_name["the fit as shipped"].detail
     assert "warmed up 60 steps" in out[0].detail
+
+
+def test_the_captured_step_and_fit_stand_beside_the_eager_ones():
+    case = Case("c", [], 20, 100, "generated")
+    out = rows(Breakdown(case, batch_size=128, steps_per_epoch=100, step=200.0, loader=400.0, bare_fit=180.0,
+                         shipped_fit=150.0, compiled=True, compiled_step=190.0, compile_seconds=40.0,
+                         captured_step=260.0, capture_seconds=70.0, captured_fit=195.0))
+    by_name = {row.name: row for row in out}
+    assert by_name["the network's step alone, captured (CompileNetwork)"].median == pytest.approx(1.3)
+    assert "compiling and capturing took 70 s" in by_name["the network's step alone, captured (CompileNetwork)"].detail
+    captured_fit = by_name["the fit as shipped, network captured (CompileNetwork)"]
+    assert captured_fit.median == pytest.approx(0.975) and "1.30x the fit as shipped" in captured_fit.detail
+    failed = rows(Breakdown(case, batch_size=128, step=200.0, shipped_fit=150.0, compiled=True,
+                            errors=["network captured: RuntimeError: no graph"]))
+    assert {row.name for row in failed} >= {"the network's step alone, captured (CompileNetwork)",
+                                            "the fit as shipped, network captured (CompileNetwork)"}
+    assert not any("CompileNetwork" in row.name for row in rows(Breakdown(case, batch_size=128, step=200.0)))

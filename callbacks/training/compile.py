@@ -1,5 +1,6 @@
-"""``torch.compile`` as an option: compile the network's residual blocks in
-place when a fit, validate or predict sets up.
+"""``torch.compile`` as an option, in two scopes, each compiled in place when a fit, validate or
+predict sets up: :class:`CompileBlocks` (the residual blocks) and :class:`CompileNetwork` (the
+module's whole call, captured as CUDA graphs on a GPU).
 
 Each shortcut-aware block (``lightning_mods.backbone.residual.residual_blocks``: the ViT, U-ViT
 and ResNet blocks, the MAE decoder's) is compiled with ``nn.Module.compile``, which compiles the
@@ -57,3 +58,72 @@ class CompileBlocks(Callback):
         for block in blocks:
             if getattr(block, "_compiled_call_impl", None) is None:  # once, whatever the stages
                 block.compile(**options)
+
+
+class CompileNetwork(Callback):
+    """Compile the LightningModule's whole call in place, as a step the host cannot slow down.
+
+    Everything a training step runs through ``self(...)`` is one compiled graph, forward and
+    backward: the MAE's masking, encoder, decoder and loss; the U-ViT's network; a classifier's
+    backbone and head. With ``mode="reduce-overhead"`` (the default) inductor replays that graph
+    as CUDA graphs on a GPU: one launch where an eager step launches thousands of kernels, so
+    loader workers and callbacks sharing the host no longer slow it. On the CPU the same mode
+    runs inductor's code without graphs. The optimiser stays outside, fused AdamW.
+
+    The compile is in place (``nn.Module.compile``): parameter names and the ``state_dict`` are
+    unchanged, so checkpoints of compiled and eager runs are interchangeable. With
+    ``eager_random`` (the default) random draws inside the graph (the MAE's masks, dropout) call
+    the same generator as eager code, so a compiled run draws the masks an eager run draws and an
+    exact resume stays exact across the two. Evaluation hooks that call ``forward_features``
+    (kNN, the online probe, effective rank) stay eager. The first steps compile (tens of seconds
+    on a GPU, more on a CPU), and each new input shape compiles again (the last, shorter batch of
+    an epoch unless the loader drops it, a validation batch). Do not combine it with
+    :class:`CompileBlocks`.
+
+    Args:
+        backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` to check tracing
+            without code generation).
+        mode: inductor mode: ``"reduce-overhead"`` (CUDA graphs), ``None``, ``"max-autotune"``.
+        fullgraph: fail on a graph break instead of splitting the graph.
+        dynamic: ``torch.compile``'s ``dynamic`` (``None``: decide from recompilations).
+        eager_random: inductor draws random numbers as eager code does (its ``fallback_random``).
+    """
+    cost = ONCE
+
+    def __init__(self, backend: str = "inductor", mode: Optional[str] = "reduce-overhead", fullgraph: bool = False,
+                 dynamic: Optional[bool] = None, eager_random: bool = True) -> None:
+        if not isinstance(backend, str) or not backend:
+            raise ValueError(f"CompileNetwork: backend must be a backend name, got {backend!r}")
+        if mode is not None:
+            from torch._inductor import list_mode_options
+            try:
+                list_mode_options(mode)
+            except Exception as err:  # noqa: BLE001 (torch's message names the modes)
+                raise ValueError(f"CompileNetwork: mode {mode!r} is not an inductor mode ({err})") from None
+        self.backend, self.mode, self.fullgraph, self.dynamic = backend, mode, fullgraph, dynamic
+        self.eager_random = bool(eager_random)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(backend=self.backend, mode=self.mode)
+
+    def compile_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``torch.compile``: inductor's options of ``mode``, plus
+        ``fallback_random`` under ``eager_random`` (torch takes a mode or options, not both)."""
+        options: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.backend != "inductor":
+            return options  # modes and options are inductor's
+        if not self.eager_random:
+            return {**options, **({"mode": self.mode} if self.mode is not None else {})}
+        from torch._inductor import list_mode_options
+        mode_options = list_mode_options(self.mode) if self.mode is not None else {}  # None: every mode's
+        return {**options, "options": {**mode_options, "fallback_random": True}}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        compiled = [name for name, module in pl_module.named_modules()
+                    if module is not pl_module and getattr(module, "_compiled_call_impl", None) is not None]
+        if compiled:
+            raise ValueError(f"CompileNetwork: {type(pl_module).__name__}.{compiled[0]} is compiled already "
+                             "(CompileBlocks?); compile the network or its blocks, not both")
+        if getattr(pl_module, "_compiled_call_impl", None) is None:  # once, whatever the stages
+            pl_module.compile(**self.compile_options())

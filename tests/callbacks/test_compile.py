@@ -1,4 +1,4 @@
-"""``torch.compile`` as an option: a fit with ``CompileBlocks`` trains the
+"""``torch.compile`` as an option: a fit with ``CompileBlocks`` or ``CompileNetwork`` trains the
 same network as eager within 1e-5 and writes a checkpoint an eager network loads as is."""
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import lightning as L
 import pytest
 import torch
 
-from callbacks.training.compile import CompileBlocks
+from callbacks.training.compile import CompileBlocks, CompileNetwork
 from datamodules.digits import Digits
 from lightning_mods.backbone.residual import residual_blocks
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.classifier import ImageClassifier
+from lightning_mods.mae import MaskedAutoencoder
 
 
 def tiny_classifier() -> ImageClassifier:
@@ -61,3 +62,63 @@ def test_compile_needs_residual_blocks():
 
     with pytest.raises(ValueError, match="no residual blocks"):
         CompileBlocks().setup(None, Plain(), "fit")
+
+
+def tiny_mae():
+    torch.manual_seed(0)
+    # zero_init_branches off: the first steps' loss and gradients depend on every weight and mask
+    return MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
+                             decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, warmup_epochs=0,
+                             num_reconstructions=0, zero_init_branches=False, shortcut=ShortcutSchedule("linear", 0.6))
+
+
+def fit_mae(callbacks: list, root) -> tuple[MaskedAutoencoder, dict]:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    module = tiny_mae()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=1, val_check_interval=3, num_sanity_val_steps=0,
+                        callbacks=callbacks, default_root_dir=root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=Digits(batch_size=16, image_size=8))
+    return module, {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@pytest.mark.slow
+def test_a_fit_with_the_network_compiled_draws_the_eager_masks_and_trains_the_same_network(tmp_path):
+    """The MAE's masks are drawn inside the compiled call: the same draws as eager give the same
+    losses and weights; the checkpoint loads into an eager network as is."""
+    compiled, compiled_metrics = fit_mae([CompileNetwork(backend="aot_eager")], tmp_path / "compiled")
+    eager, eager_metrics = fit_mae([], tmp_path / "eager")
+    assert compiled._compiled_call_impl is not None
+    assert not any(getattr(block, "_compiled_call_impl", None) for block in residual_blocks(compiled))
+    assert set(compiled_metrics) == set(eager_metrics) >= {"train/loss_step", "val/loss"}
+    for name, value in eager_metrics.items():
+        assert compiled_metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    for (name, got), want in zip(compiled.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    loaded = tiny_mae()
+    loaded.load_state_dict(torch.load(next((tmp_path / "compiled").rglob("*.ckpt")), map_location="cpu",
+                                      weights_only=True)["state_dict"])
+    assert getattr(loaded, "_compiled_call_impl", None) is None
+
+
+def test_the_network_compile_asks_inductor_for_cuda_graphs_and_eager_random_draws():
+    assert CompileNetwork().compile_options() == {
+        "backend": "inductor", "fullgraph": False, "dynamic": None,
+        "options": {"triton.cudagraphs": True, "fallback_random": True}}
+    assert CompileNetwork(mode=None).compile_options()["options"] == {"fallback_random": True}
+    assert CompileNetwork(mode=None, eager_random=False).compile_options() == {
+        "backend": "inductor", "fullgraph": False, "dynamic": None}
+    assert CompileNetwork(mode="max-autotune", eager_random=False).compile_options()["mode"] == "max-autotune"
+    assert "options" not in CompileNetwork(backend="aot_eager").compile_options()  # modes are inductor's
+    with pytest.raises(ValueError, match="CompileNetwork: mode 'fast' is not an inductor mode"):
+        CompileNetwork(mode="fast")
+
+
+def test_the_network_and_its_blocks_are_not_compiled_both():
+    module = tiny_mae()
+    CompileBlocks(backend="aot_eager").setup(None, module, "fit")
+    with pytest.raises(ValueError, match="compile the network or its blocks, not both"):
+        CompileNetwork(backend="aot_eager").setup(None, module, "fit")
