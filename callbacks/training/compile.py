@@ -48,6 +48,9 @@ class CompileBlocks(Callback):
         return self._generate_state_key(backend=self.backend, mode=self.mode)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(pl_module, "_compiled_call_impl", None) is not None:
+            raise ValueError(f"CompileBlocks: {type(pl_module).__name__} is compiled whole already (CompileNetwork?); "
+                             "compile the network or its blocks, not both")
         blocks = residual_blocks(pl_module)
         if not blocks:
             raise ValueError(f"CompileBlocks: {type(pl_module).__name__} has no residual blocks to compile "
@@ -73,8 +76,8 @@ class CompileNetwork(Callback):
     The compile is in place (``nn.Module.compile``): parameter names and the ``state_dict`` are
     unchanged, so checkpoints of compiled and eager runs are interchangeable. With
     ``eager_random`` (the default) random draws inside the graph (the MAE's masks, dropout) call
-    the same generator as eager code, so a compiled run draws the masks an eager run draws and an
-    exact resume stays exact across the two. Evaluation hooks that call ``forward_features``
+    the same generator as eager code, so a compiled run draws the masks an eager run draws, and a
+    run resumed with or without it goes on with the same draws. Evaluation hooks that call ``forward_features``
     (kNN, the online probe, effective rank) stay eager. The first steps compile (tens of seconds
     on a GPU, more on a CPU), and each new input shape compiles again (the last, shorter batch of
     an epoch unless the loader drops it, a validation batch). Do not combine it with

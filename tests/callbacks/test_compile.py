@@ -122,3 +122,7 @@ def test_the_network_and_its_blocks_are_not_compiled_both():
     CompileBlocks(backend="aot_eager").setup(None, module, "fit")
     with pytest.raises(ValueError, match="compile the network or its blocks, not both"):
         CompileNetwork(backend="aot_eager").setup(None, module, "fit")
+    whole = tiny_mae()
+    CompileNetwork(backend="aot_eager").setup(None, whole, "fit")
+    with pytest.raises(ValueError, match="compile the network or its blocks, not both"):
+        CompileBlocks(backend="aot_eager").setup(None, whole, "fit")
