@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 
+from callbacks.reliability.exact_resume import ExactResume
 from callbacks.training.compile import CompileBlocks, CompileNetwork
 from datamodules.digits import Digits
 from lightning_mods.backbone.residual import residual_blocks
@@ -126,3 +127,36 @@ def test_the_network_and_its_blocks_are_not_compiled_both():
     CompileNetwork(backend="aot_eager").setup(None, whole, "fit")
     with pytest.raises(ValueError, match="compile the network or its blocks, not both"):
         CompileBlocks(backend="aot_eager").setup(None, whole, "fit")
+
+
+def resumable_fit(root, compiled: bool, save=None, ckpt_path=None) -> dict:  # noqa: ANN001
+    """test_exact_resume's tiny MAE for its 3 epochs of 4 steps, with ExactResume."""
+    from test_exact_resume import BATCHES, EPOCHS
+    from test_exact_resume import tiny_mae as resumable_mae
+
+    L.seed_everything(0, verbose=False)
+    module = resumable_mae("linear")
+    callbacks = [ExactResume(), *([CompileNetwork(backend="aot_eager")] if compiled else []), *([save] if save else [])]
+    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
+                        enable_checkpointing=save is not None, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_train_batches=BATCHES, limit_val_batches=0, default_root_dir=root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, Digits(batch_size=32, image_size=8), ckpt_path=ckpt_path)
+    return {"weights": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict()["state"],
+            "step": trainer.global_step}
+
+
+@pytest.mark.slow
+def test_an_eager_run_resumed_from_a_compiled_run_s_checkpoint_equals_the_uninterrupted_eager_run(tmp_path):
+    """Mid-epoch, from a checkpoint the network-compiled run wrote as it was interrupted: the same
+    masks and weights go on (the compiled run drew what eager draws)."""
+    from test_exact_resume import MID_EPOCH, Interrupted, SaveAt
+
+    full = resumable_fit(tmp_path / "full", compiled=False)
+    with pytest.raises(Interrupted):
+        resumable_fit(tmp_path / "compiled", compiled=True, save=SaveAt(tmp_path / "compiled", (MID_EPOCH,), interrupt=True))
+    resumed = resumable_fit(tmp_path / "resumed", compiled=False, ckpt_path=tmp_path / "compiled" / f"step{MID_EPOCH}.ckpt")
+    assert resumed["step"] == full["step"] > MID_EPOCH
+    torch.testing.assert_close(resumed["weights"], full["weights"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(resumed["optimizer"], full["optimizer"], rtol=0, atol=1e-6)
