@@ -88,13 +88,15 @@ class CompileNetwork(Callback):
             without code generation).
         mode: inductor mode: ``"reduce-overhead"`` (CUDA graphs), ``None``, ``"max-autotune"``.
         fullgraph: fail on a graph break instead of splitting the graph.
-        dynamic: ``torch.compile``'s ``dynamic`` (``None``: decide from recompilations).
+        dynamic: ``torch.compile``'s ``dynamic``. Default ``False``: a graph per input shape, as
+            CUDA graphs need (``None`` turns a second shape into a symbolic batch size, which
+            torch 2.14 cannot trace through the MAE's ``torch.rand(..., generator=...)``).
         eager_random: inductor draws random numbers as eager code does (its ``fallback_random``).
     """
     cost = ONCE
 
     def __init__(self, backend: str = "inductor", mode: Optional[str] = "reduce-overhead", fullgraph: bool = False,
-                 dynamic: Optional[bool] = None, eager_random: bool = True) -> None:
+                 dynamic: Optional[bool] = False, eager_random: bool = True) -> None:
         if not isinstance(backend, str) or not backend:
             raise ValueError(f"CompileNetwork: backend must be a backend name, got {backend!r}")
         if mode is not None:

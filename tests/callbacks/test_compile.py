@@ -99,6 +99,8 @@ def test_a_fit_with_the_network_compiled_draws_the_eager_masks_and_trains_the_sa
     assert list(compiled.state_dict()) == list(eager.state_dict())
     for (name, got), want in zip(compiled.state_dict().items(), eager.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    loss, _, _ = compiled.train()(torch.rand(5, 1, 8, 8))  # a second batch size (an epoch's last): compiled anew
+    assert torch.isfinite(loss)
     loaded = tiny_mae()
     loaded.load_state_dict(torch.load(next((tmp_path / "compiled").rglob("*.ckpt")), map_location="cpu",
                                       weights_only=True)["state_dict"])
@@ -107,11 +109,11 @@ def test_a_fit_with_the_network_compiled_draws_the_eager_masks_and_trains_the_sa
 
 def test_the_network_compile_asks_inductor_for_cuda_graphs_and_eager_random_draws():
     assert CompileNetwork().compile_options() == {
-        "backend": "inductor", "fullgraph": False, "dynamic": None,
+        "backend": "inductor", "fullgraph": False, "dynamic": False,
         "options": {"triton.cudagraphs": True, "fallback_random": True}}
     assert CompileNetwork(mode=None).compile_options()["options"] == {"fallback_random": True}
     assert CompileNetwork(mode=None, eager_random=False).compile_options() == {
-        "backend": "inductor", "fullgraph": False, "dynamic": None}
+        "backend": "inductor", "fullgraph": False, "dynamic": False}
     assert CompileNetwork(mode="max-autotune", eager_random=False).compile_options()["mode"] == "max-autotune"
     assert "options" not in CompileNetwork(backend="aot_eager").compile_options()  # modes are inductor's
     with pytest.raises(ValueError, match="CompileNetwork: mode 'fast' is not an inductor mode"):
