@@ -167,15 +167,19 @@ class CallbackClock(HookClock):
 
 # --- the five measurements ---------------------------------------------------------------------
 def fit(args: list[str], out: Path, steps: int, precision: str, accelerator: str, extra: list[str],
-        devices: int = 1) -> dict:
+        devices: int = 1, timeout: Optional[float] = None) -> dict:
     """One ``shortcutlab fit`` process of ``steps`` steps, validation off; its exit status, seconds
-    and last error line."""
+    and last error line (stopped after ``timeout`` seconds if given)."""
     command = [sys.executable, "-m", "cli", "fit", *args, f"--trainer.max_steps={steps}",
                "--trainer.max_epochs=-1", f"--trainer.accelerator={accelerator}", f"--trainer.devices={devices}",
                f"--trainer.precision={precision}", f"--trainer.default_root_dir={out}",
                "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", *extra]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(command[2:]), "status": None, "seconds": round(time.perf_counter() - start, 1),
+                "error": f"stopped at the time limit after {timeout:.0f} s"}
     result = {"command": " ".join(command[2:]), "status": done.returncode,
               "seconds": round(time.perf_counter() - start, 1)}
     if done.returncode != 0:
@@ -183,7 +187,7 @@ def fit(args: list[str], out: Path, steps: int, precision: str, accelerator: str
     return result
 
 
-def timed_fit(case: Case, out: Path, settings: Settings, callbacks: str) -> dict:
+def timed_fit(case: Case, out: Path, settings: Settings, callbacks: str, timeout: Optional[float] = None) -> dict:
     """A fit of ``case`` with ``callbacks``: ``"none"``, ``"shipped"``, ``"captured"`` (shipped plus
     ``CompileNetwork``) or ``"clocked"`` (shipped plus :class:`CallbackClock`); its
     :class:`Throughput` record (and the clock's) merged in."""
@@ -198,7 +202,8 @@ def timed_fit(case: Case, out: Path, settings: Settings, callbacks: str) -> dict
         extra += ["--trainer.callbacks+=benchmarks.fit_breakdown.CallbackClock", f"--trainer.callbacks.path={clock}",
                   f"--trainer.callbacks.warmup_steps={case.warmup}"]
     accelerator = "gpu" if settings.on_cuda else "cpu"
-    result = fit(case.fit_args, out, case.warmup + case.timed, settings.precision, accelerator, extra)
+    result = fit(case.fit_args, out, case.warmup + case.timed, settings.precision, accelerator, extra,
+                 timeout=timeout)
     if result["status"] == 0 and record.is_file():
         result.update(json.loads(record.read_text()))
     if result["status"] == 0 and clock.is_file():
@@ -372,9 +377,21 @@ def loader_alone(loader: Any, to_device: Callable[[Any], Any], settings: Setting
     return images / (time.perf_counter() - start)
 
 
-def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
-    """The five figures of ``case``; a figure that failed is None, its error kept."""
+TIME_LIMIT = "not run: the time limit had passed"
+
+
+def seconds_left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds to ``deadline`` (a ``time.monotonic()`` value; None: no limit), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def measure(case: Case, settings: Settings, scratch: Path, deadline: Optional[float] = None) -> Breakdown:
+    """The five figures of ``case``; a figure that failed is None, its error kept. Past
+    ``deadline`` (``time.monotonic()``) no figure starts, and a fit running then is stopped."""
     result = Breakdown(case, compiled=settings.compile)
+    if seconds_left(deadline) == 0:
+        result.errors.append(TIME_LIMIT)
+        return result
     try:
         model, data = built(case, settings)
         data.prepare_data()
@@ -388,13 +405,13 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
         gc.collect()
         result.step, result.step_warmup = settled_step_alone(model, batch, settings, case.warmup,
                                                              max(2, min(case.timed, 20)))
-        if settings.compile:
+        if settings.compile and seconds_left(deadline) != 0:
             compiled_figures(case, settings, batch, result)
         loader = data.train_dataloader()
         result.loader = loader_alone(loader, to_device, settings, max(2, case.warmup // 4), case.timed)
         del loader, batch
         gc.collect()
-        if case.peer:
+        if case.peer and seconds_left(deadline) != 0:
             result.peer_loop = peer_loop(case, model, data, settings)
         del model, data
     except Exception as err:  # noqa: BLE001 (the error goes into the table)
@@ -403,7 +420,10 @@ def measure(case: Case, settings: Settings, scratch: Path) -> Breakdown:
         if settings.on_cuda:
             torch.cuda.empty_cache()
     for callbacks in fits_made(case, settings.compile):
-        record = timed_fit(case, scratch / f"{callbacks}", settings, callbacks)
+        if seconds_left(deadline) == 0:
+            result.errors.append(f"fit ({callbacks}): {TIME_LIMIT}")
+            continue
+        record = timed_fit(case, scratch / f"{callbacks}", settings, callbacks, timeout=seconds_left(deadline))
         if record["status"] != 0:
             result.errors.append(f"fit ({callbacks}): {record.get('error')}")
             continue
@@ -504,12 +524,14 @@ def quickstart_cases(settings: Settings) -> list[Case]:
 
 
 def run_cases(cases: list[Case], settings: Settings,
-              after_case: Callable[[list[Row]], None] = lambda rows_so_far: None) -> list[Row]:
-    """The rows of every case, in order; ``after_case(rows so far)`` after each (to write them)."""
+              after_case: Callable[[list[Row]], None] = lambda rows_so_far: None,
+              deadline: Optional[float] = None) -> list[Row]:
+    """The rows of every case, in order; ``after_case(rows so far)`` after each (to write them).
+    Past ``deadline`` (``time.monotonic()``) the figures not started are rows that say so."""
     out: list[Row] = []
     with tempfile.TemporaryDirectory() as scratch:
         for index, case in enumerate(cases):
-            breakdown = measure(case, settings, Path(scratch) / str(index))
+            breakdown = measure(case, settings, Path(scratch) / str(index), deadline)
             print(f"breakdown: {case.name}: step {breakdown.step}, loader {breakdown.loader}, fit without "
                   f"callbacks {breakdown.bare_fit}, shipped {breakdown.shipped_fit} img/s"
                   + (f"; errors: {breakdown.errors}" if breakdown.errors else ""), file=sys.stderr)

@@ -233,8 +233,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                              "and the benchmarks always run alone")
     parser.add_argument("--bench-args", default="", help="more arguments for python -m benchmarks, e.g. '--rounds 2'")
     parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="seconds for the whole check: the benchmark part gets what is left (less 30 s to "
-                             "write the results)")
+                        help="seconds for the whole check, less 30 s to write the results: the breakdown starts "
+                             "no figure past it and stops a fit running then (the table says which), the benchmark "
+                             "part gets what is left")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="the parts to run (a subset writes <gpu name>-<parts>.md, so split runs keep both files)")
     args = parser.parse_args(argv)
@@ -293,8 +294,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             def keep(rows_so_far: list) -> None:
                 results["breakdown"] = rows_so_far
                 written()
+            deadline = None if args.time_limit_s is None else \
+                time.monotonic() + args.time_limit_s - (time.perf_counter() - start) - 30
             fit_breakdown.run_cases(cases, Settings(device="cuda", precision="bf16-mixed",
-                                                    compile=args.breakdown_compile), after_case=keep)
+                                                    compile=args.breakdown_compile), after_case=keep, deadline=deadline)
             written()
     if "bench" in args.parts:
         results["bench"] = benchmarks(args, bench_file, None if args.time_limit_s is None

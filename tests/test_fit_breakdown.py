@@ -97,3 +97,20 @@ def test_the_captured_step_and_fit_stand_beside_the_eager_ones():
     assert {row.name for row in failed} >= {"the network's step alone, captured (CompileNetwork)",
                                             "the fit as shipped, network captured (CompileNetwork)"}
     assert not any("CompileNetwork" in row.name for row in rows(Breakdown(case, batch_size=128, step=200.0)))
+
+
+def test_past_the_time_limit_no_figure_starts_and_the_rows_say_so(tmp_path):
+    """A deadline already passed: nothing is built or run, and every figure's row names the limit;
+    a fit running at the limit is stopped there."""
+    import time as clock
+
+    from benchmarks.fit_breakdown import TIME_LIMIT, fit, measure
+    from benchmarks.settings import Settings
+
+    case = Case("c", ["--config=configs/no-such-config.yaml"], 2, 4, "generated")
+    out = rows(measure(case, Settings(), tmp_path, deadline=clock.monotonic() - 1))
+    assert out and all(row.median is None and TIME_LIMIT in row.detail for row in out)
+    start = clock.perf_counter()
+    stopped = fit(["--config=configs/digits_mae.yaml"], tmp_path / "fit", 10 ** 6, "32-true", "cpu", [], timeout=1)
+    assert stopped["status"] is None and "stopped at the time limit after 1 s" in stopped["error"]
+    assert clock.perf_counter() - start < 30
