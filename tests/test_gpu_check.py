@@ -63,6 +63,7 @@ class StandInGPU:
         monkeypatch.setattr(gpu_check, "write_cifar100", lambda root, **kw: root)
         monkeypatch.setattr(gpu_check, "fit", self.fit)
         self.breakdown_cases: list = []
+        self.breakdown_deadlines: list = []
         monkeypatch.setattr(gpu_check.fit_breakdown, "run_cases", self.breakdown)
 
         def run(command, cwd, timeout=None):
@@ -70,10 +71,11 @@ class StandInGPU:
             return subprocess.CompletedProcess(command, bench(command, timeout))
         monkeypatch.setattr(gpu_check.subprocess, "run", run)
 
-    def breakdown(self, cases, settings, after_case):
+    def breakdown(self, cases, settings, after_case, deadline=None):
         from benchmarks.fit_breakdown import Breakdown, rows
 
         self.breakdown_cases += cases
+        self.breakdown_deadlines.append(deadline)
         out = []
         for case in cases:
             out += rows(Breakdown(case, batch_size=128, steps_per_epoch=100, step=200.0, step_warmup=40, loader=400.0,
@@ -190,3 +192,14 @@ def test_results_go_to_a_scratch_folder_unless_the_shipped_ones_are_asked_for(tm
     gpu_check.main(["--parts", "quick"])
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == ["Stand-in-GPU-80GB-quick.md"]
     assert not (tmp_path / "shipped").exists()
+
+
+def test_the_breakdown_keeps_to_the_time_limit(tmp_path, monkeypatch):
+    import time
+
+    gpu = StandInGPU(monkeypatch)
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--parts", "breakdown"]) == 0
+    before = time.monotonic()
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--parts", "breakdown", "--time-limit-s", "1000"]) == 0
+    unbounded, bounded = gpu.breakdown_deadlines
+    assert unbounded is None and before + 960 < bounded <= time.monotonic() + 970  # less 30 s to write the results
