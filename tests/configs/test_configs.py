@@ -66,8 +66,11 @@ def test_the_rows_the_one_step_fits_leave_out_parse_with_their_own_values():
 @pytest.mark.parametrize("name, full_size", sizes(representatives([n for n in RUNS if not is_diffusion(n)])))
 def test_fit_one_step(name, full_size, tmp_path, data_roots):
     data = declared_section(name, "data")
-    overrides = data_roots(data["class_path"], data["init_args"]) + probe_checkpoint(name, tmp_path / "ckpt")
+    backbone = probe_checkpoint(name, tmp_path / "ckpt")
+    overrides = data_roots(data["class_path"], data["init_args"]) + backbone
     overrides += narrow_args(declared_section(name, "model").get("class_path", ""), full_size)
+    if data["class_path"].endswith(".ImageNet") and not backbone and not full_size:
+        overrides.append("--data.init_args.image_size=64")  # the 224 px step is the full_size row's
     run = cli.main(["fit", *command_args(name), *overrides,
               "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.precision=32-true", "--trainer.strategy=auto",
