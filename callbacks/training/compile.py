@@ -71,7 +71,9 @@ class CompileNetwork(Callback):
     backbone and head. With ``mode="reduce-overhead"`` (the default) inductor replays that graph
     as CUDA graphs on a GPU: one launch where an eager step launches thousands of kernels, so
     loader workers and callbacks sharing the host no longer slow it. On the CPU the same mode
-    runs inductor's code without graphs. The optimiser stays outside, fused AdamW.
+    runs inductor's code without graphs. The optimiser stays outside, fused AdamW. Under DDP,
+    Lightning routes ``training_step`` itself through the module's call, so the compiled code
+    holds the step too, split into graphs where it logs.
 
     The compile is in place (``nn.Module.compile``): parameter names and the ``state_dict`` are
     unchanged, so checkpoints of compiled and eager runs are interchangeable. With
