@@ -307,42 +307,28 @@ def peer_loop(case: Case, model: LightningModule, data: Any, settings: Settings)
     raise ValueError(f"fit_breakdown: unknown peer {case.peer!r}")
 
 
-def compiled_step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int,
+def compiled_step_alone(model: LightningModule, compiler: Callback, batch: Any, settings: Settings, warmup: int,
                         timed: int) -> tuple[float, float]:
-    """:func:`step_alone` with every residual block compiled in place (``CompileBlocks``); its
-    images per second and the seconds of its warm-up steps (the compiles)."""
-    from lightning_mods.backbone.residual import residual_blocks
-
-    for block in residual_blocks(model):
-        block.compile()
+    """:func:`step_alone` with ``model`` compiled in place by ``compiler`` (``CompileBlocks`` or
+    ``CompileNetwork``, as in a fit); its images per second and the seconds of its warm-up steps
+    (the compiles, and on a GPU under ``CompileNetwork`` the graphs' capture)."""
+    compiler.setup(None, model, "fit")
     start = time.perf_counter()
     step_alone(model, batch, settings, max(warmup, 3), 1)  # the compiles (forward and backward)
     compile_seconds = time.perf_counter() - start
     return step_alone(model, batch, settings, 2, timed), compile_seconds
 
 
-def captured_step_alone(model: LightningModule, batch: Any, settings: Settings, warmup: int,
-                        timed: int) -> tuple[float, float]:
-    """:func:`step_alone` with the module's whole call compiled in place as ``CompileNetwork`` does
-    (CUDA graphs on a GPU); its images per second and the seconds of its warm-up steps (the
-    compiles and the graphs' capture)."""
-    from callbacks.training.compile import CompileNetwork
-
-    model.compile(**CompileNetwork().compile_options())
-    start = time.perf_counter()
-    step_alone(model, batch, settings, max(warmup, 3), 1)
-    capture_seconds = time.perf_counter() - start
-    return step_alone(model, batch, settings, 2, timed), capture_seconds
-
-
 def compiled_figures(case: Case, settings: Settings, batch: Any, result: Breakdown) -> None:
     """The step alone with the blocks compiled and with the network captured, each on a fresh copy
     of the network (the official loop keeps the eager one); a failure is kept as an error."""
-    for label, timed_alone, fields in (("blocks compiled", compiled_step_alone, ("compiled_step", "compile_seconds")),
-                                       ("network captured", captured_step_alone, ("captured_step", "capture_seconds"))):
+    from callbacks.training.compile import CompileBlocks, CompileNetwork
+
+    for label, compiler, fields in (("blocks compiled", CompileBlocks(), ("compiled_step", "compile_seconds")),
+                                    ("network captured", CompileNetwork(), ("captured_step", "capture_seconds"))):
         try:
             fresh, _ = built(case, settings)
-            figures = timed_alone(fresh, batch, settings, case.warmup, case.timed)
+            figures = compiled_step_alone(fresh, compiler, batch, settings, case.warmup, case.timed)
             for name, value in zip(fields, figures):
                 setattr(result, name, value)
         except Exception as err:  # noqa: BLE001 (the error goes into the table)
@@ -443,7 +429,7 @@ def measure(case: Case, settings: Settings, scratch: Path, deadline: Optional[fl
 
 
 # --- the rows ----------------------------------------------------------------------------------
-def seconds(what: str, value: Optional[float]) -> str:
+def took(what: str, value: Optional[float]) -> str:
     return "" if value is None else f"{what} took {value:.0f} s"
 
 
@@ -464,9 +450,9 @@ def rows(breakdown: Breakdown) -> list[Row]:
                *(((f"the official recipe's own training loop ({PEERS[case.peer]})", peer,
                    "same network, its own data pipeline and loop"),) if case.peer else ()),
                *((("the network's step alone, residual blocks compiled (CompileBlocks)", breakdown.compiled_step,
-                   seconds("compiling", breakdown.compile_seconds)),
+                   took("compiling", breakdown.compile_seconds)),
                   ("the network's step alone, captured (CompileNetwork)", breakdown.captured_step,
-                   seconds("compiling and capturing", breakdown.capture_seconds))) if breakdown.compiled else ()),
+                   took("compiling and capturing", breakdown.capture_seconds))) if breakdown.compiled else ()),
                ("the fit without callbacks", breakdown.bare_fit, ""),
                ("the fit as shipped", breakdown.shipped_fit, ""),
                *((("the fit as shipped, network captured (CompileNetwork)", breakdown.captured_fit,
