@@ -9,6 +9,7 @@ of ``Digits``, not something to train on).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from dataclasses import dataclass
@@ -70,6 +71,11 @@ def public_module_files(package: str) -> list[Path]:
 
 def find(kind: str) -> list[Found]:
     """The classes of ``kind`` (``model``, ``data``, ``callback``) in their package, by name."""
+    return list(_read(kind))
+
+
+@functools.cache  # the source is read once a process: LightningCLI builds a parser per subcommand
+def _read(kind: str) -> tuple[Found, ...]:
     package, roots = KINDS[kind]
     bases: dict[str, list[str]] = {}
     found: dict[str, Found] = {}
@@ -89,8 +95,8 @@ def find(kind: str) -> list[Found]:
         return costs.get(name) or next((c for b in bases.get(name, []) if b in bases and (c := cost(b))), "")
 
     used_as_base = {b for names in bases.values() for b in names}
-    return sorted((Found(f.name, f.module, f.summary, cost(name)) for name, f in found.items()
-                   if is_kind(name) and name not in used_as_base), key=lambda f: f.name)
+    return tuple(sorted((Found(f.name, f.module, f.summary, cost(name)) for name, f in found.items()
+                         if is_kind(name) and name not in used_as_base), key=lambda f: f.name))
 
 
 def import_all() -> None:
