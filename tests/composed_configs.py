@@ -55,19 +55,44 @@ def narrow_args(model_class_path: str, full_size: bool) -> list[str]:
 SWEPT = ("alpha_min=", "seed_everything=", "default_root_dir=")  # the values a paper table sweeps
 
 
+def _settings(name: str) -> frozenset[str]:
+    """What a row composes: its ``--config`` files and the values it sets, less the swept ones."""
+    row = ROWS[name]
+    return frozenset([*row["configs"], *(a for a in row.get("args", []) if not any(s in a for s in SWEPT))])
+
+
+def _pairs(settings: frozenset[str], optional: list[str]) -> set[tuple]:
+    """Every pair of a table's optional settings, each with whether this row has it."""
+    have = [(o, o in settings) for o in optional]
+    return {(a, b) for i, a in enumerate(have) for b in have[i + 1:]}
+
+
 def representatives(names: list[str]) -> list[str]:
-    """The first of each group of ``names`` whose rows differ only in the values a table sweeps
-    (``alpha_min``, the seed, the run folder): a one-step fit of the others runs the same code
-    with another number (their commands are parsed by test_configs.py)."""
-    seen, chosen = set(), []
+    """The rows of ``names`` whose one-step fits run every pairing the others compose.
+
+    Rows that differ only in the values a table sweeps (``alpha_min``, the seed, the run folder)
+    run the same code with another number: the first stands for the group. The rows of a table
+    that crosses fragments (data x network x method: the ResidualDroppath table) are chosen so
+    that each two of its optional settings (a ``--config`` file or a value not every row has)
+    meet, present or absent, in at least one chosen row; the others' commands are parsed by
+    test_configs.py."""
+    chosen = [name for name in names if name not in ROWS]
+    tables: dict[str, list[str]] = {}
     for name in names:
-        row = ROWS.get(name)
-        key = name if row is None else (tuple(row["configs"]), tuple(a for a in row.get("args", [])
-                                                                      if not any(s in a for s in SWEPT)))
-        if key not in seen:
-            seen.add(key)
-            chosen.append(name)
-    return chosen
+        if name in ROWS and _settings(name) not in {_settings(n) for n in tables.get(ROWS[name].get("table"), [])}:
+            tables.setdefault(ROWS[name].get("table"), []).append(name)
+    for rows in tables.values():
+        everywhere = frozenset.intersection(*map(_settings, rows))
+        optional = sorted(frozenset.union(*map(_settings, rows)) - everywhere)
+        uncovered = set().union(*(_pairs(_settings(n), optional) for n in rows))
+        while uncovered:  # greedy: the row meeting the most pairings not yet met, the first of equals
+            best = max(rows, key=lambda n: len(_pairs(_settings(n), optional) & uncovered))
+            chosen.append(best)
+            uncovered -= _pairs(_settings(best), optional)
+        if not optional:  # one group: nothing optional, so no pairing to meet
+            chosen.append(rows[0])
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(set(chosen), key=order.__getitem__)
 
 
 def is_diffusion(name: str) -> bool:

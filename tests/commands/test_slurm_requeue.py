@@ -182,9 +182,9 @@ def test_the_readme_script_asks_for_the_signal_requeue_and_appended_logs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("at, step, stop_step", [
-    ("train_step", 3, 3),  # the step in progress finishes
-    ("save", 4, 4),        # the epoch-end save finishes whole, then the fit stops at that boundary
-    # (a signal in a validation: test_two_tasks, where the validation finishes on every task)
+    ("save", 4, 4),  # the epoch-end save finishes whole, then the fit stops at that boundary
+    # a signal inside a training step: test_two_tasks (and, one process without SLURM,
+    # tests/callbacks/test_preemption.py); in a validation: test_two_tasks
 ])
 def test_one_task(tmp_path, tmp_path_factory, at, step, stop_step):
     resumed, stopped_at = stop_requeue_and_resume(tmp_path, 1, at, step, [0])

@@ -1,6 +1,6 @@
 """Every composition in configs/compositions.yaml (each paper-table row's command) and every
-single-file config in configs/ parses, and runs ``fit`` for one step (one row of those that differ
-only in a swept value, alpha_min or the seed), with data roots pointed at files
+single-file config in configs/ parses, and runs ``fit`` for one step (the rows that stand for the
+others: composed_configs.representatives), with data roots pointed at files
 generated in the real on-disk formats (tests/conftest.py). Diffusion rows need a VAE, latents
 and an FID extractor and are run, with ``validate`` too, in test_diffusion_configs.py."""
 from __future__ import annotations
@@ -53,10 +53,10 @@ def test_every_row_of_the_readme_is_a_composition_and_back():
 
 
 def test_the_rows_the_one_step_fits_leave_out_parse_with_their_own_values():
-    """A row that differs from a fitted one only in a swept value (another alpha_min or seed)
-    parses as ``fit`` would parse it."""
+    """A row no one-step fit runs (another alpha_min or seed of a fitted one, or a pairing of
+    data, network and method that fitted rows run two by two) parses as ``fit`` would parse it."""
     left_out = sorted(set(RUNS) - set(representatives(RUNS)))
-    assert left_out  # the alpha_min rows of the tables
+    assert left_out  # the alpha_min rows of the tables, and ResidualDroppath rows
     checker = cli.ArgumentChecker()
     bad = {name: reason for name in left_out if (reason := checker(["fit", *command_args(name)])) is not None}
     assert bad == {}
