@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from commands import lightning_cli as cli
-from composed_configs import (CONFIG_DIR, REPO, ROWS, SINGLE_FILES, command_args, declared_section, is_diffusion,
-                              narrow_args, representatives, sizes)
+from composed_configs import (CONFIG_DIR, REPO, ROWS, SINGLE_FILES, SWEPT, command_args, declared_section,
+                              is_diffusion, narrow_args, representatives, sizes)
 
 RUNS = list(ROWS) + SINGLE_FILES
 
@@ -60,6 +60,16 @@ def test_the_rows_the_one_step_fits_leave_out_parse_with_their_own_values():
     checker = cli.ArgumentChecker()
     bad = {name: reason for name in left_out if (reason := checker(["fit", *command_args(name)])) is not None}
     assert bad == {}
+
+
+def test_every_config_file_and_value_of_a_row_runs_in_a_one_step_fit():
+    """The rows left to parsing take nothing the fitted ones do not: each ``--config`` file and
+    each value a row sets (less the swept ones) is in at least one fitted row."""
+    def settings(names: list[str]) -> set[str]:
+        return {s for n in names if n in ROWS
+                for s in ROWS[n]["configs"] + [a for a in ROWS[n].get("args", []) if not any(w in a for w in SWEPT)]}
+    trained = [n for n in RUNS if not is_diffusion(n)]
+    assert settings(representatives(trained)) == settings(trained)
 
 
 @pytest.mark.slow
