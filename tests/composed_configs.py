@@ -61,10 +61,11 @@ def _settings(name: str) -> frozenset[str]:
     return frozenset([*row["configs"], *(a for a in row.get("args", []) if not any(s in a for s in SWEPT))])
 
 
-def _pairs(settings: frozenset[str], optional: list[str]) -> set[tuple]:
-    """Every pair of a table's optional settings, each with whether this row has it."""
+def _meetings(settings: frozenset[str], optional: list[str]) -> set[tuple]:
+    """What a row runs of a table's optional settings: each one and each two of them, with
+    whether the row has it (and ``()``, which every row runs: a table is never left out)."""
     have = [(o, o in settings) for o in optional]
-    return {(a, b) for i, a in enumerate(have) for b in have[i + 1:]}
+    return {(), *((a,) for a in have), *((a, b) for i, a in enumerate(have) for b in have[i + 1:])}
 
 
 def representatives(names: list[str]) -> list[str]:
@@ -77,22 +78,20 @@ def representatives(names: list[str]) -> list[str]:
     meet, present or absent, in at least one chosen row; the others' commands are parsed by
     test_configs.py."""
     chosen = [name for name in names if name not in ROWS]
-    tables: dict[str, list[str]] = {}
+    tables: dict[str, dict[frozenset[str], str]] = {}
     for name in names:
-        if name in ROWS and _settings(name) not in {_settings(n) for n in tables.get(ROWS[name].get("table"), [])}:
-            tables.setdefault(ROWS[name].get("table"), []).append(name)
-    for rows in tables.values():
-        everywhere = frozenset.intersection(*map(_settings, rows))
-        optional = sorted(frozenset.union(*map(_settings, rows)) - everywhere)
-        uncovered = set().union(*(_pairs(_settings(n), optional) for n in rows))
-        while uncovered:  # greedy: the row meeting the most pairings not yet met, the first of equals
-            best = max(rows, key=lambda n: len(_pairs(_settings(n), optional) & uncovered))
+        if name in ROWS:
+            tables.setdefault(ROWS[name].get("table"), {}).setdefault(_settings(name), name)
+    for groups in tables.values():
+        optional = sorted(frozenset.union(*groups) - frozenset.intersection(*groups))
+        runs = {name: _meetings(settings, optional) for settings, name in groups.items()}
+        uncovered = set().union(*runs.values())
+        while uncovered:  # greedy: the row meeting the most not yet met, the first of equals
+            best = max(runs, key=lambda n: len(runs[n] & uncovered))
             chosen.append(best)
-            uncovered -= _pairs(_settings(best), optional)
-        if not optional:  # one group: nothing optional, so no pairing to meet
-            chosen.append(rows[0])
+            uncovered -= runs[best]
     order = {name: i for i, name in enumerate(names)}
-    return sorted(set(chosen), key=order.__getitem__)
+    return sorted(chosen, key=order.__getitem__)
 
 
 def is_diffusion(name: str) -> bool:
