@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench gpu-check install clean
+.PHONY: demo test bench gpu-check timm-tests install clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 # The benchmark suite (README, Performance): writes benchmarks/results.md and .json.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# timm's own tests/test_models.py (of the installed release, fetched from PyPI) on the registered
+# decayed encoders, TorchScript aside: about 8 minutes on a 2-core CPU
+timm-tests: $(STAMP)
+	$(BIN)/python -m benchmarks.timm_model_tests $(ARGS)
 
 # CUDA only: every family's quick config, the paper configs on generated data, DDP over every
 # GPU and the benchmarks on CUDA; writes runs/gpu-check/<gpu>.md (ARGS=--update-docs: docs/results/gpu/;

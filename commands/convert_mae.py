@@ -46,7 +46,7 @@ from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
-from lightning_mods.backbone.masked_autoencoder import foreign_name
+from lightning_mods.backbone.mae_weights import checkpoint_filter_fn
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
@@ -54,9 +54,6 @@ LAYOUTS = ("auto", "authors", "official", "timm")
 CLASS_PATH = "lightning_mods.mae.MaskedAutoencoder"
 # timm's ViT-S/B/L/H (and MAE's) head counts by width; anything else needs --num-heads
 DEFAULT_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
-
-# foreign name -> ours: lightning_mods.backbone.masked_autoencoder.FOREIGN_NAMES (encoder keys of all three layouts are timm's)
-
 
 # --- reading -------------------------------------------------------------------------------------
 def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -138,23 +135,6 @@ def infer_architecture(state: dict[str, torch.Tensor], layout: str, num_heads: O
     return arch
 
 
-def to_our_names(state: dict[str, torch.Tensor], decoder_depth: Optional[int]) -> dict[str, torch.Tensor]:
-    """Foreign names -> ours. Fixed decoder position embeddings and the authors' fusions for
-    skips that no decoder block reads (``skip.{i}``, ``i >= decoder_depth``) are dropped."""
-    out = {}
-    for key, value in state.items():
-        if key == "decoder_pos_embed":
-            continue
-        m = re.match(r"^skip\.(\d+)\.", key)
-        if m and decoder_depth is not None and int(m.group(1)) >= decoder_depth:
-            continue
-        ours = foreign_name(key)
-        if ours == key:
-            raise ValueError(f"source: unexpected key {key!r}; not part of an MAE in this layout")
-        out[ours] = value
-    return out
-
-
 # --- import --------------------------------------------------------------------------------------
 def import_checkpoint(src: str, layout: str = "auto", alpha_min: Optional[float] = None,
                       num_heads: Optional[int] = None, decoder_num_heads: Optional[int] = None,
@@ -186,9 +166,7 @@ def import_checkpoint(src: str, layout: str = "auto", alpha_min: Optional[float]
     torch.manual_seed(seed)  # the fresh decoder, when there is one
     model = MaskedAutoencoder(**arch, shortcut=ShortcutSchedule("linear", alpha_min), norm_pix_loss=norm_pix,
                               mask_ratio=ratio)
-    converted = to_our_names(state, arch["decoder_depth"] if layout == "authors" else None)
-    _check_fixed_embeddings(model, state)
-    load_weights(model, converted, fresh_prefix=None if has_decoder else "decoder.")
+    load_weights(model, state, layout, new_decoder=not has_decoder)
     return lightning_checkpoint(model, {"source": os.path.abspath(src), "layout": layout,
                                         "new_decoder": not has_decoder})
 
@@ -208,30 +186,17 @@ def _alpha_min(layout: str, given: Optional[float], args: dict[str, Any]) -> flo
     return float(given if given is not None else stored)
 
 
-def _check_fixed_embeddings(model: MaskedAutoencoder, state: dict[str, torch.Tensor]) -> None:
-    """The decoder's sin-cos embedding is recomputed here, not loaded: it must be the file's."""
-    if "decoder_pos_embed" in state:
-        ours = model.decoder.pos_embed
-        if state["decoder_pos_embed"].shape != ours.shape or not torch.allclose(state["decoder_pos_embed"], ours,
-                                                                                atol=1e-5):
-            raise ValueError("source: decoder_pos_embed is not MAE's fixed 2-D sin-cos embedding of this grid")
-
-
-def load_weights(model: MaskedAutoencoder, converted: dict[str, torch.Tensor],
-                 fresh_prefix: Optional[str] = None) -> None:
-    """Every parameter of ``model`` from ``converted`` (those under ``fresh_prefix`` keep their
-    initialisation), then a strict load; state the model makes itself (buffers) is kept."""
-    own = model.state_dict()
-    unexpected = [k for k in converted if k not in own]
-    missing = [n for n, _ in model.named_parameters()
-               if n not in converted and not (fresh_prefix and n.startswith(fresh_prefix))]
-    shapes = [k for k in converted if k in own and own[k].shape != converted[k].shape]
-    if unexpected or missing or shapes:
-        what = (f"unexpected {unexpected[0]}" if unexpected else f"missing {missing[0]}" if missing else
-                f"{shapes[0]} is {tuple(converted[shapes[0]].shape)} there, {tuple(own[shapes[0]].shape)} here")
-        raise ValueError(f"source: does not fit the inferred MaskedAutoencoder: {what} ({len(unexpected)} unexpected, "
-                         f"{len(missing)} missing, {len(shapes)} shapes differ)")
-    model.load_state_dict({**own, **converted}, strict=True)
+def load_weights(model: MaskedAutoencoder, state: dict[str, torch.Tensor], layout: str, new_decoder: bool) -> None:
+    """The file's weights into ``model`` through the one map of both repositories' names
+    (:func:`~lightning_mods.backbone.mae_weights.checkpoint_filter_fn`): every weight from the file
+    (a new decoder's aside), the fixed embeddings checked, a strict load."""
+    if layout == "timm":  # an encoder alone in timm's names: ours under encoder.
+        state = {f"encoder.{k}": v for k, v in state.items()}
+    try:
+        converted = checkpoint_filter_fn(state, model, keep_initial=("decoder.",) if new_decoder else ())
+    except ValueError as err:
+        raise ValueError(f"source: {err}") from None
+    model.load_state_dict(converted, strict=True)
 
 
 def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +238,21 @@ def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor
                          "plainly, so these weights compute another function there; pass --allow-decayed to export "
                          "anyway (e.g. to fine-tune as a standard ViT)")
     return timm_encoder(model).state_dict()
+
+
+VIT_NAMES = {192: "vit_tiny_patch16_224_decayed", 384: "vit_small_patch16_224_decayed",
+             768: "vit_base_patch16_224_decayed", 1024: "vit_large_patch16_224_decayed"}
+
+
+def encoder_rebuild_call(model: MaskedAutoencoder, path: str) -> str:
+    """The ``timm.create_model`` call that rebuilds the exported encoder: every argument it needs."""
+    hp = model.hparams
+    name = VIT_NAMES.get(hp.embed_dim, "vit_base_patch16_224_decayed")
+    shortcut = f"shortcut={model.shortcut.as_dict()!r}"
+    return (f"timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file={path!r}), "
+            f"img_size={hp.image_size}, patch_size={hp.patch_size}, in_chans={hp.in_chans}, "
+            f"embed_dim={hp.embed_dim}, depth={hp.depth}, num_heads={hp.num_heads}, mlp_ratio={hp.mlp_ratio}, "
+            f"final_norm={bool(model.encoder_final_norm)}, {shortcut}, num_classes=0)")
 
 
 def save(obj: Any, path: str) -> None:
@@ -334,10 +314,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif args.command == "export-encoder":
             model = load_run(args.checkpoint, {"class_path": CLASS_PATH}, with_data=False)[0]
             save(model.encoder.state_dict(), args.output)
-            hp = model.hparams
-            print(f"wrote {args.output}: the encoder (ViT depth {hp.depth}, width {hp.embed_dim}, patch "
-                  f"{hp.patch_size}, {model.shortcut!r}, final_norm={hp.encoder_final_norm}), for "
-                  "timm.create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file=...))")
+            print(f"wrote {args.output}: the encoder, shortcut weights included; rebuild it with "
+                  f"{encoder_rebuild_call(model, args.output)}")
         else:
             save(export_timm(args.checkpoint, args.allow_decayed), args.output)
             print(f"wrote {args.output}: timm VisionTransformer state_dict (num_classes=0)")

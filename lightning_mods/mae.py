@@ -103,6 +103,12 @@ class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
         self.val_loss_mean = MeanMetric()  # each validation image once, also under DDP
         self._val_images: Optional[torch.Tensor] = None
 
+    def forward_intermediates(self, images: torch.Tensor, indices=None, intermediates_only: bool = False):  # noqa: ANN001
+        """The evaluations' call (:mod:`lightning_mods.evaluation.feature_contract`): ``(forward_features,
+        pooled output of the encoder blocks indices picks)``, read through the network's timm
+        ``forward_intermediates`` (:meth:`MaskedAutoencoderViT.pooled_intermediates`)."""
+        return self.pooled_intermediates(images, indices, intermediates_only)
+
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.reporting.prediction_writer``."""
         images, labels = batch[0], batch[1]

@@ -113,3 +113,21 @@ def test_a_partial_run_never_replaces_the_whole_suites_table(tmp_path, monkeypat
     assert "| a figure |" in (tmp_path / "results.md").read_text()
     assert suite.main(["--only", "first", "--out", str(tmp_path / "mine.md")]) == 0
     assert "| a figure |" in (tmp_path / "mine.md").read_text()
+
+
+def test_timm_s_model_tests_are_prepared_for_the_registered_networks(tmp_path):
+    """``make timm-tests``: the fetched test file gets the registry module in its forward_intermediates
+    list (and nothing else changes), the folder's conftest registers the networks; a file without
+    the list is refused in one line."""
+    from benchmarks.timm_model_tests import prepare
+
+    original = "X = 1\nFEAT_INTER_FILTERS = [\n    'vision_transformer', 'resnet',\n]\nY = 2\n"
+    (tmp_path / "test_models.py").write_text(original)
+    (tmp_path / "conftest.py").write_text("import pytest\n")
+    prepare(tmp_path)
+    assert (tmp_path / "test_models.py").read_text() == original.replace("= [\n", "= ['timm_registry', \n")
+    assert (tmp_path / "conftest.py").read_text().startswith("import pytest\n")
+    assert "import lightning_mods.backbone" in (tmp_path / "conftest.py").read_text()
+    (tmp_path / "test_models.py").write_text("X = 1\n")
+    with pytest.raises(SystemExit, match="lists its forward_intermediates models another way"):
+        prepare(tmp_path)

@@ -15,7 +15,8 @@ Two layouts, parameter for parameter: with ``unet_skips=True`` the decay paper's
 branch end, fusion output and the prediction zero-initialised); with ``unet_skips=False`` and
 ``alpha_min=1`` He et al.'s MAE (``facebookresearch/mae``: final encoder LayerNorm, no zero
 starts). Both use MAE's initialisation (:mod:`lightning_mods.backbone._mae_init`) and LayerNorm
-eps 1e-6. :func:`checkpoint_filter_fn` maps both repositories' weight names to these.
+eps 1e-6. :func:`lightning_mods.backbone.mae_weights.checkpoint_filter_fn` maps both repositories'
+weights to these.
 
 Extension points (the methods a subclass overrides; ``docs/extending.md``, ``examples/``):
 :meth:`MaskedAutoencoderViT.mask_patches`, :meth:`~MaskedAutoencoderViT.reconstruction_target`
@@ -24,12 +25,10 @@ and :meth:`~MaskedAutoencoderViT.pool_features`.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Literal, Optional, Union
 
 import torch
-from timm.models._features import feature_take_indices
 from torch import nn
 
 from .mae_decoder import ClassicDecoder, UNetSkipDecoder
@@ -40,36 +39,6 @@ from .vit import DecayedVisionTransformer
 
 Indices = Optional[Union[int, Sequence[int]]]  # of forward_intermediates, as timm reads them
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]  # of the masks: one for the batch or one per image
-
-# the other MAE repositories' weight names -> ours, first matching rule (their encoders use timm's names)
-FOREIGN_NAMES = [
-    (r"^decoder_cls_token$", "decoder.cls_token"), (r"^mask_token$", "decoder.mask_token"),
-    (r"^decoder_embed\.", "decoder.embed."), (r"^decoder_blocks\.", "decoder.blocks."),
-    (r"^decoder_norm\.", "decoder.norm."), (r"^decoder_pred\.", "decoder.pred."),
-    (r"^skip\.(\d+)\.fc\.0\.", r"decoder.fusions.\1.fc1."), (r"^skip\.(\d+)\.fc\.2\.", r"decoder.fusions.\1.fc2."),
-    (r"^skip\.(\d+)\.mask_token$", r"decoder.fusions.\1.mask_token"),
-    (r"^(cls_token|pos_embed|patch_embed\.|blocks\.|norm\.)", r"encoder.\1"),
-]
-
-
-def foreign_name(name: str) -> str:
-    """One weight name of facebookresearch/mae's or the decay paper's ``models_mae.py`` as ours
-    (a name already ours, or of neither, comes back unchanged)."""
-    for pattern, ours in FOREIGN_NAMES:
-        if re.match(pattern, name):
-            return re.sub(pattern, ours, name)
-    return name
-
-
-def checkpoint_filter_fn(state_dict: dict[str, torch.Tensor], model: Optional[nn.Module] = None
-                         ) -> dict[str, torch.Tensor]:
-    """A state_dict of either MAE repository (DDP's ``module.`` prefix dropped) in this module's
-    names, as timm's ``checkpoint_filter_fn``; a shortcutlab state_dict passes unchanged."""
-    state_dict = {re.sub(r"^module\.", "", k): v for k, v in state_dict.items()}
-    if any(k.startswith(("encoder.", "decoder.")) for k in state_dict):
-        return state_dict
-    return {foreign_name(k): v for k, v in state_dict.items()}
-
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean squared error per patch, averaged over masked patches (``mask`` 1 = masked)."""
@@ -216,13 +185,25 @@ class MaskedAutoencoderViT(nn.Module):
         """Evaluation features ``B x D``: mean over all tokens (or cls) of the last block."""
         return self.pool_features(self.encode(images)[0])
 
-    def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
-        """``(forward_features, pooled output of the encoder blocks indices picks)`` from one
-        encoder pass (timm's call; :mod:`lightning_mods.evaluation.feature_contract`)."""
-        last, outputs = self.encode(images)
-        taken, _ = feature_take_indices(len(outputs), indices)
-        blocks = [self.pool_features(outputs[int(i)]) for i in taken]
-        return blocks if intermediates_only else (self.pool_features(last), blocks)
+    def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False,
+                              **kwargs):
+        """timm's call with timm's meaning: the encoder's (a ``DecayedVisionTransformer``'s)
+        ``forward_intermediates`` on all patches, block outputs as ``NCHW`` maps by default (every
+        argument of timm's ViT, ``return_prefix_tokens`` included)."""
+        return self.encoder.forward_intermediates(images, indices, norm=norm, stop_early=stop_early,
+                                                  output_fmt=output_fmt, intermediates_only=intermediates_only,
+                                                  **kwargs)
+
+    def pooled_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
+        """``(forward_features, pooled output of the encoder blocks indices picks)`` from one pass of
+        the encoder's timm ``forward_intermediates``, each block's tokens (cls first) through
+        :meth:`pool_features`: what the evaluations read
+        (:mod:`lightning_mods.evaluation.feature_contract`)."""
+        final, blocks = self.encoder.forward_intermediates(images, indices, output_fmt="NLC",
+                                                           return_prefix_tokens=True)
+        pooled = [self.pool_features(torch.cat([prefix, spatial], dim=1)) for spatial, prefix in blocks]
+        return pooled if intermediates_only else (self.pool_features(final), pooled)
 
     def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
         """Patch tokens of encoder block ``block`` (Python index; -1 the last) on their grid,

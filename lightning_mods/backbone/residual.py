@@ -80,17 +80,7 @@ class DecayedResidual:
         """
         if self.branch_hook is not None:
             branch, inplace = self.branch_hook(self, j, branch), False
-        a, b = self.shortcut_weight(j), self._fixed_weights[j][1]
-        if b != 1.0:
-            branch, inplace = branch * b, True  # a new tensor, ours
-        inplace = inplace and torch.result_type(branch, shortcut) == branch.dtype and branch.shape == shortcut.shape
-        if isinstance(a, float):
-            if a == 1.0:  # bit-identical to the standard residual network (either order, either place)
-                return branch.add_(shortcut) if inplace else shortcut + branch
-            # one elementwise kernel, not a product then a sum (rounding may differ in the last bit)
-            return branch.add_(shortcut, alpha=a) if inplace else torch.add(branch, shortcut, alpha=a)
-        # a learnable alpha: still one kernel
-        return branch.addcmul_(a, shortcut) if inplace else torch.addcmul(branch, a, shortcut)
+        return weighted_sum(shortcut, branch, self.shortcut_weight(j), self._fixed_weights[j][1], inplace)
 
     def is_standard(self) -> bool:
         """Whether every sub-layer is the plain ``x + f(x)`` (fixed ``a = b = 1``)."""
@@ -129,6 +119,30 @@ class DecayedResidual:
             b = self._fixed_weights[j][1]
             parts.append(f"{name}={a:.4g}" + ("" if b == 1.0 else f" (branch x{b:.4g})"))
         return ", ".join(parts)
+
+
+def weighted_sum(shortcut: torch.Tensor, branch: torch.Tensor, a: torch.Tensor | float, b: float,
+                 inplace: bool) -> torch.Tensor:
+    """``a * shortcut + b * branch`` in one elementwise kernel, in place into ``branch`` when
+    ``inplace`` and the sum keeps the branch's dtype and shape (:meth:`DecayedResidual.residual`).
+
+    A leaf of FX graphs (``torch.fx.wrap``): the in-place choice reads the tensors' dtypes and
+    shapes, which symbolic tracing cannot branch on, so a traced network calls this function
+    whole and computes exactly what the eager one does.
+    """
+    if b != 1.0:
+        branch, inplace = branch * b, True  # a new tensor, ours
+    inplace = inplace and torch.result_type(branch, shortcut) == branch.dtype and branch.shape == shortcut.shape
+    if isinstance(a, float):
+        if a == 1.0:  # bit-identical to the standard residual network (either order, either place)
+            return branch.add_(shortcut) if inplace else shortcut + branch
+        # one elementwise kernel, not a product then a sum (rounding may differ in the last bit)
+        return branch.add_(shortcut, alpha=a) if inplace else torch.add(branch, shortcut, alpha=a)
+    # a learnable alpha: still one kernel
+    return branch.addcmul_(a, shortcut) if inplace else torch.addcmul(branch, a, shortcut)
+
+
+torch.fx.wrap("weighted_sum")
 
 
 def residual_blocks(model: nn.Module) -> list[DecayedResidual]:

@@ -72,7 +72,8 @@ _DECAYED = {BasicBlock: DecayedBasicBlock, Bottleneck: DecayedBottleneck}
 
 
 def cifar_stem_(model: ResNet, in_chans: int) -> ResNet:
-    """Make the stem keep 32x32 resolution: a 3x3 stride-1 first convolution, no max-pool.
+    """Make the stem keep 32x32 resolution: a 3x3 stride-1 first convolution, no max-pool
+    (``feature_info``'s reductions follow: 1, 1, 2, 4, 8).
 
     A plain stem's 7x7/2 convolution is replaced; a deep stem (ResNet-D) keeps its three 3x3
     convolutions with the first one's stride set to 1.
@@ -82,9 +83,14 @@ def cifar_stem_(model: ResNet, in_chans: int) -> ResNet:
         first.stride = (1, 1)
     else:
         out_chs = model.conv1.out_channels
-        model.conv1 = nn.Conv2d(in_chans, out_chs, kernel_size=3, stride=1, padding=1, bias=False)
+        old = model.conv1.weight  # the new one where the old one is (timm's device=, dtype=)
+        model.conv1 = nn.Conv2d(in_chans, out_chs, kernel_size=3, stride=1, padding=1, bias=False,
+                                device=old.device, dtype=old.dtype)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     model.maxpool = nn.Identity()
+    # the stem no longer halves the input twice: every feature map is 4x what timm's stem leaves
+    for info in model.feature_info:
+        info["reduction"] = max(1, info["reduction"] // 4)
     return model
 
 

@@ -1,4 +1,4 @@
-"""The decayed backbones in timm's model registry, so code built on timm makes them by name.
+"""The decayed networks in timm's model registry, so code built on timm makes them by name.
 
 Importing :mod:`lightning_mods.backbone` registers them::
 
@@ -7,27 +7,41 @@ Importing :mod:`lightning_mods.backbone` registers them::
 
 ``alpha_min`` and ``kind`` set the linear (or any built-in) decayed identity shortcut of the
 decay paper, section 3.1 (``shortcut=`` takes a whole :class:`ShortcutSchedule`); every other
-argument is timm's. ``pretrained=True`` with ``pretrained_cfg_overlay=dict(file=PATH)`` loads an
-encoder exported by ``python -m commands.convert_mae export-encoder`` (the encoder's own
-state_dict, shortcut weights included; a checkpoint's ``encoder.`` prefix is dropped too):
-nothing is downloaded. A file whose shortcut weights disagree with the schedule asked for loads
-the file's (and warns), as every shortcut-aware block does.
+argument is timm's (``img_size``, ``in_chans``, ``num_classes``, ``device``, ``dtype``, ...).
+
+The encoders (``vit_*_decayed``, ``resnet*_decayed``) keep the contract of timm's own ViT and
+ResNet, as the installed timm release's ``tests/test_models.py`` writes it: forward and backward,
+``default_cfgs``, ``features_only`` (the ViTs through ``forward_intermediates``' getter),
+``forward_intermediates`` and torchvision's FX feature extraction (the decayed sum is an FX leaf).
+TorchScript is not supported: ``torch.jit`` is in maintenance and the decayed blocks are not
+scripted. The whole pre-training networks (``mae_*``, ``uvit_*``) carry a pretrained config and
+take timm's factory arguments; their docstrings say which of timm's tests apply.
+
+``pretrained=True`` with ``pretrained_cfg_overlay=dict(file=PATH)`` loads a local file (nothing is
+downloaded): into an MAE, a file of either MAE repository or a shortcutlab MAE's state_dict
+(:func:`~lightning_mods.backbone.mae_weights.checkpoint_filter_fn`); into a ``vit_*_decayed``,
+the encoder half of those, or an encoder exported by ``python -m commands.convert_mae
+export-encoder`` (:func:`~lightning_mods.backbone.mae_weights.encoder_filter_fn`). A file that
+would leave any weight at its initial value (a new classifier head aside) is refused in one line
+naming the weights and the arguments the file matches. A file whose shortcut weights disagree
+with the schedule asked for loads the file's (and warns), as every shortcut-aware block does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import argparse
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
 
 import torch
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
+from .mae_weights import checkpoint_filter_fn, encoder_filter_fn, require_filled, unwrap
 from .masked_autoencoder import MaskedAutoencoderViT
 from .resnet import ResNet50, ResNet50d, ResNet18Cifar
 from .shortcut import ShortcutSchedule
 from .uvit import UViT
 from .vit import DecayedVisionTransformer
-
-ENCODER_PREFIX = "encoder."
 
 
 def _schedule(kwargs: dict[str, Any]) -> ShortcutSchedule:
@@ -36,28 +50,32 @@ def _schedule(kwargs: dict[str, Any]) -> ShortcutSchedule:
     return ShortcutSchedule.coerce(shortcut) if shortcut is not None else ShortcutSchedule(kind=kind, alpha_min=alpha_min)
 
 
-def exported_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """An exported encoder's weights as ``model``'s names: a shortcutlab checkpoint's
-    ``encoder.`` prefix dropped; a head the file lacks is left to timm (which re-initialises it)."""
-    if state_dict and all(k.startswith(ENCODER_PREFIX) for k in state_dict):
-        state_dict = {k[len(ENCODER_PREFIX):]: v for k, v in state_dict.items()}
-    elif any(k.startswith(ENCODER_PREFIX) for k in state_dict):  # a whole MAE: keep the encoder
-        state_dict = {k[len(ENCODER_PREFIX):]: v for k, v in state_dict.items() if k.startswith(ENCODER_PREFIX)}
-    own = model.state_dict()
-    for name in ("head.weight", "head.bias", "fc.weight", "fc.bias"):
-        if name not in state_dict and name in own:
-            state_dict[name] = own[name]  # no trained head in an encoder: keep the new one
-    return state_dict
-
-
-def _build(cls: Callable[..., nn.Module], variant: str, pretrained: bool, **kwargs: Any) -> nn.Module:
-    return build_model_with_cfg(cls, variant, pretrained, pretrained_filter_fn=exported_state_dict,
-                                pretrained_strict=True, **kwargs)
+def _build(cls: Callable[..., nn.Module], variant: str, pretrained: bool, filter_fn: Callable[..., Any],
+           **kwargs: Any) -> nn.Module:
+    # both MAE repositories pickle their argparse.Namespace next to the weights: let timm's
+    # weights-only torch.load read it (a plain attribute bag)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return build_model_with_cfg(cls, variant, pretrained, pretrained_filter_fn=filter_fn,
+                                    pretrained_strict=True, **kwargs)
 
 
 def _vit(variant: str, pretrained: bool, arch: dict[str, Any], kwargs: dict[str, Any]) -> nn.Module:
     shortcut = _schedule(kwargs)
-    return _build(DecayedVisionTransformer, variant, pretrained, shortcut=shortcut, **{**arch, **kwargs})
+    out_indices = kwargs.pop("out_indices", 3)  # timm's ViT: features_only through forward_intermediates
+    return _build(DecayedVisionTransformer, variant, pretrained, encoder_filter_fn, shortcut=shortcut,
+                  feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **{**arch, **kwargs})
+
+
+def _resnet(cls: Callable[..., nn.Module], variant: str, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
+    return _build(cls, variant, pretrained, own_filter_fn, shortcut=_schedule(kwargs), **kwargs)
+
+
+def own_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A shortcutlab state_dict of this very network (a checkpoint's ``state_dict`` unwrapped):
+    refused in one line unless it fills the network."""
+    state = unwrap(state_dict)
+    require_filled(state, model.state_dict(), type(model).__name__, lambda *_: [])
+    return state
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
@@ -65,15 +83,27 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
             "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225), "license": "apache-2.0", **kwargs}
 
 
+_VIT = dict(first_conv="patch_embed.proj", classifier="head", fixed_input_size=True, pool_size=None)
+_RESNET = dict(first_conv="conv1", classifier="fc", crop_pct=0.95, pool_size=(7, 7))
+# whole pre-training networks: no classifier; MAE's pixels normalised with ImageNet's statistics,
+# U-ViT's in [-1, 1]
+_MAE = dict(first_conv="encoder.patch_embed.proj", classifier=None, num_classes=0, fixed_input_size=True,
+            crop_pct=1.0)
+_UVIT = dict(first_conv="patch_embed.proj", classifier=None, num_classes=0, fixed_input_size=True,
+             input_size=(3, 32, 32), crop_pct=1.0, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+
 default_cfgs = generate_default_cfgs({
-    "vit_tiny_patch16_224_decayed": _cfg(first_conv="patch_embed.proj", classifier="head"),
-    "vit_small_patch16_224_decayed": _cfg(first_conv="patch_embed.proj", classifier="head"),
-    "vit_base_patch16_224_decayed": _cfg(first_conv="patch_embed.proj", classifier="head"),
-    "vit_large_patch16_224_decayed": _cfg(first_conv="patch_embed.proj", classifier="head"),
-    "resnet50_decayed": _cfg(first_conv="conv1", classifier="fc", crop_pct=0.95),
-    "resnet50d_decayed": _cfg(first_conv="conv1.0", classifier="fc", crop_pct=0.95),
-    "resnet18_cifar_decayed": _cfg(first_conv="conv1", classifier="fc", input_size=(3, 32, 32), crop_pct=1.0,
-                                   num_classes=10),
+    "vit_tiny_patch16_224_decayed": _cfg(**_VIT),
+    "vit_small_patch16_224_decayed": _cfg(**_VIT),
+    "vit_base_patch16_224_decayed": _cfg(**_VIT),
+    "vit_large_patch16_224_decayed": _cfg(**_VIT),
+    "resnet50_decayed": _cfg(**_RESNET),
+    "resnet50d_decayed": _cfg(**{**_RESNET, "first_conv": "conv1.0"}),
+    "resnet18_cifar_decayed": _cfg(**{**_RESNET, "input_size": (3, 32, 32), "pool_size": (4, 4), "crop_pct": 1.0,
+                                      "num_classes": 10}),
+    "mae_vit_base_patch16_decayed": _cfg(**_MAE),
+    "mae_vit_tiny_patch4_32_decayed": _cfg(**{**_MAE, "input_size": (3, 32, 32)}),
+    "uvit_small_patch2_32_decayed": _cfg(**_UVIT),
 })
 
 
@@ -108,60 +138,117 @@ def vit_large_patch16_224_decayed(pretrained: bool = False, **kwargs: Any) -> De
 @register_model
 def resnet50_decayed(pretrained: bool = False, **kwargs: Any) -> ResNet50:
     """timm's ResNet-50 with decayed identity shortcuts."""
-    return _build(ResNet50, "resnet50_decayed", pretrained, shortcut=_schedule(kwargs), **kwargs)
+    return _resnet(ResNet50, "resnet50_decayed", pretrained, kwargs)
 
 
 @register_model
 def resnet50d_decayed(pretrained: bool = False, **kwargs: Any) -> ResNet50d:
     """timm's ResNet-50-D with decayed identity shortcuts."""
-    return _build(ResNet50d, "resnet50d_decayed", pretrained, shortcut=_schedule(kwargs), **kwargs)
+    return _resnet(ResNet50d, "resnet50d_decayed", pretrained, kwargs)
 
 
 @register_model
 def resnet18_cifar_decayed(pretrained: bool = False, **kwargs: Any) -> ResNet18Cifar:
     """CIFAR ResNet-18 (3x3 stem, no max-pool; ``num_blocks`` 8 to 16) with decayed identity shortcuts."""
-    return _build(ResNet18Cifar, "resnet18_cifar_decayed", pretrained, shortcut=_schedule(kwargs), **kwargs)
+    return _resnet(ResNet18Cifar, "resnet18_cifar_decayed", pretrained, kwargs)
 
 
-# --- whole networks of the two papers (not classifiers: no head, no pretrained weights) ---------
-TIMM_ONLY = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")  # what create_model adds for its builder
+# --- whole networks of the two papers (not classifiers, not feature backbones) -------------------
+def _on_device(cls: Callable[..., nn.Module], variant: str) -> Callable[..., nn.Module]:
+    """``cls`` taking timm's factory arguments: ``device``, ``dtype`` and ``img_size`` (an int or a
+    square ``(H, W)``; the MAE's own name for it is ``image_size``), and for the MAE timm's
+    ``num_classes`` (which must be 0: an MAE has no classifier)."""
+    def build(*, device: Optional[Any] = None, dtype: Optional[torch.dtype] = None, **kwargs: Any) -> nn.Module:
+        size = kwargs.pop("img_size", None)
+        if cls is MaskedAutoencoderViT:
+            if kwargs.pop("num_classes", 0):
+                raise ValueError(f"{variant}: an MAE has no classifier (num_classes must be 0); fine-tune its encoder "
+                                 "as a vit_*_decayed with num_classes")
+            if size is not None:
+                kwargs["image_size"] = _square(size, variant)
+        elif size is not None:
+            kwargs["img_size"] = _square(size, variant)
+        with torch.device(device) if device is not None else nullcontext():
+            net = cls(**kwargs)
+        return net.to(device=device, dtype=dtype)  # what the context missed (tensors made from numpy)
+    build.__name__ = build.__qualname__ = cls.__name__
+    return build
+
+
+def _square(size: Any, variant: str) -> int:
+    """timm's ``img_size`` (an int or ``(H, W)``) as one side."""
+    if isinstance(size, (tuple, list)):
+        if len(size) != 2 or size[0] != size[1]:
+            raise ValueError(f"{variant}: img_size must be square, got {tuple(size)}")
+        size = size[0]
+    return int(size)
 
 
 def _network(cls: Callable[..., nn.Module], variant: str, pretrained: bool, arch: dict[str, Any],
-             kwargs: dict[str, Any]) -> nn.Module:
-    """A whole network of the papers by name: no weights are registered for these."""
-    if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are registered; load a checkpoint's state_dict "
-                         "(lightning_mods.backbone.masked_autoencoder.checkpoint_filter_fn reads both MAE repositories' names)")
-    kwargs = {k: v for k, v in kwargs.items() if k not in TIMM_ONLY}
-    return cls(shortcut=_schedule(kwargs), **{**arch, **kwargs})
+             kwargs: dict[str, Any], filter_fn: Callable[..., Any]) -> nn.Module:
+    if kwargs.get("features_only"):
+        raise ValueError(f"{variant} is a whole pre-training network, not a feature backbone: build its encoder "
+                         "(vit_*_decayed, which loads an MAE's encoder half) with features_only=True")
+    if "image_size" in kwargs:
+        raise TypeError(f"{variant}: the input size is timm's img_size (image_size is MaskedAutoencoderViT's own "
+                        "argument, not the registry's)")
+    return _build(_on_device(cls, variant), variant, pretrained, filter_fn, shortcut=_schedule(kwargs),
+                  **{**arch, **kwargs})
 
 
-MAE_BASE = dict(image_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12, decoder_embed_dim=512,
-                decoder_depth=8, decoder_num_heads=16)
+MAE_BASE = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, decoder_embed_dim=512, decoder_depth=8,
+                decoder_num_heads=16)
 
 
 @register_model
 def mae_vit_base_patch16_decayed(pretrained: bool = False, **kwargs: Any) -> MaskedAutoencoderViT:
     """The decay paper's ImageNet MAE: ViT-B/16 encoder with decayed shortcuts, U-Net skip
-    decoder of width 512 and depth 8 (``unet_skips=False, alpha_min=1.0``: He et al.'s MAE)."""
-    return _network(MaskedAutoencoderViT, "mae_vit_base_patch16_decayed", pretrained, MAE_BASE, kwargs)
+    decoder of width 512 and depth 8 (``unet_skips=False, alpha_min=1.0``: He et al.'s MAE).
+
+    ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` loads either MAE repository's
+    ``checkpoint-*.pth`` or ``mae_pretrain_vit_*.pth``/``mae_visualize_vit_*.pth``, or a shortcutlab
+    MAE's state_dict (:func:`~lightning_mods.backbone.mae_weights.checkpoint_filter_fn`).
+
+    Of timm's model tests, the creation and ``default_cfgs`` checks apply (pretrained config,
+    ``device``/``dtype``, unknown arguments refused, ``first_conv``); the forward, classifier and
+    feature ones do not: ``forward`` returns ``(loss, prediction, mask)`` of a random mask, there is
+    no classifier to reset, and features come from the encoder (``vit_*_decayed``).
+    """
+    return _network(MaskedAutoencoderViT, "mae_vit_base_patch16_decayed", pretrained, MAE_BASE, kwargs,
+                    checkpoint_filter_fn)
 
 
 @register_model
 def mae_vit_tiny_patch4_32_decayed(pretrained: bool = False, **kwargs: Any) -> MaskedAutoencoderViT:
     """The decay paper's CIFAR MAE (configs/mae/base.yaml): ViT-Ti/4 at 32 pixels, depth 12, skip
-    decoder of width 256 and depth 4."""
+    decoder of width 256 and depth 4. Loading and timm's tests as :func:`mae_vit_base_patch16_decayed`."""
     return _network(MaskedAutoencoderViT, "mae_vit_tiny_patch4_32_decayed", pretrained,
-                    dict(image_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3, decoder_embed_dim=256,
-                         decoder_depth=4, decoder_num_heads=8), kwargs)
+                    dict(patch_size=4, embed_dim=192, depth=12, num_heads=3, decoder_embed_dim=256, decoder_depth=4,
+                         decoder_num_heads=8), kwargs, checkpoint_filter_fn)
 
 
 @register_model
 def uvit_small_patch2_32_decayed(pretrained: bool = False, **kwargs: Any) -> UViT:
     """U-ViT-S/2 of the decay paper's CIFAR diffusion (configs/diffusion/base.yaml): 32 pixels,
     width 512, depth 12, 8 heads, no qkv bias, zero-initialised branch ends; ``num_classes`` > 0
-    for class conditioning."""
+    for class conditioning (it counts the labels the network is conditioned on: U-ViT has no
+    classifier). ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` loads a shortcutlab
+    U-ViT's state_dict (a ``DiffusionModule`` checkpoint's ``model.`` weights).
+
+    Of timm's model tests, the creation and ``default_cfgs`` checks apply; the forward, classifier
+    and feature ones do not: ``forward(x, timesteps)`` predicts noise from a noised image and a
+    timestep, and returns an image, not logits or features.
+    """
     return _network(UViT, "uvit_small_patch2_32_decayed", pretrained,
-                    dict(img_size=32, patch_size=2, embed_dim=512, depth=12, num_heads=8, qkv_bias=False,
-                         mlp_time_embed=False, final_conv=True, zero_init_branches=True), kwargs)
+                    dict(patch_size=2, embed_dim=512, depth=12, num_heads=8, qkv_bias=False,
+                         mlp_time_embed=False, final_conv=True, zero_init_branches=True), kwargs, uvit_filter_fn)
+
+
+def uvit_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A U-ViT state_dict, or a ``DiffusionModule`` checkpoint's (its ``model.`` weights), refused in
+    one line unless it fills the network."""
+    state = unwrap(state_dict)
+    if any(k.startswith("model.") for k in state):
+        state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    require_filled(state, model.state_dict(), type(model).__name__, lambda *_: [])
+    return state

@@ -59,7 +59,7 @@ def test_an_exported_encoder_loads_into_the_same_function(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(images).mean(dim=1), mae.forward_features(images),
                                    rtol=0, atol=0)
-    with pytest.raises(RuntimeError):  # another architecture is refused, not half loaded
+    with pytest.raises(ValueError, match=f"embed_dim={hp.embed_dim}"):  # another architecture is refused, not half loaded
         timm.create_model("vit_base_patch16_224_decayed", pretrained=True, pretrained_cfg_overlay={"file": str(out)},
                           img_size=hp.image_size, patch_size=hp.patch_size, embed_dim=2 * hp.embed_dim,
                           depth=hp.depth, num_heads=hp.num_heads, in_chans=hp.in_chans, num_classes=0, final_norm=False)
