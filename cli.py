@@ -14,12 +14,57 @@ class list from the source, :mod:`commands._catalogue`), so it prints at once.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import textwrap
 from pathlib import Path
 from typing import Optional
 
-from commands import _catalogue as catalogue
+ROOT = Path(__file__).resolve().parent
+# the package's top-level packages: a file or folder of the same name earlier on sys.path (a
+# researcher's own callbacks.py in the folder on PYTHONPATH) would be imported in their place
+PACKAGES = ("commands", "callbacks", "datamodules", "lightning_mods")
+
+
+def shadowing_file(name: str) -> Optional[Path]:
+    """The file or folder that ``import name`` finds before this package's own, if any."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    found = Path(spec.origin) if spec.origin and spec.origin not in ("built-in", "frozen") else None
+    if spec.submodule_search_locations:
+        found = Path(next(iter(spec.submodule_search_locations)))
+    if found is None or found.resolve().is_relative_to(ROOT / name):
+        return None
+    return found
+
+
+def _exit_statuses():  # noqa: ANN202
+    """lightning_mods/exit_statuses.py read from its file: the package may be the hidden one."""
+    spec = importlib.util.spec_from_file_location("_shortcutlab_exit_statuses",
+                                                  ROOT / "lightning_mods" / "exit_statuses.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_package_names() -> None:
+    """One line and exit status 2 when a file of the user's hides one of the package's packages."""
+    for name in PACKAGES:
+        found = shadowing_file(name)
+        if found is not None:
+            print(f"shortcutlab: error: {found} hides shortcutlab's own '{name}' package (its folder is earlier on "
+                  f"sys.path, e.g. through PYTHONPATH); rename it (say my_{name}{'.py' if found.suffix else ''}) and "
+                  "name your classes by the new module", file=sys.stderr)
+            sys.exit(_exit_statuses().BAD_INPUT)
+
+
+check_package_names()  # before the first import of one of them
+
+from commands import _catalogue as catalogue  # noqa: E402
 
 # subcommand -> (module in commands/, one-line description)
 COMMANDS = {

@@ -41,26 +41,34 @@ def is_last_epoch(trainer: Trainer) -> bool:
     return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
 
 
+def reaches_max_steps(trainer: Trainer) -> bool:
+    """Whether ``fit`` has taken its ``max_steps`` optimiser steps (False without a step limit)."""
+    max_steps = trainer.max_steps
+    return max_steps is not None and max_steps > 0 and trainer.global_step >= max_steps
+
+
 def evaluation_due(trainer: Trainer, every_n_epochs: Optional[int]) -> bool:
     """Whether an evaluation callback runs at the end of this validation epoch.
 
     Never during the sanity check. In ``validate`` always. In ``fit``: at every validation
-    (``every_n_epochs=None``) or after epochs ``n - 1, 2n - 1, ...`` (0-indexed), and after the
-    last epoch of ``max_epochs``.
+    (``every_n_epochs=None``) or after epochs ``n - 1, 2n - 1, ...`` (0-indexed), and at the end of
+    ``fit``: after the last epoch of ``max_epochs``, or at the step ``max_steps`` stops it.
     """
     if trainer.sanity_checking:
         return False
     if trainer.state.fn != TrainerFn.FITTING:
         return True
-    if every_n_epochs is None or is_last_epoch(trainer):
+    if every_n_epochs is None or is_last_epoch(trainer) or reaches_max_steps(trainer):
         return True
     return (trainer.current_epoch + 1) % every_n_epochs == 0
 
 
 class ScheduledEvaluation(Callback):
-    """Base of the evaluation callbacks: makes the trainer validate at the last epoch of ``fit``
-    when ``check_val_every_n_epoch`` would skip it (Lightning validates only at its multiples),
-    so that epoch's evaluation runs; the trainer's own value is back after the epoch.
+    """Base of the evaluation callbacks: the end of ``fit`` is validated and evaluated whatever the
+    cadence. At the last epoch of ``max_epochs`` the trainer validates even when
+    ``check_val_every_n_epoch`` would skip it (Lightning validates only at its multiples); at the
+    step ``max_steps`` stops a fit, mid-epoch too, the trainer is asked to stop there, which makes
+    Lightning validate (as for early stopping). The trainer's own cadence is back after the epoch.
 
     Subclasses set ``self.every_n_epochs`` and ask :func:`evaluation_due` in their hooks.
     """
@@ -68,8 +76,19 @@ class ScheduledEvaluation(Callback):
     _saved_check_val: Optional[int] = None
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if is_last_epoch(trainer):
+            self._validate_this_epoch(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object,
+                           batch_idx: int) -> None:
+        # a Python comparison a step: the same decision on every rank, no host read
+        if reaches_max_steps(trainer) and not trainer.should_stop:
+            trainer.should_stop = True
+            self._validate_this_epoch(trainer)
+
+    def _validate_this_epoch(self, trainer: Trainer) -> None:
         every = trainer.check_val_every_n_epoch
-        if every is not None and is_last_epoch(trainer) and (trainer.current_epoch + 1) % every != 0:
+        if every is not None and (trainer.current_epoch + 1) % every != 0 and self._saved_check_val is None:
             self._saved_check_val, trainer.check_val_every_n_epoch = every, 1
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -320,10 +320,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             save(export_timm(args.checkpoint, args.allow_decayed), args.output)
             print(f"wrote {args.output}: timm VisionTransformer state_dict (num_classes=0)")
     except (ValueError, FileNotFoundError) as err:
-        print(f"convert_mae: error: {err}", file=sys.stderr)
+        print(f"shortcutlab convert-mae: error: {err}", file=sys.stderr)
         sys.exit(exit_statuses.BAD_INPUT)
     except OSError as err:  # the output's folder cannot be made or written (a file in its way, permissions)
-        print(f"convert_mae: error: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+        print(f"shortcutlab convert-mae: error: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
         sys.exit(exit_statuses.BAD_INPUT)
 
 

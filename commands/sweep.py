@@ -28,7 +28,11 @@ with ``--then-set`` as its settings; ``sweep.json`` records every evaluation the
 when any run failed.
 
 Before anything starts (or is printed), every point's composed config and its ``--then`` fit are
-parsed: a typo in a key is one line naming the point, exit status 2, no run started. The sweep
+parsed: a typo in a key is one line naming the point, exit status 2, no run started. ``sweep.json``
+keeps the settings each run was asked for (its ``fit`` arguments and a digest of each config
+file): a run recorded with other settings (``--run-set trainer.max_epochs=6`` after a 4-epoch
+sweep, an edited config) is neither skipped nor resumed; the sweep stops before anything starts,
+in one line naming the difference, and the old run's folder is kept. The sweep
 owns its runs: SIGTERM or SIGINT (Ctrl+C) is passed on to the run in progress, which saves its
 resumable checkpoint; the sweep then exits with ``128 + signal`` and the same command resumes it.
 A run dies with its sweep, even one killed by SIGKILL (it gets SIGTERM and saves first).
@@ -36,6 +40,7 @@ A run dies with its sweep, even one killed by SIGKILL (it gets SIGTERM and saves
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
 import sys
@@ -181,6 +186,8 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     points = grid_points([parse_axis(axis) for axis in parsed.grid])
     check_points(parsed, points)
     save_dir = Path(parsed.runs_dir) / parsed.experiment
+    if not parsed.print_only:
+        check_recorded_settings(parsed, points, save_dir)
     record_plan(save_dir, [run_name(point) for point in points])
     records = []
     for index, point in enumerate(points, start=1):
@@ -197,12 +204,13 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
             try:
                 run_args, status, seconds = fit_resuming(args, run, parsed.stop_grace)
             except Stopped as stop:
-                record = {"name": name, "grid": point, "status": stop.status, "stopped_by": str(stop)}
+                record = {"name": name, "grid": point, "status": stop.status, "stopped_by": str(stop),
+                          **requested_settings(parsed, point)}
                 run.mkdir(parents=True, exist_ok=True)
                 write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
                 raise
             record = {"name": name, "grid": point, "command": shell_line(run_args), "status": status,
-                      "seconds": round(seconds, 1)}
+                      "seconds": round(seconds, 1), **requested_settings(parsed, point)}
             run.mkdir(parents=True, exist_ok=True)
             write_text_atomically(record_file, json.dumps(record, indent=2) + "\n")
         else:
@@ -220,6 +228,55 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     if failed:
         raise SystemExit(exit_statuses.SWEEP_RUN_FAILED)
     return records
+
+
+def requested_settings(parsed: argparse.Namespace, point: dict[str, str]) -> dict:
+    """What a run is asked for, as its ``sweep.json`` keeps it: its ``fit`` arguments (the sweep's
+    logging fragment aside) and a digest of each config file they name."""
+    return {"arguments": fit_arguments(parsed.config, point, run_settings(parsed)),
+            "configs": {config: file_digest(config) for config in parsed.config}}
+
+
+def file_digest(path: str) -> Optional[str]:
+    """The SHA-256 of a file's bytes (None when there is no such file: the config check says so)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def settings_difference(record: dict, requested: dict) -> Optional[str]:
+    """How a run's recorded settings differ from the requested ones, in words (None: the same, or
+    a record written before the sweep kept them)."""
+    recorded = record.get("arguments")
+    if not isinstance(recorded, list):
+        return None
+    parts = []
+    then = [a for a in recorded if a not in requested["arguments"]]
+    now = [a for a in requested["arguments"] if a not in recorded]
+    if then or now:
+        parts.append(f"{' '.join(then) or 'nothing'} then, {' '.join(now) or 'nothing'} now")
+    elif recorded != requested["arguments"]:
+        parts.append("the same settings in another order")
+    for config, digest in requested["configs"].items():
+        old = (record.get("configs") or {}).get(config)
+        if old is not None and old != digest:
+            parts.append(f"{config} has changed since")
+    return "; ".join(parts) or None
+
+
+def check_recorded_settings(parsed: argparse.Namespace, points: Sequence[dict[str, str]], save_dir: Path) -> None:
+    """A ValueError naming the difference when a run of the grid was run (or started) with other
+    settings: its results are kept, never resumed, skipped or reported as the new settings'."""
+    for point in points:
+        run = save_dir / run_name(point)
+        if not (run / "sweep.json").is_file():
+            continue
+        recorded = json.loads((run / "sweep.json").read_text())
+        difference = settings_difference(recorded, requested_settings(parsed, point))
+        if difference:
+            raise ValueError(f"{run} was run with other settings ({difference}); its results are kept: sweep into "
+                             "another --experiment, or move that folder away to rerun it (nothing was started)")
 
 
 def checked_evaluations(parsed: argparse.Namespace) -> list[Evaluation]:

@@ -30,6 +30,7 @@ from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import build_module, canonical_class_path, module_from_checkpoint
 from lightning_mods.evaluation import metric_names
+from lightning_mods.evaluation._input_geometry import check_input_geometry
 from lightning_mods.recipe._classification_steps import ClassificationSteps
 from lightning_mods.recipe.optim import adamw, global_batch_size, scaled_lr, steps_from_epochs, warmup_cosine_scheduler
 
@@ -125,6 +126,9 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                            mode="batch", label_smoothing=label_smoothing, num_classes=num_classes) if mixing else None
         self.criterion: nn.Module = SoftTargetCrossEntropy() if mixing else (
             LabelSmoothingCrossEntropy(label_smoothing) if label_smoothing > 0 else nn.CrossEntropyLoss())
+
+    def setup(self, stage: str) -> None:
+        check_input_geometry(self.model, getattr(self.trainer, "datamodule", None), "FineTuneClassifier")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

@@ -30,6 +30,7 @@ from lightning_mods.evaluation._probe_head import ProbeHead  # noqa: F401 (re-ex
 from lightning_mods.evaluation import metric_names
 from lightning_mods.recipe._classification_steps import top_k_accuracy
 from lightning_mods.evaluation.feature_contract import block_features, features_and_blocks, require_blocks, require_features
+from lightning_mods.evaluation._input_geometry import check_input_geometry
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 
 
@@ -202,6 +203,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
         # a backbone that takes its input normalisation from the datamodule (DiffusionModule:
         # pixel mean/std, latent scale and shift) learns it here as it did in pre-training
         datamodule = getattr(self.trainer, "datamodule", None)
+        check_input_geometry(self.backbone, datamodule, "LinearProbe")
         if datamodule is not None and hasattr(self.backbone, "set_pixel_stats"):
             self.backbone.set_pixel_stats(datamodule)
 

@@ -179,7 +179,8 @@ def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
             sums[key] = {"metric_attribute": meta.metric_attribute,
                          "states": {name: _detached(getattr(metric, name)) for name in lightning_private.metric_state_names(metric)}}
         else:
-            rank_zero_warn(f"ExactResume: the epoch value of {key!r} ({meta.reduce_fx}) will cover only the "
+            reduce = getattr(meta.reduce_fx, "__name__", meta.reduce_fx)  # torch.max, not its repr
+            rank_zero_warn(f"ExactResume: the epoch value of {key!r} (reduced with {reduce}) will cover only the "
                            "batches after a resume from this mid-epoch checkpoint")
     return sums
 

@@ -5,8 +5,10 @@ Lightning turns every value logged with ``prog_bar=True`` into a Python number a
 training batch, with or without a progress bar (its logger connector's ``on_batch_end``): on a
 GPU, a host sync per step. The families therefore log their training loss without
 ``prog_bar``, and this bar shows it, read from ``trainer.callback_metrics`` (one host read)
-every ``log_every_n_steps`` steps, the cadence at which the loggers write it too. Everything
-else is Lightning's ``RichProgressBar``.
+every ``log_every_n_steps`` steps, the cadence at which the loggers write it too. A run named
+rather than numbered (a sweep's ``alpha_min=1.0,seed=2``) shows its whole name as ``run``, where
+Lightning's ``v_num`` keeps the last four characters (``=1.0``). Everything else is Lightning's
+``RichProgressBar``.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ class TrainingLossProgressBar(RichProgressBar):
     def get_metrics(self, trainer: Trainer,
                     pl_module: LightningModule) -> dict[str, Union[int, str, float, dict[str, float]]]:
         items = super().get_metrics(trainer, pl_module)
+        if isinstance(items.get("v_num"), str) and trainer.loggers:  # a named version, cut to 4 characters
+            del items["v_num"]
+            items["run"] = str(trainer.loggers[0].version)
         if not trainer.training or trainer.sanity_checking:
             return items
         step = int(trainer.global_step)

@@ -5,7 +5,9 @@ weights, ``predictions.pt``, a sweep's and a report's JSON.
 file system, so the rename cannot turn into a copy), flushes and fsyncs it, renames it onto the
 final name with ``os.replace`` (atomic on POSIX) and fsyncs the folder, so a crash or a full disk
 leaves either the previous file of that name or the new one, never half of either, and no
-temporary file. A write that fails for lack of space, quota, a read-only file system or
+temporary file. The file gets the permissions ``open()`` would give it (``0666`` less the
+process's umask, as Lightning's own files), not the temporary file's private ``0600``: a
+colleague sharing the folder reads it as they read the run's logs. A write that fails for lack of space, quota, a read-only file system or
 permissions raises :class:`DiskWriteError`, whose one-line message names the file, the bytes it
 needed, what was free, and the newest checkpoint this process wrote (:data:`last_good_checkpoint`).
 
@@ -74,6 +76,13 @@ def write_atomically(path: PathLike, write: Callable[[IO[bytes]], None], size: O
     raise AssertionError("unreachable")
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_once(path: Path, write: Callable[[IO[bytes]], None], size: Optional[int]) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +93,7 @@ def _write_once(path: Path, write: Callable[[IO[bytes]], None], size: Optional[i
     tmp: Optional[str] = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

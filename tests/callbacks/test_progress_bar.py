@@ -39,3 +39,13 @@ def test_nothing_is_read_outside_training_or_before_a_loss_exists():
         assert "train/loss" not in bar.get_metrics(validating, None)
         assert "train/loss" not in bar.get_metrics(stand_in_trainer(), None)  # no loss logged yet
     assert reads.count == 0
+
+
+def test_a_named_run_shows_its_whole_name_not_the_last_four_characters():
+    """A sweep's runs are named after their grid values; Lightning's v_num would show ``=1.0``."""
+    trainer = stand_in_trainer(training=False)
+    trainer.loggers = [SimpleNamespace(version="alpha_min=1.0,seed=2", name="sweep")]
+    items = TrainingLossProgressBar().get_metrics(trainer, None)
+    assert items["run"] == "alpha_min=1.0,seed=2" and "v_num" not in items
+    trainer.loggers = [SimpleNamespace(version=3, name="lightning_logs")]  # numbered: Lightning's own
+    assert TrainingLossProgressBar().get_metrics(trainer, None)["v_num"] == 3

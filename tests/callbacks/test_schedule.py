@@ -77,6 +77,27 @@ def test_last_epoch_on_the_cadence_is_not_validated_twice(tmp_path):
     assert validations.epochs == [1, 3] and [h["epoch"] for h in follow.history] == [1, 3]
 
 
+def test_a_fit_ended_by_max_steps_mid_epoch_is_validated_and_evaluated_at_its_end(tmp_path):
+    """6 batches an epoch, max_steps 9: Lightning alone stops in the second epoch's middle without
+    a validation (the run summary would show no numbers); the fit is validated and evaluated at
+    step 9, as a fit ended by max_epochs is at its last epoch, and the cadence is the trainer's again."""
+    seed_everything(0)
+    follow, knn, validations = EffectiveRank(), RecordingKNN(k=5, every_n_epochs=4), RecordValidationEpochs()
+    steps = []
+
+    class RecordSteps(Callback):
+        def on_validation_epoch_end(self, trainer, pl_module) -> None:
+            if not trainer.sanity_checking:
+                steps.append(int(trainer.global_step))
+    trainer = tiny_trainer(tmp_path, [follow, knn, validations, RecordSteps()], max_epochs=-1, max_steps=9,
+                           check_val_every_n_epoch=3)
+    trainer.fit(TinyNet(), datamodule=TinyData())
+    assert trainer.global_step == 9 and validations.epochs == [1] and steps == [9]
+    assert [h["epoch"] for h in follow.history] == [1] and knn.evaluated == [1]
+    assert 0 <= metric(trainer, "knn/top1") <= 1
+    assert trainer.check_val_every_n_epoch == 3
+
+
 def test_every_n_epochs_accepts_none_and_positive_ints_only():
     assert EffectiveRank().every_n_epochs is None and KNNEvaluator(every_n_epochs=3).every_n_epochs == 3
     for bad in (0, -1, 2.5, True):

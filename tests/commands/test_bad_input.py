@@ -194,3 +194,20 @@ def test_imagenet_names_the_unreadable_file_or_skips_it_on_request(tmp_path, dam
     with pytest.warns(UserWarning, match=f"cannot read image '{bad}'"):
         image, _ = with_pil.load_split(train=False)[1]
     assert np.array_equal(np.asarray(image), np.asarray(Image.open(next_path).convert("RGB")))
+
+
+@pytest.mark.parametrize("config", ["linear_probe_digits.yaml", "finetune_digits.yaml"])
+def test_an_evaluation_of_a_checkpoint_at_another_image_size_is_one_line_and_writes_nothing(
+        config, tmp_path, run_folder, monkeypatch, capsys):
+    """The probe and fine-tuning check the data's images against the checkpoint's network before
+    the first batch (a 32-pixel probe of a 16-pixel MAE stopped with an 83-line traceback)."""
+    from test_cli import run_fit
+
+    checkpoint = run_fit(tmp_path / "pre-training")  # the digits at 16 pixels, one channel
+    before = snapshot(run_folder)
+    code, lines = run_console(monkeypatch, capsys, ["fit", f"--config={ROOT / 'configs' / config}",
+                                                    f"--model.checkpoint={checkpoint}", "--data.init_args.image_size=32",
+                                                    *FAST, f"--trainer.default_root_dir={run_folder}"])
+    assert code == 2 and len(lines) == 1, lines
+    assert "the data gives 32-pixel images where the network takes 16 (data.init_args.image_size=16)" in lines[0]
+    assert snapshot(run_folder) == before

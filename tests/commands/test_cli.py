@@ -2,6 +2,7 @@
 LinearProbe on an MAE checkpoint, the console command, and one-line errors."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -199,3 +200,25 @@ def test_the_command_ends_a_ddp_run_s_process_group_before_exit(tmp_path):
     assert dist.is_initialized()
     cli.end_process_group()
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("own", ["callbacks.py", "commands.py", "datamodules", "lightning_mods.py"])
+def test_a_user_s_file_that_hides_a_package_is_one_line_naming_it(tmp_path, own):
+    """docs/extending.md: a researcher's folder on PYTHONPATH with a file named as one of the
+    package's packages; every command says which file hides which package and how to fix it."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    path = folder / own
+    if own.endswith(".py"):
+        path.write_text("X = 1\n")
+    else:
+        (path / "__init__.py").parent.mkdir()
+        (path / "__init__.py").write_text("")
+    exe = Path(sys.executable).with_name("shortcutlab")
+    out = subprocess.run([str(exe), "fit", "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(folder)})
+    package = own.removesuffix(".py")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"shortcutlab: error: {path} hides shortcutlab's "
+                                                                 f"own '{package}' package"), out.stderr
+    assert f"rename it (say my_{own})" in out.stderr

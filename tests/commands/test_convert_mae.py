@@ -173,7 +173,7 @@ def test_python_dash_m_entry_point(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-m", "commands.convert_mae", "import", "missing.pth", "out.ckpt"],
                          cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert res.returncode == 2 and res.stderr.startswith("convert_mae: error: source: no file"), res.stderr
+    assert res.returncode == 2 and res.stderr.startswith("shortcutlab convert-mae: error: source: no file"), res.stderr
 
 
 def test_export_of_a_checkpoint_whose_weights_do_not_fit_is_one_line(tmp_path, capsys):
@@ -205,7 +205,7 @@ def test_outputs_into_folders_that_do_not_exist_yet_are_made(tmp_path, capsys):
         convert("export-timm", str(tmp_path / "new" / "deeper" / "mae.ckpt"), str(tmp_path / "blocker" / "vit.pth"))
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"convert_mae: error: cannot write {tmp_path / 'blocker' / 'vit.pth'}: File exists"]
+        f"shortcutlab convert-mae: error: cannot write {tmp_path / 'blocker' / 'vit.pth'}: File exists"]
     for command in ("import", "export-timm"):  # what --help says
         with pytest.raises(SystemExit):
             convert(command, "--help")

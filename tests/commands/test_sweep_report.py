@@ -528,7 +528,7 @@ def test_then_is_the_evaluation_named_probe(tmp_path, monkeypatch, capsys):
     records = sweep.main(args)
     assert calls == ["run", "probe", "ft"]
     written = json.loads((tmp_path / "e" / "run" / "sweep.json").read_text())
-    assert set(written) == {"name", "grid", "command", "status", "seconds", "evaluations"}
+    assert set(written) == {"name", "grid", "command", "status", "seconds", "evaluations", "arguments", "configs"}
     assert list(written["evaluations"]) == ["probe", "ft"] == list(records[0]["evaluations"])
     for entry in written["evaluations"].values():
         assert set(entry) == {"command", "status", "seconds"} and entry["status"] == 0
@@ -542,3 +542,39 @@ def test_then_is_the_evaluation_named_probe(tmp_path, monkeypatch, capsys):
     assert calls == ["ft"]
     assert records[0]["evaluations"]["probe"] == {"status": 0, "command": "shortcutlab fit ..."}
     assert "probe_status" not in json.loads((tmp_path / "e" / "run" / "sweep.json").read_text())
+
+
+def test_a_rerun_with_other_settings_is_refused_naming_the_difference(tmp_path, monkeypatch, capsys):
+    """The same sweep with a changed setting, or an edited config file, never reuses (skips,
+    resumes or reports) the runs of the old settings: one line names the difference, nothing
+    starts, the old records stay; the same settings again are skipped."""
+    calls = []
+
+    def fake_fit(args, folder, grace):
+        calls.append(folder.name)
+        return args, 0, 0.5
+
+    monkeypatch.setattr(sweep, "fit_resuming", fake_fit)
+    monkeypatch.setattr(sweep, "check_points", lambda parsed, points: None)
+    config = tmp_path / "mine.yaml"
+    config.write_text("trainer:\n  max_epochs: 4\n")
+    args = ["--experiment", "e", "--runs-dir", str(tmp_path), "--config", str(config),
+            "--grid", "model.shortcut.alpha_min=0.6,1.0"]
+    sweep.main([*args, "--run-set", "trainer.max_epochs=4"])
+    assert calls == ["alpha_min=0.6", "alpha_min=1.0"]
+    before = {p: p.read_text() for p in sorted((tmp_path / "e").rglob("sweep.json"))}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([*args, "--run-set", "trainer.max_epochs=6"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert (f"{tmp_path / 'e' / 'alpha_min=0.6'} was run with other settings (--trainer.max_epochs=4 then, "
+            "--trainer.max_epochs=6 now)") in err
+    assert calls == ["alpha_min=0.6", "alpha_min=1.0"]
+    assert {p: p.read_text() for p in sorted((tmp_path / "e").rglob("sweep.json"))} == before
+    sweep.main([*args, "--run-set", "trainer.max_epochs=4"])  # the same settings: skipped
+    assert calls == ["alpha_min=0.6", "alpha_min=1.0"] and capsys.readouterr().out.count("skipped") == 2
+    config.write_text("trainer:\n  max_epochs: 5\n")
+    with pytest.raises(SystemExit):
+        sweep.main([*args, "--run-set", "trainer.max_epochs=4"])
+    assert f"({config} has changed since)" in capsys.readouterr().err

@@ -68,6 +68,24 @@ def test_the_checkpoint_io_writes_a_whole_loadable_file_and_records_it(tmp_path)
     assert atomic_files.last_good_checkpoint == tmp_path / "a" / "x.ckpt"
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_whole_file_gets_the_permissions_open_gives_under_the_umask(tmp_path, umask):
+    """Checkpoints, summaries and exports a colleague sharing the folder can read, as Lightning's
+    own files (``open()``'s 0666 less the umask), not the temporary file's private 0600."""
+    before = os.umask(umask)
+    try:
+        with open(tmp_path / "by_open.txt", "w") as f:  # how Lightning writes hparams.yaml, metrics.csv
+            f.write("x")
+        atomic_files.write_text_atomically(tmp_path / "summary.json", "{}")
+        AtomicCheckpointIO().save_checkpoint({"epoch": 1}, tmp_path / "last.ckpt")
+    finally:
+        os.umask(before)
+    wanted = (tmp_path / "by_open.txt").stat().st_mode & 0o777
+    assert wanted == 0o666 & ~umask
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "summary.json", tmp_path / "last.ckpt")} == {
+        "summary.json": wanted, "last.ckpt": wanted}
+
+
 # --- a file system that really fills --------------------------------------------------------------
 @pytest.fixture
 def small_tmpfs(tmp_path):
