@@ -32,14 +32,13 @@ def shadowing_file(name: str) -> Optional[Path]:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
-    if spec is None:
+    # a folder without __init__.py (a namespace portion, such as a tests/ folder of the same name) hides
+    # nothing: the package's own modules are still found under that name
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen") or spec.loader is None:
         return None
-    found = Path(spec.origin) if spec.origin and spec.origin not in ("built-in", "frozen") else None
-    if spec.submodule_search_locations:
-        found = Path(next(iter(spec.submodule_search_locations)))
-    if found is None or found.resolve().is_relative_to(ROOT / name):
-        return None
-    return found
+    found = Path(spec.origin)
+    found = found.parent if found.name == "__init__.py" else found
+    return None if found.resolve().is_relative_to(ROOT / name) else found
 
 
 def _exit_statuses():  # noqa: ANN202
@@ -70,6 +69,8 @@ from commands import _catalogue as catalogue  # noqa: E402
 COMMANDS = {
     "sweep": ("commands.sweep", "run a grid of fits (alpha_min x seed ...) one after another, or print their commands"),
     "report": ("commands.report", "a sweep's table (mean ± std over seeds) and figures from runs/<experiment>"),
+    "sample": ("commands.sample", "images and their grid from a diffusion checkpoint, with any sampler, steps and "
+                                  "guidance"),
     "features": ("commands.features", "the patch-feature picture of a checkpoint (top-3 principal components as RGB)"),
     "convert-mae": ("commands.convert_mae", "import the authors', official or timm MAE weights; export to timm"),
     "feature-reuse": ("commands.feature_reuse", "the spiral feature-reuse study (ResidualDroppath paper, Fig. 3)"),

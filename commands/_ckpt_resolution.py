@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from commands.cli_errors import BadInput
+from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import newest_loadable, read_torch_file
 
 
@@ -43,6 +44,27 @@ def resolve_auto_ckpt_path(cfg) -> None:  # noqa: ANN001 (the fit subcommand's j
         return
     step = read_torch_file(found, "ckpt_path", mmap=True).get("global_step", "?")
     say(f"{why}: resuming from {found} (step {step})")
+
+
+def resolve_folder_ckpt_path(cfg, subcommand: str) -> None:  # noqa: ANN001 (a subcommand's jsonargparse Namespace)
+    """``--ckpt_path`` naming a run's folder, as ``model.checkpoint`` may: ``validate``, ``test`` and
+    ``predict`` read the final checkpoint of the finished fit logged there, ``fit`` resumes from the
+    newest checkpoint under it that loads; the file chosen is said in one line and set in place."""
+    given = cfg.get("ckpt_path")
+    if not given or not Path(given).is_dir():
+        return
+    if subcommand == "fit":
+        files = [p for p in Path(given).rglob("*.ckpt") if not p.name.startswith("hpc_ckpt")]
+        found = newest_loadable(files, lambda line: print(f"shortcutlab: {line}", file=sys.stderr))
+        if found is None:
+            raise BadInput(f"ckpt_path: no checkpoint that loads under the folder '{given}'")
+    else:
+        try:
+            found = final_checkpoint(given, say=lambda line: print(f"shortcutlab: {line}", file=sys.stderr))
+        except ValueError as err:
+            raise BadInput(str(err).replace("model.checkpoint:", "ckpt_path:", 1)) from None
+    print(f"shortcutlab: --ckpt_path {given}: {found}", file=sys.stderr)
+    cfg["ckpt_path"] = str(found)
 
 
 def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:

@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -122,3 +122,20 @@ def answer_repeated_samples_warning(model: torch.nn.Module) -> None:
     if isinstance(model, ExactEvaluation):
         warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During "
                                 r"`trainer\.(validate|test)\(\)`", category=PossibleUserWarning)
+
+
+def answer_resume_warnings(trainer: Any, subcommand: str, ckpt_path: Optional[str]) -> None:
+    """Lightning's warnings that contradict what the package makes exact: a mid-epoch resume of a
+    fit that carries ``ExactResume`` continues its data where it stopped (the warning says the
+    dataloader is not resumable), and ``validate``/``test``/``predict`` of a checkpoint save no
+    checkpoint, so the ModelCheckpoint folder they would use does not matter ("The dirpath has
+    changed"). Any other run still gets both."""
+    if not ckpt_path:
+        return
+    from callbacks.reliability.exact_resume import ExactResume
+
+    if subcommand == "fit" and any(isinstance(cb, ExactResume) for cb in trainer.callbacks):
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch "
+                                r"ended and your dataloader is not resumable")
+    if subcommand in ("validate", "test", "predict"):
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")

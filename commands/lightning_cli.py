@@ -17,6 +17,7 @@ Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -38,10 +39,12 @@ from commands import _catalogue as catalogue
 from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, _class_path,  # noqa: F401
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    linked_settings_given)
-from commands._ckpt_resolution import AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path, resolve_auto_ckpt_path  # noqa: F401
+from commands._resume_logs import continue_logger_versions, merge_kept_metrics
+from commands._ckpt_resolution import (AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path,  # noqa: F401
+                                      resolve_auto_ckpt_path, resolve_folder_ckpt_path)
 from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
                                  root_message, unknown_class_message)
-from commands._console import (answer_repeated_samples_warning, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
+from commands._console import (answer_repeated_samples_warning, answer_resume_warnings, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
                               warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
@@ -83,6 +86,8 @@ class ShortcutLabCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand == "fit":
             resolve_auto_ckpt_path(self.config[subcommand])
+        if subcommand:
+            resolve_folder_ckpt_path(self.config[subcommand], subcommand)
         # read once here; check_ckpt_path_against_config uses it (checkpoints of large models are gigabytes)
         self._checked_ckpt = check_ckpt_path(self.config[subcommand].get("ckpt_path")) if subcommand else None
 
@@ -172,13 +177,22 @@ class ShortcutLabCLI(LightningCLI):
         if canonical_class_path(given.get("class_path")) != canonical_class_path(written["class_path"]):
             raise ValueError(f"--ckpt_path: {ckpt_path!r} is a checkpoint of {written['class_path']}, the model is "
                              f"{given.get('class_path')}; give the config the checkpoint was trained with")
-        settings = {k: v for k, v in flat_settings(given).items() if k.split(".")[0] not in LINKED_FROM_DATA}
+        # settings of inference (a diffusion model's sampler, steps, guidance) are not weights: a value the
+        # config sets (other than the class's default) wins over the checkpoint's
+        cls = import_path(canonical_class_path(written["class_path"]))
+        free = set(getattr(cls, "inference_settings", ()))
+        settings = {k: v for k, v in flat_settings(given).items()
+                    if k.split(".")[0] not in LINKED_FROM_DATA and k.split(".")[0] not in free}
         conflicts = setting_conflicts(settings, flat_settings(written))
         if conflicts:
             raise ValueError(conflict_message(conflicts, "--ckpt_path: model.", ckpt_path, "in the config")
                              + "; the checkpoint's network is rebuilt from its own settings: drop or match them")
         self._ckpt_weights = (ckpt_path, {k: v for k, v in ckpt["state_dict"].items() if isinstance(v, torch.Tensor)})
-        model = {"class_path": written["class_path"], "dict_kwargs": written["init_args"]}
+        given_init = {**(given.get("init_args") or {}), **(given.get("dict_kwargs") or {})}
+        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+        init = {**written["init_args"], **{k: given_init[k] for k in free
+                                           if k in given_init and given_init[k] != defaults.get(k)}}
+        model = {"class_path": written["class_path"], "dict_kwargs": init}
         try:
             self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
         except SystemExit:
@@ -223,9 +237,19 @@ class ShortcutLabCLI(LightningCLI):
                                f"model.{name} or change the data")
         expect_frozen_eval_modules(self.model)
         answer_repeated_samples_warning(self.model)
+        check = getattr(self.datamodule, "check_files", None)
+        if callable(check) and not getattr(self.datamodule, "download", False):
+            check()  # in the launching process: a DDP fit would start every process before the data is read
+        ckpt_path = (self.config.get(str(self.subcommand)) or {}).get("ckpt_path")
+        answer_resume_warnings(self.trainer, str(self.subcommand), ckpt_path)
+        if self.subcommand == "fit":  # before anything reads the loggers' folders (and so fixes their versions)
+            self._kept_metrics = continue_logger_versions(self.trainer, ckpt_path)
         add_required_callbacks(self.trainer)
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
+
+    def after_fit(self) -> None:
+        merge_kept_metrics(getattr(self, "_kept_metrics", []))
 
 
 def main(args: Optional[list[str]] = None, parser_kwargs: Optional[dict[str, Any]] = None) -> ShortcutLabCLI:

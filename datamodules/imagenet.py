@@ -208,6 +208,12 @@ class ImageNet(ImageDataModule):
             self.num_workers = host_workers(int(trainer.num_devices) if trainer is not None else 1)
         super().setup(stage)
 
+    def check_files(self) -> None:
+        """One-line ``FileNotFoundError`` unless both splits have class folders (the CLI asks before
+        it starts any process)."""
+        for train in (True, False):
+            self.class_folders(train)
+
     def split_dir(self, train: bool) -> str:
         return os.path.join(str(self.data_dir), "train" if train else "val")
 

@@ -128,6 +128,9 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
             mid block).
     """
 
+    # how it samples, not what it learned: a checkpoint is validated or sampled with any of these
+    inference_settings = ("sampler", "num_sampling_steps", "guidance_scale", "num_sample_images", "sample_seed")
+
     def __init__(
         self,
         # the data and the U-ViT network

@@ -27,7 +27,7 @@ from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from lightning_mods.backbone.vit import DecayedVisionTransformer
-from lightning_mods.checkpointing._finished_run import final_checkpoint
+from lightning_mods.checkpointing._finished_run import chosen_checkpoint
 from lightning_mods.checkpointing.rebuild import build_module, canonical_class_path, module_from_checkpoint
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation._input_geometry import check_input_geometry
@@ -96,11 +96,10 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                  mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, label_smoothing: float = 0.1,
                  global_pool: Literal["avg", "token"] = "avg", allow_encoder_override: bool = False) -> None:
         super().__init__()
-        if checkpoint is not None and Path(checkpoint).is_dir():  # a pre-training's folder: its final checkpoint
-            checkpoint = str(final_checkpoint(checkpoint))  # (recorded as the file, for resumes)
+        checkpoint = chosen_checkpoint(checkpoint, "FineTuneClassifier")
         self.save_hyperparameters(ignore=["encoder"])
         if "checkpoint" in self.hparams:  # LightningCLI records its config's value, the folder: the file instead
-            self.hparams["checkpoint"] = checkpoint
+            self.hparams["checkpoint"] = self._hparams_initial["checkpoint"] = checkpoint  # (hparams.yaml too)
         if not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"FineTuneClassifier: layer_decay must be in (0, 1], got {layer_decay}")
         if min(mixup, cutmix, label_smoothing, drop_path_rate) < 0 or not 0.0 <= mixup_prob <= 1.0:

@@ -21,7 +21,7 @@ from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods.recipe._classification_steps import ClassificationSteps
-from lightning_mods.checkpointing._finished_run import final_checkpoint
+from lightning_mods.checkpointing._finished_run import chosen_checkpoint
 from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
                          module_from_checkpoint)
 from lightning_mods.recipe.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
@@ -149,11 +149,10 @@ class LinearProbe(ClassificationSteps, LightningModule):
                  reference_batch: Optional[int] = None, feature_pool: Optional[Literal["mean", "cls"]] = None) -> None:
         super().__init__()
         check_blocks("LinearProbe", blocks)
-        if checkpoint is not None and Path(checkpoint).is_dir():  # a pre-training's folder: its final checkpoint
-            checkpoint = str(final_checkpoint(checkpoint))  # (recorded as the file, for resumes)
+        checkpoint = chosen_checkpoint(checkpoint, "LinearProbe")
         self.save_hyperparameters(ignore=["backbone"])
         if "checkpoint" in self.hparams:  # LightningCLI records its config's value, the folder: the file instead
-            self.hparams["checkpoint"] = checkpoint
+            self.hparams["checkpoint"] = self._hparams_initial["checkpoint"] = checkpoint  # (hparams.yaml too)
         if isinstance(backbone, nn.Module):
             if checkpoint is not None:
                 load_into(backbone, load_checkpoint_state_dict(checkpoint), checkpoint)

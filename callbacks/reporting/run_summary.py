@@ -42,14 +42,24 @@ def collect_summary(trainer: Trainer, metrics: Sequence[str]) -> dict[str, Any]:
         variants = sorted(n for n in logged if metric_names.base_name(n) == name and n != name)
         for shown in ([name] if name in logged or not variants else []) + variants:
             values[shown] = _as_float(logged[shown]) if shown in logged else None
-    checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
-    best = getattr(checkpoint, "best_model_path", "") or None
-    last = getattr(checkpoint, "last_model_path", "") or None
+    best, last = checkpoint_paths(trainer)
     pictures = picture_dir(trainer)
     return {"metrics": values, "best_checkpoint": best, "last_checkpoint": last,
             "pictures": str(pictures) if pictures.is_dir() and any(pictures.iterdir()) else None,
             "log_dir": str(run_dir(trainer)),
             "epochs": int(trainer.current_epoch), "steps": int(trainer.global_step)}
+
+
+def checkpoint_paths(trainer: Trainer) -> tuple[Optional[str], Optional[str]]:
+    """``(best, last)`` checkpoint files of a fit: the best is a monitoring ``ModelCheckpoint``'s
+    (None when none monitors a metric: no checkpoint is better than another), the last is a
+    ``save_last`` file, else the newest file an unmonitored ``ModelCheckpoint`` kept."""
+    checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    best = next((cb.best_model_path for cb in checkpoints if cb.monitor and cb.best_model_path), None)
+    last = next((cb.last_model_path for cb in checkpoints if cb.last_model_path), None)
+    if last is None:  # an unmonitored ModelCheckpoint keeps the newest files: its best is the last one
+        last = next((cb.best_model_path for cb in checkpoints if not cb.monitor and cb.best_model_path), None)
+    return best, last
 
 
 def format_value(name: str, value: Optional[float]) -> str:

@@ -119,3 +119,15 @@ def without_hp_metric_placeholder(logger: Any) -> None:
     ``default_hp_metric``, a constructor setting, read when the run's hyper-parameters are logged
     after the setup hooks)."""
     logger._default_hp_metric = False
+
+
+# --- a resumed fit's log folder -----------------------------------------------------------------
+def logger_version_given(logger: Any) -> bool:
+    """Whether a TensorBoard or CSV logger was given its version (else it takes the next free one
+    the first time its folder is needed)."""
+    return getattr(logger, "_version", None) is not None
+
+
+def set_logger_version(logger: Any, version: int) -> None:
+    """Make a TensorBoard or CSV logger log into ``version_<version>`` (before its folder is first used)."""
+    logger._version = version

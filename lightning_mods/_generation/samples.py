@@ -102,27 +102,53 @@ class Samples:
 
     def class_names(self) -> Optional[Sequence[str]]:
         """The datamodule's ``class_names`` when it has them (e.g. CIFAR-10), else ``None``."""
-        names = getattr(getattr(self.trainer, "datamodule", None), "class_names", None)
+        names = getattr(getattr(self._trainer, "datamodule", None), "class_names", None)  # none outside a Trainer
         return list(names) if names is not None and len(names) == self.hparams.num_classes else None
 
-    def sample_grid_title(self, num_steps: int) -> str:
-        hp, space = self.hparams, "latent" if self.is_latent else "pixel"
-        kind = "one class per row" if self.class_conditional else "unconditional"
-        guidance = f", guidance {hp.guidance_scale:g}" if self.class_conditional else ""
-        return (f"{type(self).__name__} ({space} U-ViT) samples, epoch {self.current_epoch}, step {self.global_step}\n"
-                f"{hp.sampler}, {num_steps} steps{guidance}, seed {hp.sample_seed}; {kind}")
+    def trained_for(self) -> str:
+        """``epoch E, step S`` of the weights sampled: the fit's position while fitting, else the
+        checkpoint's that was loaded (``validate --ckpt_path``, ``shortcutlab sample``)."""
+        trainer = self._trainer
+        fitting = trainer is not None and getattr(getattr(trainer, "state", None), "fn", None) == "fit"
+        loaded = getattr(self, "_checkpoint_at", None)
+        if loaded is not None and not fitting:
+            return f"epoch {loaded[0]}, step {loaded[1]}"
+        return f"epoch {self.current_epoch}, step {self.global_step}"
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._checkpoint_at = (checkpoint.get("epoch", "?"), checkpoint.get("global_step", "?"))
+
+    def sample_grid_title(self, sampler: str, num_steps: int, guidance_scale: float, seed: int) -> str:
+        space = "latent" if self.is_latent else "pixel"
+        kind = "one row a class, spread over the classes" if self.class_conditional else "unconditional"
+        guidance = f", guidance {guidance_scale:g}" if self.class_conditional else ""
+        return (f"{type(self).__name__} ({space} U-ViT) samples, {self.trained_for()}\n"
+                f"{sampler}, {num_steps} steps{guidance}, seed {seed}; {kind}")
+
+    def sample_grid(self, num_images: int, seed: int, sampler: Optional[str] = None, num_steps: Optional[int] = None,
+                    guidance_scale: Optional[float] = None) -> tuple:
+        """``(figure, images N x C x H x W in [0, 1], labels or None)``: about ``num_images`` samples
+        in a near-square grid, one row a class (:meth:`sample_grid_classes`) for a class-conditional
+        model, titled with what drew them; the settings default to the model's."""
+        hp = self.hparams
+        sampler, num_steps = sampler or hp.sampler, num_steps or hp.num_sampling_steps
+        scale = hp.guidance_scale if guidance_scale is None else guidance_scale
+        classes, cols = self.sample_grid_classes(num_images)
+        rows = len(classes) if classes is not None else math.ceil(num_images / cols)
+        labels = None if classes is None else torch.tensor(classes, device=self.device).repeat_interleave(cols)
+        images = self.generate_images(rows * cols, labels, seed=seed, sampler=sampler, num_steps=num_steps,
+                                      guidance_scale=scale)
+        tiles = images.permute(0, 2, 3, 1).float().cpu().numpy().reshape(rows, cols, *images.shape[2:],
+                                                                          images.shape[1])
+        names = self.class_names()
+        row_labels = None if classes is None else [names[c] if names else f"class {c}" for c in classes]
+        title = self.sample_grid_title(sampler, num_steps, scale, seed)
+        return labelled_grid(tiles, title, row_labels=row_labels), images, labels
 
     def log_sample_grid(self) -> None:
         n, steps = self.hparams.num_sample_images, self.hparams.num_sampling_steps
         if self.trainer.fast_dev_run:  # a code check: 4 images, 2 steps (1000 steps of U-ViT-S are minutes on a CPU)
             n, steps = min(n, 4), min(2, steps)
-        classes, cols = self.sample_grid_classes(n)
-        rows = len(classes) if classes is not None else math.ceil(n / cols)
-        labels = None if classes is None else torch.tensor(classes, device=self.device).repeat_interleave(cols)
-        images = self.generate_images(rows * cols, labels, seed=self.hparams.sample_seed, num_steps=steps)
-        tiles = images.permute(0, 2, 3, 1).float().cpu().numpy().reshape(rows, cols, *images.shape[2:],
-                                                                          images.shape[1])
-        names = self.class_names()
-        row_labels = None if classes is None else [names[c] if names else f"class {c}" for c in classes]
-        log_picture(self.trainer, "diffusion/samples",
-                    labelled_grid(tiles, self.sample_grid_title(steps), row_labels=row_labels))
+        figure, _, _ = self.sample_grid(n, self.hparams.sample_seed, num_steps=steps)
+        log_picture(self.trainer, "diffusion/samples", figure)

@@ -47,6 +47,18 @@ def final_checkpoint(folder: str | os.PathLike, say: Callable[[str], None] = pri
     return newest
 
 
+def chosen_checkpoint(checkpoint: Optional[str], owner: str) -> Optional[str]:
+    """``model.checkpoint`` as the file an evaluation reads: a pre-training's folder becomes its
+    :func:`final_checkpoint`, and the file chosen is said in one line (by the first process)."""
+    if checkpoint is None:
+        return None
+    if Path(checkpoint).is_dir():
+        checkpoint = str(final_checkpoint(checkpoint))
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
+        print(f"{owner}: reading the checkpoint {checkpoint}", flush=True)
+    return checkpoint
+
+
 def why_unfinished(checkpoint: Path, config_file: Path) -> Optional[str]:
     """Why the fit that wrote ``checkpoint`` had not finished, by its log folder's config (None:
     it had); a config that cannot be read is a reason too."""

@@ -46,6 +46,28 @@ def test_run_summary_table_and_file(tmp_path, capsys):
     assert written["epochs"] == 1 and written["steps"] == 2
 
 
+@pytest.mark.parametrize("callbacks,best,last", [
+    ([dict(filename="latest", every_n_epochs=1, save_top_k=1)], None, "latest.ckpt"),  # the ResNet configs'
+    ([dict(monitor="val/loss", filename="best"), dict(filename="latest", save_top_k=1)], "best.ckpt", "latest.ckpt"),
+    ([dict(filename="latest", save_top_k=1), dict(monitor="val/loss", filename="best", save_last=True)],
+     "best.ckpt", "last.ckpt"),
+])
+def test_the_summary_names_a_checkpoint_best_only_when_a_metric_chose_it(tmp_path, callbacks, best, last):
+    """An unmonitored checkpoint is the run's last, never its best, whichever comes first."""
+    seed_everything(0)
+    summary = RunSummary()
+    checkpoints = [ModelCheckpoint(dirpath=tmp_path / "ckpt", **kwargs) for kwargs in callbacks]
+    trainer = tiny_trainer(tmp_path, [summary, *checkpoints], max_epochs=2, limit_train_batches=2,
+                           enable_checkpointing=True)
+    trainer.fit(TinyNet(), datamodule=TinyData())
+    written = json.loads((tmp_path / "summary.json").read_text())
+    if best is None:
+        assert written["best_checkpoint"] is None
+    else:
+        assert written["best_checkpoint"].endswith(best)
+    assert written["last_checkpoint"].endswith(last)
+
+
 def test_run_summary_paths_stay_whole_in_a_log_file(tmp_path, capsys):
     """Not a terminal (a job's log file): each path on one line, copyable, however long."""
     deep = tmp_path / ("a_rather_long_folder_name_" * 4) / "checkpoints"

@@ -2,6 +2,7 @@
 LinearProbe on an MAE checkpoint, the console command, and one-line errors."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -222,3 +223,70 @@ def test_a_user_s_file_that_hides_a_package_is_one_line_naming_it(tmp_path, own)
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"shortcutlab: error: {path} hides shortcutlab's "
                                                                  f"own '{package}' package"), out.stderr
     assert f"rename it (say my_{own})" in out.stderr
+
+
+@pytest.mark.parametrize("config,owner", [("linear_probe_digits.yaml", "LinearProbe"),
+                                          ("finetune_digits.yaml", "FineTuneClassifier")])
+def test_an_evaluation_of_a_folder_names_the_file_it_read_and_ends_with_a_summary(mae_checkpoint, tmp_path, capsys,
+                                                                                 config, owner):
+    """Given a pre-training's folder, the probe and fine-tuning say which checkpoint they read,
+    hparams.yaml records that file (not the folder), and the run ends with its final accuracies."""
+    import yaml
+
+    folder = mae_checkpoint.parents[3]  # <root>/lightning_logs/version_0/checkpoints/<file>
+    capsys.readouterr()
+    cli.main(["fit", f"--config={ROOT / 'configs' / config}", f"--model.checkpoint={folder}",
+              "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+              "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+              f"--trainer.default_root_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    read = [line for line in out.splitlines() if line.startswith(f"{owner}: reading the checkpoint ")]
+    assert [p.name for p in mae_checkpoint.parent.iterdir()] == [mae_checkpoint.name]  # the one it can read
+    assert len(read) == 1 and read[0].endswith(str(mae_checkpoint)), out[-2000:]
+    (log,) = sorted(tmp_path.rglob("hparams.yaml"))
+    assert yaml.safe_load(log.read_text())["checkpoint"] == str(mae_checkpoint)
+    summary = json.loads((log.parent / "summary.json").read_text())
+    assert 0.0 <= summary["metrics"]["val/top1"] <= 1.0 and summary["last_checkpoint"].endswith("last.ckpt")
+    assert "shortcutlab evaluation summary" in out
+
+
+def test_ckpt_path_takes_a_run_folder_as_model_checkpoint_does(mae_checkpoint, tmp_path, capsys):
+    folder = mae_checkpoint.parents[3]
+    capsys.readouterr()
+    cli.main(["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={folder}", "--trainer.limit_val_batches=1",
+              "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+              f"--trainer.default_root_dir={tmp_path}"])
+    assert f"shortcutlab: --ckpt_path {folder}: {mae_checkpoint}\n" in capsys.readouterr().err
+
+
+def test_a_resumed_fit_logs_on_in_its_checkpoint_s_version_without_contradicting_warnings(tmp_path, recwarn):
+    """One run, one curve: the resumed fit logs into version_0 (not version_1), metrics.csv keeps
+    the rows logged before the checkpoint; Lightning's warnings that the dataloader is not
+    resumable and that the checkpoint folder moved do not contradict an exact resume."""
+    import csv
+
+    run_fit(tmp_path, "--trainer.limit_train_batches=4", "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1")
+    first = next(tmp_path.rglob("*step=2.ckpt"))  # written mid-epoch: half the epoch's batches to go
+    args = ["fit", *TINY_MAE, *DIGITS, "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
+            "--trainer.limit_val_batches=1", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", f"--ckpt_path={first}"]
+    cli.main(args)
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+    rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    assert {row["epoch"] for row in rows} == {"0", "1"}
+    assert not (tmp_path / "lightning_logs" / "version_0" / "metrics.before_resume.csv").exists()
+    said = [str(w.message) for w in recwarn]
+    assert not [m for m in said if "dataloader is not resumable" in m or "The dirpath has changed" in m], said
+
+
+def test_sample_refuses_a_checkpoint_that_is_not_a_diffusion_model_s_in_one_line(mae_checkpoint, tmp_path, capsys):
+    from commands import sample
+
+    with pytest.raises(SystemExit) as stop:
+        sample.main([str(mae_checkpoint), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"shortcutlab sample: error: checkpoint: {mae_checkpoint} is a MaskedAutoencoder checkpoint")
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,7 @@
 """U-ViT diffusion (the decay paper, section 5): forward noising against a float64 closed form, the loss,
-the three samplers, classifier-free guidance, EMA weights at validation, the digits CLI run."""
+the three samplers, classifier-free guidance, EMA weights at validation, the digits CLI run, and a
+checkpoint validated and sampled (``shortcutlab sample``) with another sampler, as
+docs/getting-started.md shows."""
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +232,20 @@ def test_digits_config_fits_one_step_and_validates_from_its_checkpoint(tmp_path)
     assert validated.trainer.callback_metrics["val/loss"].item() == pytest.approx(fit_loss, rel=1e-6)
     pictures = sorted(tmp_path.rglob("diffusion_samples_step*.png"))
     assert len(pictures) == 2
+    assert validated.model.trained_for() == "epoch 0, step 1"  # the checkpoint's, not the validate run's 0, 0
+    # how it samples is not what it learned: another sampler, steps and guidance validate the same checkpoint
+    other = cli.main(["validate", *args, "--ckpt_path", ckpt, "--model.init_args.sampler=ddim",
+                      "--model.init_args.num_sampling_steps=4", "--model.init_args.guidance_scale=2.0"])
+    assert (other.model.hparams.sampler, other.model.hparams.num_sampling_steps) == ("ddim", 4)
+    assert other.model.hparams.guidance_scale == 2.0
+    assert "ddim, 4 steps, guidance 2" in other.model.sample_grid_title("ddim", 4, 2.0, 0)
+    # and `shortcutlab sample` draws from it with any of them: one PNG an image, and the grid
+    from commands import sample
+
+    sample.main([str(tmp_path), "--sampler", "ddim", "--num-steps", "4", "--guidance-scale", "1.5",
+                 "--num-images", "4", "--out", str(tmp_path / "drawn")])
+    drawn = sorted(p.name for p in (tmp_path / "drawn").iterdir())
+    assert drawn == ["00000_class0.png", "00001_class0.png", "00002_class9.png", "00003_class9.png", "grid.png"]
 
 
 def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):

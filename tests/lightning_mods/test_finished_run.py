@@ -1,7 +1,7 @@
 """A pre-training named by its folder (lightning_mods/checkpointing/_finished_run.py): fine-tuning and
 the probes start from the final checkpoint of its finished fit, whatever version wrote it (a
-resumed run logs to version_1: the written-down version_0 path would name the partly trained
-network), and a pre-training that did not finish is a one-line error naming its checkpoint."""
+resumed run logs on in its checkpoint's version, a second run in the same folder to a new one),
+and a pre-training that did not finish is a one-line error naming its checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +19,13 @@ TINY = ["--config=configs/digits_mae.yaml", "--model.depth=2", "--model.decoder_
 
 @pytest.fixture(scope="module")
 def resumed_pretraining(tmp_path_factory):
-    """A pre-training of 1 epoch (version_0), resumed to 2 (version_1, --ckpt_path auto)."""
+    """A pre-training of 1 epoch, resumed to 2 (--ckpt_path auto, logging on in version_0); the
+    1-epoch checkpoint is kept aside as ``one_epoch.ckpt``."""
+    import shutil
+
     root = tmp_path_factory.mktemp("pretraining")
     cli.run_reporting_stops(["fit", *TINY, "--trainer.max_epochs=1", f"--trainer.default_root_dir={root}"])
+    shutil.copy(root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt", root.parent / "one_epoch.ckpt")
     cli.run_reporting_stops(["fit", *TINY, "--trainer.max_epochs=2", f"--trainer.default_root_dir={root}",
                              "--ckpt_path=auto"])
     return root
@@ -32,11 +36,12 @@ def weights(path) -> dict[str, torch.Tensor]:  # noqa: ANN001
 
 
 def test_the_folder_names_the_resumed_run_s_final_checkpoint(resumed_pretraining):
-    first = resumed_pretraining / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    final = resumed_pretraining / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
+    first = resumed_pretraining.parent / "one_epoch.ckpt"
+    final = resumed_pretraining / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in (resumed_pretraining / "lightning_logs").iterdir()) == ["version_0"]
     assert first.is_file() and final.is_file()
     assert torch.load(final, weights_only=True)["global_step"] == 4  # two epochs of 2 steps
-    assert final_checkpoint(resumed_pretraining) == final  # not the version_0 recipe's 1-epoch network
+    assert final_checkpoint(resumed_pretraining) == final  # the resumed run's, not the 1-epoch network
     probe = LinearProbe(checkpoint=str(resumed_pretraining), num_classes=10)
     assert probe.hparams.checkpoint == str(final)  # recorded as the file: a resumed probe reads the same
     written = weights(final)
@@ -50,11 +55,11 @@ def test_a_pre_training_that_did_not_finish_is_one_line_naming_its_checkpoint(re
 
     interrupted = tmp_path / "interrupted"
     shutil.copytree(resumed_pretraining, interrupted)
-    config_file = interrupted / "lightning_logs" / "version_1" / "config.yaml"
+    config_file = interrupted / "lightning_logs" / "version_0" / "config.yaml"
     config = yaml.safe_load(config_file.read_text())
     config["trainer"]["max_epochs"] = 3  # as a run stopped after 2 of its 3 epochs has it on disk
     config_file.write_text(yaml.safe_dump(config))
-    with pytest.raises(ValueError, match=r"version_1/checkpoints/\S+\.ckpt', was written after 2 epochs \(4 steps\) "
+    with pytest.raises(ValueError, match=r"version_0/checkpoints/\S+\.ckpt', was written after 2 epochs \(4 steps\) "
                                          r"of the 3 epochs its config asks for: its pre-training did not finish") as err:
         final_checkpoint(interrupted)
     assert "\n" not in str(err.value)
