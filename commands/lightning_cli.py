@@ -237,9 +237,6 @@ class ShortcutLabCLI(LightningCLI):
                                f"model.{name} or change the data")
         expect_frozen_eval_modules(self.model)
         answer_repeated_samples_warning(self.model)
-        check = getattr(self.datamodule, "check_files", None)
-        if callable(check) and not getattr(self.datamodule, "download", False):
-            check()  # in the launching process: a DDP fit would start every process before the data is read
         ckpt_path = (self.config.get(str(self.subcommand)) or {}).get("ckpt_path")
         answer_resume_warnings(self.trainer, str(self.subcommand), ckpt_path)
         if self.subcommand == "fit":  # before anything reads the loggers' folders (and so fixes their versions)
@@ -247,6 +244,15 @@ class ShortcutLabCLI(LightningCLI):
         add_required_callbacks(self.trainer)
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
+
+    def check_data_files(self) -> None:
+        """The data is there before the trainer runs: in the launching process, which a DDP run
+        would otherwise follow by starting every other process before any of them reads the data."""
+        check = getattr(self.datamodule, "check_files", None)
+        if callable(check) and not getattr(self.datamodule, "download", False):
+            check()
+
+    before_fit = before_validate = before_test = before_predict = check_data_files
 
     def after_fit(self) -> None:
         merge_kept_metrics(getattr(self, "_kept_metrics", []))

@@ -31,12 +31,12 @@ def cadences(callbacks: list) -> dict[str, object]:
 def test_quickstart_evaluation_and_checkpoint_knobs():
     args = command_args("digits_mae.yaml")
     # the quickstart's evaluation callbacks follow check_val_every_n_epoch (25); its one
-    # ModelCheckpoint saves every epoch
+    # ModelCheckpoint is the every-epoch latest.ckpt resume point, which the checkpoint knob leaves
     assert cadences(built_callbacks(args)) == {"KNNEvaluator": None, "EffectiveRank": None,
-                                               "ModelCheckpoint(default)": 1}
+                                               "ModelCheckpoint(latest)": 1}
     knobs = ["--evaluation_every_n_epochs=3", "--checkpoint_every_n_epochs=7"]
     assert cadences(built_callbacks([*args, *knobs])) == {"KNNEvaluator": 3, "EffectiveRank": 3,
-                                                          "ModelCheckpoint(default)": 7}
+                                                          "ModelCheckpoint(latest)": 1}
 
 
 def test_checkpoint_knob_leaves_the_latest_checkpoint_every_epoch():
