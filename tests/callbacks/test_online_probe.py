@@ -4,6 +4,7 @@ across two ranks are exact; the per-block heads equal probes of each block alone
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import seed_everything
@@ -107,8 +108,14 @@ def test_online_probe_accuracies_on_a_hand_built_case():
 def test_per_block_online_heads_equal_probes_of_each_block_alone(tmp_path):
     data = TinyData(n_train=96, n_val=30, num_classes=4, spread=0.5)
     together = OnlineLinearProbe(blocks="all", every_n_steps=1, max_samples=None, lr=0.05)
-    fit_blocks(tmp_path / "all", [together], data=data, max_epochs=3)
+    _, module = fit_blocks(tmp_path / "all", [together], data=data, max_epochs=3)
     all_rows = rows_by_block(tmp_path / "all" / DEPTH_FILE, epoch=2)
+    module.eval()
+    with torch.no_grad():  # each block's mean feature norm over the validation images, in float64 numpy
+        val_blocks = module.forward_intermediates(data.val_dataset.tensors[0], intermediates_only=True)
+    for block in (1, 2):
+        norms = np.linalg.norm(val_blocks[block - 1].double().numpy(), axis=1)
+        assert all_rows[block]["feature/norm"] == pytest.approx(float(norms.mean()), rel=1e-12), block
     for block in (1, 2):
         alone = OnlineLinearProbe(blocks=[block], every_n_steps=1, max_samples=None, lr=0.05)
         fit_blocks(tmp_path / f"b{block}", [alone], data=data, max_epochs=3)
