@@ -243,3 +243,24 @@ def test_loader_resumes_mid_epoch_with_the_batches_it_had_left(num_workers):
                               resume=loader.position())
     assert torch.equal(torch.stack([b[0] for b in resumed]), order[2:])
     assert resumed.position() == {"epoch": 2, "batches": 5}
+
+
+def test_an_epoch_value_it_cannot_carry_is_named_with_its_reduction(monkeypatch):
+    """A logged epoch value reduced with max (not a sum or mean) cannot be carried across a
+    mid-epoch checkpoint: the warning names the reduction, not a function's repr."""
+    from types import SimpleNamespace
+
+    from callbacks.reliability import exact_resume
+
+    meta = SimpleNamespace(on_epoch=True, reduce_fx=torch.max, is_mean_reduction=False, is_sum_reduction=False,
+                           metric_attribute=None)
+    results = {"on_train_epoch_end.probe/top1": SimpleNamespace(meta=meta, has_reset=False, is_tensor=True,
+                                                                value=torch.tensor(1.0))}
+    monkeypatch.setattr(exact_resume.lightning_private, "epoch_results", lambda trainer: results)
+    trainer = SimpleNamespace(sanity_checking=False, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
+        batch_progress=SimpleNamespace(is_last_batch=False))))
+    with pytest.warns(UserWarning) as said:
+        assert exact_resume.epoch_metric_sums(trainer) == {}
+    (line,) = [str(w.message) for w in said]
+    assert line == ("ExactResume: the epoch value of 'on_train_epoch_end.probe/top1' (reduced with max) will cover "
+                    "only the batches after a resume from this mid-epoch checkpoint")
