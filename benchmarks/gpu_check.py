@@ -44,7 +44,6 @@ import torch
 from lightning_mods.checkpointing.atomic_files import write_atomically
 
 from . import fit_breakdown
-from .fit_breakdown import Throughput  # noqa: F401  (the fits name it benchmarks.gpu_check.Throughput)
 from .settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +70,7 @@ def fit(args: list[str], out: Path, steps: int, precision: str, devices: int = 1
     plus the exit status and seconds."""
     record_path = out / "throughput.json"
     result = fit_breakdown.fit(args, out, steps, precision, "gpu",
-                               ["--trainer.callbacks+=benchmarks.gpu_check.Throughput",
+                               ["--trainer.callbacks+=benchmarks.fit_breakdown.Throughput",
                                 f"--trainer.callbacks.path={record_path}", *(extra or []),
                                 *(["--trainer.strategy=ddp"] if ddp else [])], devices=devices)
     if result["status"] == 0 and record_path.is_file():

@@ -19,7 +19,7 @@ from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from lightning_mods.backbone._patches import sincos_pos_embed_2d
+from lightning_mods.backbone.patches import sincos_pos_embed_2d
 
 
 class PlainUViT(nn.Module):

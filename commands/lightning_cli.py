@@ -36,16 +36,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import lightning_mods.exit_statuses as exit_statuses
 from commands import _catalogue as catalogue
-from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, _class_path,  # noqa: F401
+from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, _class_path,
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    linked_settings_given)
 from commands._resume_logs import continue_logger_versions, merge_kept_metrics
-from commands._ckpt_resolution import (AUTO_CKPT_PATH, LIGHTNING_CKPT_ALIASES, check_ckpt_path,  # noqa: F401
-                                      resolve_auto_ckpt_path, resolve_folder_ckpt_path)
-from commands.cli_errors import (BadInput, duplicate_callback_message, explain_parse_error,  # noqa: F401
-                                 root_message, unknown_class_message)
-from commands._console import (answer_repeated_samples_warning, answer_resume_warnings, expect_frozen_eval_modules, info_logs_to_stdout, silence_third_party_noise,  # noqa: F401
-                              warn_on_slow_precision)
+from commands._ckpt_resolution import check_ckpt_path, resolve_auto_ckpt_path, resolve_folder_ckpt_path
+from commands.cli_errors import BadInput, duplicate_callback_message, explain_parse_error, root_message
+from commands._console import (answer_repeated_samples_warning, answer_resume_warnings, expect_frozen_eval_modules,
+                              info_logs_to_stdout, silence_third_party_noise, warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.reliability.preemption import received_signal
@@ -225,8 +223,7 @@ class ShortcutLabCLI(LightningCLI):
         self._linked_settings = linked_settings_given(cfg.get("model"))
         if trainer_cfg.get("enable_progress_bar") is False and trainer_cfg.get("callbacks"):
             # honour enable_progress_bar=false instead of failing on the default Rich bar
-            trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"]
-                                        if not str(_class_path(c)).endswith("ProgressBar")]
+            trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"] if not is_progress_bar(c)]
 
     def after_instantiate_classes(self) -> None:
         for name, given in getattr(self, "_linked_settings", {}).items():
@@ -256,6 +253,19 @@ class ShortcutLabCLI(LightningCLI):
 
     def after_fit(self) -> None:
         merge_kept_metrics(getattr(self, "_kept_metrics", []))
+
+
+def is_progress_bar(callback: Any) -> bool:
+    """Whether a configured callback (its ``class_path``) or an instance is a Lightning progress bar."""
+    from lightning.pytorch.callbacks.progress import ProgressBar
+
+    if isinstance(callback, ProgressBar):
+        return True
+    try:
+        cls = import_path(canonical_class_path(str(_class_path(callback))))
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, ProgressBar)
 
 
 def main(args: Optional[list[str]] = None, parser_kwargs: Optional[dict[str, Any]] = None) -> ShortcutLabCLI:

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 import lightning_mods.exit_statuses as exit_statuses
-from commands._report_groups import Group, ReportedMetric, Summary  # noqa: F401 (Summary re-exported)
+from commands._report_groups import Group, ReportedMetric, Summary
 from commands._run_metrics import Run, read_run
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically

@@ -48,14 +48,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 # the grid (commands._sweep_grid), the run folder (commands._run_folder) and the supervision of the
-# runs' processes (commands._supervised_run) have modules of their own; their names stay here too
-from commands._run_folder import (CHECKPOINT_AT_RUN_TIME, FOLLOW_UP_DIR, PLAN_FILE, last_checkpoint,  # noqa: F401
-                                 merge_metrics_csv, newest_checkpoint_shell, read_plan, record_plan,
+# runs' processes (commands._supervised_run) have modules of their own
+from commands._run_folder import (CHECKPOINT_AT_RUN_TIME, FOLLOW_UP_DIR, newest_checkpoint_shell, record_plan,
                                  resumable_checkpoint, sweep_record, write_logging_fragment)
-from commands._supervised_run import (STOP_GRACE_SECONDS, Stopped, fit_resuming, run_once,  # noqa: F401
-                                     shell_line)
-from commands._sweep_grid import (Evaluation, as_options, grid_points, parse_axis, parse_evaluation,  # noqa: F401
-                                 parse_run_name, run_name, short_name)
+from commands._supervised_run import STOP_GRACE_SECONDS, Stopped, fit_resuming, shell_line
+from commands._sweep_grid import Evaluation, as_options, grid_points, parse_axis, parse_evaluation, run_name
 import lightning_mods.exit_statuses as exit_statuses
 from lightning_mods.checkpointing.atomic_files import DiskWriteError, write_text_atomically
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_mods.backbone._patches import patchify
+from lightning_mods.backbone.patches import patchify
 from lightning_mods.mae import MaskedAutoencoder
 
 

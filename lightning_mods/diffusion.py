@@ -34,7 +34,7 @@ from lightning.pytorch import LightningModule
 
 from lightning_mods.evaluation import metric_names
 from lightning_mods._generation.sampling import check_sampler, make_noise_process
-from lightning_mods._generation.guidance import drop_labels, guided_noise  # noqa: F401 (public here too)
+from lightning_mods._generation.guidance import drop_labels
 from lightning_mods._generation.latent_vae import FrozenVAE
 from lightning_mods._generation.samples import Samples
 from lightning_mods.recipe.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler

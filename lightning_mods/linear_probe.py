@@ -11,7 +11,6 @@ already extracted (e.g. the diffusion feature sweep).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Literal, Optional, Union
 
 import torch
@@ -22,11 +21,11 @@ from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods.recipe._classification_steps import ClassificationSteps
 from lightning_mods.checkpointing._finished_run import chosen_checkpoint
-from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,  # noqa: F401 (re-exported)
+from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,
                          module_from_checkpoint)
 from lightning_mods.recipe.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
                                           warmup_cosine_scheduler)
-from lightning_mods.evaluation._probe_head import ProbeHead  # noqa: F401 (re-exported: lightning_mods.linear_probe.ProbeHead)
+from lightning_mods.evaluation._probe_head import ProbeHead
 from lightning_mods.evaluation import metric_names
 from lightning_mods.recipe._classification_steps import top_k_accuracy
 from lightning_mods.evaluation.feature_contract import block_features, features_and_blocks, require_blocks, require_features

@@ -22,8 +22,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lightning_mods.backbone.masked_autoencoder import (Generators, MaskedAutoencoderViT, masked_patch_loss,  # noqa: F401
-                                         normalise_patches)
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation._distributed_eval import ExactEvaluation

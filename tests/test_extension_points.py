@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_mods.backbone import ResNet18Cifar, ShortcutSchedule
-from lightning_mods.backbone._patches import patchify
+from lightning_mods.backbone.patches import patchify
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.mae import MaskedAutoencoder

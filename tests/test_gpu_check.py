@@ -28,9 +28,9 @@ def test_without_cuda_one_line_and_status_0(tmp_path):
                          ids=[*gpu_check.QUICK, *[row for rows in gpu_check.PAPER.values() for row in rows]])
 def test_every_run_it_makes_is_a_config_the_cli_parses(args, tmp_path, monkeypatch):
     monkeypatch.chdir(gpu_check.REPO)
-    config = resolved_config([*args, "--trainer.callbacks+=benchmarks.gpu_check.Throughput",
+    config = resolved_config([*args, "--trainer.callbacks+=benchmarks.fit_breakdown.Throughput",
                               f"--trainer.callbacks.path={tmp_path / 'throughput.json'}"])
-    assert config["trainer"]["callbacks"][-1]["class_path"] == "benchmarks.gpu_check.Throughput"
+    assert config["trainer"]["callbacks"][-1]["class_path"] == "benchmarks.fit_breakdown.Throughput"
     assert config["model"]["class_path"].startswith("lightning_mods.")
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from timm.models.vision_transformer import Block
 
 from ._mae_init import init_linear_and_norm_, zero_branch_ends_, zero_linear_
-from ._patches import restore_order, sincos_pos_embed_2d
+from .patches import restore_order, sincos_pos_embed_2d
 
 LayerNorm6 = partial(nn.LayerNorm, eps=1e-6)  # every MAE factory passes eps=1e-6
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from .mae_decoder import ClassicDecoder, UNetSkipDecoder
 from ._mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
-from ._patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from .patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from .shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
 from .vit import DecayedVisionTransformer
 

@@ -24,7 +24,7 @@ import torch
 from timm.layers import PatchEmbed, trunc_normal_
 from torch import nn
 
-from ._patches import unpatchify
+from .patches import unpatchify
 from .residual import apply_shortcut_schedule
 from .shortcut import ShortcutSchedule
 from .vit import DecayedBlock, zero_init_residual_branches

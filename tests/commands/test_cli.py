@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from commands import _console as console
 from commands import lightning_cli as cli
@@ -290,3 +292,20 @@ def test_sample_refuses_a_checkpoint_that_is_not_a_diffusion_model_s_in_one_line
     assert stop.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"shortcutlab sample: error: checkpoint: {mae_checkpoint} is a MaskedAutoencoder checkpoint")
     assert not (tmp_path / "out").exists()
+
+
+class Bar(TQDMProgressBar):
+    """A progress bar of one's own whose name does not say so."""
+
+
+class NotAProgressBarButEndsLikeOneProgressBar(Callback):
+    """A callback whose name ends like a bar's."""
+
+
+def test_a_progress_bar_is_known_by_its_class_not_its_name():
+    """enable_progress_bar=false drops the configured bars: by class, so a bar named otherwise goes
+    and a callback that only ends in 'ProgressBar' stays."""
+    assert cli.is_progress_bar({"class_path": "callbacks.reporting.progress_bar.TrainingLossProgressBar"})
+    assert cli.is_progress_bar({"class_path": f"{__name__}.Bar"}) and cli.is_progress_bar(Bar())
+    assert not cli.is_progress_bar({"class_path": f"{__name__}.NotAProgressBarButEndsLikeOneProgressBar"})
+    assert not cli.is_progress_bar({"class_path": "no.such.Module"})

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commands import report, sweep
+from commands import _run_folder, _sweep_grid, report, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -270,9 +270,9 @@ def test_grid_points_first_axis_slowest_and_names_round_trip():
         [("0.6", "0"), ("0.6", "1"), ("0.8", "0"), ("0.8", "1"), ("1.0", "0"), ("1.0", "1")]
     names = [sweep.run_name(p) for p in points]
     assert names[1] == "alpha_min=0.6,seed=1"
-    assert [sweep.parse_run_name(n) for n in names] == \
+    assert [_sweep_grid.parse_run_name(n) for n in names] == \
         [{"alpha_min": p["model.shortcut.alpha_min"], "seed": p["seed_everything"]} for p in points]
-    assert sweep.run_name({}) == "run" and sweep.parse_run_name("run") == {}
+    assert sweep.run_name({}) == "run" and _sweep_grid.parse_run_name("run") == {}
 
 
 @pytest.mark.parametrize("axis", ["alpha_min", "alpha_min=", "=0.6", "alpha_min=0.6,,1.0", "data.root=/a/b",
@@ -338,17 +338,17 @@ def test_resume_and_probe_take_the_newer_of_last_and_latest(tmp_path):
     the newer file is the run's last network."""
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
-    assert sweep.last_checkpoint(tmp_path) is None
+    assert _run_folder.last_checkpoint(tmp_path) is None
     last, latest = checkpoints / "last.ckpt", checkpoints / "latest.ckpt"
     last.write_bytes(b"epoch 19")
     latest.write_bytes(b"epoch 24")
     os.utime(last, ns=(1_000_000_000, 1_000_000_000))
     os.utime(latest, ns=(2_000_000_000, 2_000_000_000))
-    assert sweep.last_checkpoint(tmp_path) == latest
+    assert _run_folder.last_checkpoint(tmp_path) == latest
     os.utime(last, ns=(3_000_000_000, 3_000_000_000))
-    assert sweep.last_checkpoint(tmp_path) == last
+    assert _run_folder.last_checkpoint(tmp_path) == last
     latest.unlink()
-    assert sweep.last_checkpoint(tmp_path) == last
+    assert _run_folder.last_checkpoint(tmp_path) == last
 
 
 def test_resume_keeps_the_metrics_logged_before_the_checkpoint(tmp_path):
@@ -362,7 +362,7 @@ def test_resume_keeps_the_metrics_logged_before_the_checkpoint(tmp_path):
     resumed.write_text("epoch,lr,step,train/loss\n"
                        "1,0.1,14,\n"
                        "1,,14,0.7\n")
-    sweep.merge_metrics_csv(earlier, resumed)
+    _run_folder.merge_metrics_csv(earlier, resumed)
     lines = resumed.read_text().splitlines()
     assert lines == ["epoch,knn/top1,lr,step,train/loss",
                      "0,,,4,0.9",
@@ -370,7 +370,7 @@ def test_resume_keeps_the_metrics_logged_before_the_checkpoint(tmp_path):
                      "1,,0.1,14,",
                      "1,,,14,0.7"]
     nothing_logged = tmp_path / "crashed.csv"  # the resumed attempt failed before logging: all kept
-    sweep.merge_metrics_csv(earlier, nothing_logged)
+    _run_folder.merge_metrics_csv(earlier, nothing_logged)
     assert nothing_logged.read_text().splitlines()[1:] == ["0,,4,0.9", "0,0.5,9,", "1,,14,0.8"]
 
 

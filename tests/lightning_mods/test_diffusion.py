@@ -12,7 +12,8 @@ from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
 from commands import lightning_cli as cli
-from lightning_mods.diffusion import DiffusionModule, drop_labels, guided_noise
+from lightning_mods._generation.guidance import drop_labels, guided_noise
+from lightning_mods.diffusion import DiffusionModule
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 TINY = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,

@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mods.mae import MaskedAutoencoder, masked_patch_loss, normalise_patches
+from lightning_mods.backbone.masked_autoencoder import masked_patch_loss, normalise_patches
+from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.mae_decoder import ClassicDecoder, SkipFusion, UNetSkipDecoder
-from lightning_mods.backbone._patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
+from lightning_mods.backbone.patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 
 TINY = dict(image_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_heads=4,
