@@ -15,7 +15,7 @@ from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
 from callbacks.reliability.lost_rank import LostRankReport
 from callbacks.reporting.prediction_writer import PredictionWriter
 from callbacks.schedule import ScheduledEvaluation
-from lightning_mods.checkpointing.rebuild import import_path
+from lightning_mods.checkpointing.rebuild import canonical_class_path, import_path
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 # Every run carries these (--print_config shows them): a config or the command line adds to them
@@ -51,6 +51,19 @@ def _class_path(callback) -> str:  # noqa: ANN001 (Namespace, dict or instance)
     if isinstance(callback, dict) or hasattr(callback, "get"):
         return callback.get("class_path", "")
     return type(callback).__name__
+
+
+def is_progress_bar(callback: Any) -> bool:
+    """Whether a configured callback (its ``class_path``) or an instance is a Lightning progress bar."""
+    from lightning.pytorch.callbacks.progress import ProgressBar
+
+    if isinstance(callback, ProgressBar):
+        return True
+    try:
+        cls = import_path(canonical_class_path(str(_class_path(callback))))
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, ProgressBar)
 
 
 CKPT_PATH_HELP = {

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import lightning_mods.exit_statuses as exit_statuses
 from commands import _catalogue as catalogue
-from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, _class_path,
+from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    linked_settings_given)
 from commands._resume_logs import continue_logger_versions, merge_kept_metrics
@@ -253,19 +253,6 @@ class ShortcutLabCLI(LightningCLI):
 
     def after_fit(self) -> None:
         merge_kept_metrics(getattr(self, "_kept_metrics", []))
-
-
-def is_progress_bar(callback: Any) -> bool:
-    """Whether a configured callback (its ``class_path``) or an instance is a Lightning progress bar."""
-    from lightning.pytorch.callbacks.progress import ProgressBar
-
-    if isinstance(callback, ProgressBar):
-        return True
-    try:
-        cls = import_path(canonical_class_path(str(_class_path(callback))))
-    except (ImportError, AttributeError, ValueError):
-        return False
-    return isinstance(cls, type) and issubclass(cls, ProgressBar)
 
 
 def main(args: Optional[list[str]] = None, parser_kwargs: Optional[dict[str, Any]] = None) -> ShortcutLabCLI:
