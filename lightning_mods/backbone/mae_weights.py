@@ -39,8 +39,8 @@ FOREIGN_NAMES = [
     (r"^(cls_token|pos_embed|patch_embed\.|blocks\.|norm\.)", r"encoder.\1"),
 ]
 ENCODER_PREFIX = "encoder."
-# what a classifier made from an encoder adds: timm re-initialises a head the file does not hold
-HEAD_NAMES = ("head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias")
+# a classifier's head: timm re-initialises one the file does not hold, or holds for other classes
+HEAD_NAMES = ("head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias", "fc.weight", "fc.bias")
 
 
 def foreign_name(name: str) -> str:
@@ -102,6 +102,15 @@ def fill_shortcut_weights(state_dict: dict[str, torch.Tensor], own: Mapping[str,
     return state_dict
 
 
+def keep_fresh_head(state_dict: dict[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The network's own (new) classifier head where the file has none, or one of another shape
+    (another number of classes), as timm's loader does; every other weight must come from the file."""
+    for name in HEAD_NAMES:
+        if name in own and (name not in state_dict or tuple(state_dict[name].shape) != tuple(own[name].shape)):
+            state_dict[name] = own[name]
+    return state_dict
+
+
 def checkpoint_filter_fn(state_dict: Mapping[str, Any], model: Optional[nn.Module] = None,
                          keep_initial: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """A file of either MAE repository, or a shortcutlab MAE's state_dict, as exactly the state_dict
@@ -132,14 +141,11 @@ def encoder_filter_fn(state_dict: Mapping[str, Any], model: nn.Module) -> dict[s
     ``model`` (a ``vit_*_decayed``) takes; the decoder is dropped and a classifier head the file
     lacks keeps the model's fresh one. Refuses, in one line, a file that does not fill the rest."""
     state = unwrap(state_dict)
-    if is_foreign(state):
+    if is_foreign(state):  # either repository's names, or an exported encoder's (timm's): under encoder.
         state = _own_names(state, None)
-        if not any(k.startswith(ENCODER_PREFIX) for k in state):  # an encoder exported alone: its own names
-            state = {ENCODER_PREFIX + k: v for k, v in state.items()}
     state = {k[len(ENCODER_PREFIX):]: v for k, v in state.items() if k.startswith(ENCODER_PREFIX)}
     own = model.state_dict()
-    state = fill_shortcut_weights(state, own)
-    state.update({k: own[k] for k in HEAD_NAMES if k in own and k not in state})
+    state = keep_fresh_head(fill_shortcut_weights(state, own), own)
     require_filled(state, own, type(model).__name__, vit_hints)
     return state
 
@@ -149,7 +155,7 @@ def _block_count(names: Any, prefix: str) -> int:
     return len({int(m.group(1)) for k in names if (m := re.match(rf"^{re.escape(prefix)}(\d+)\.", k))})
 
 
-def _geometry_hints(state: Mapping[str, torch.Tensor], prefix: str, image_arg: str) -> list[str]:
+def _geometry_hints(state: Mapping[str, torch.Tensor], prefix: str) -> list[str]:
     """``img_size``, ``patch_size``, ``in_chans``, ``embed_dim`` and ``depth`` the file's shapes say."""
     hints = []
     proj, pos = state.get(prefix + "patch_embed.proj.weight"), state.get(prefix + "pos_embed")
@@ -158,7 +164,7 @@ def _geometry_hints(state: Mapping[str, torch.Tensor], prefix: str, image_arg: s
         hints += [f"embed_dim={width}", f"in_chans={chans}", f"patch_size={patch}"]
         if pos is not None and pos.dim() == 3:
             grid = int(round((pos.shape[1] - 1) ** 0.5))
-            hints.append(f"{image_arg}={grid * patch}")
+            hints.append(f"img_size={grid * patch}")
     depth = _block_count(state, prefix + "blocks.")
     if depth:
         hints.append(f"depth={depth}")
@@ -167,7 +173,7 @@ def _geometry_hints(state: Mapping[str, torch.Tensor], prefix: str, image_arg: s
 
 def vit_hints(state: Mapping[str, torch.Tensor], missing: list[str], unexpected: list[str]) -> list[str]:
     """The ``vit_*_decayed`` arguments that would match the file."""
-    hints = _geometry_hints(state, "", "img_size")
+    hints = _geometry_hints(state, "")
     if any(k.startswith("norm.") for k in missing):
         hints.append("final_norm=False (the file's encoder has no final norm)")
     if any(k.startswith("norm.") for k in unexpected):
@@ -177,7 +183,7 @@ def vit_hints(state: Mapping[str, torch.Tensor], missing: list[str], unexpected:
 
 def mae_hints(state: Mapping[str, torch.Tensor], missing: list[str], unexpected: list[str]) -> list[str]:
     """The ``MaskedAutoencoderViT`` arguments that would match the file."""
-    hints = _geometry_hints(state, ENCODER_PREFIX, "img_size")
+    hints = _geometry_hints(state, ENCODER_PREFIX)
     dec_depth = _block_count(state, "decoder.blocks.")
     if dec_depth:
         hints.append(f"decoder_depth={dec_depth}")

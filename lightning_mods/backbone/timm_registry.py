@@ -36,7 +36,7 @@ import torch
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
 
-from .mae_weights import checkpoint_filter_fn, encoder_filter_fn, require_filled, unwrap
+from .mae_weights import checkpoint_filter_fn, encoder_filter_fn, keep_fresh_head, require_filled, unwrap
 from .masked_autoencoder import MaskedAutoencoderViT
 from .resnet import ResNet50, ResNet50d, ResNet18Cifar
 from .shortcut import ShortcutSchedule
@@ -71,10 +71,12 @@ def _resnet(cls: Callable[..., nn.Module], variant: str, pretrained: bool, kwarg
 
 
 def own_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
-    """A shortcutlab state_dict of this very network (a checkpoint's ``state_dict`` unwrapped):
-    refused in one line unless it fills the network."""
-    state = unwrap(state_dict)
-    require_filled(state, model.state_dict(), type(model).__name__, lambda *_: [])
+    """A shortcutlab state_dict of this very network (a checkpoint's ``state_dict`` unwrapped), its
+    classifier head new where the file's is for other classes: refused in one line unless it
+    fills the rest of the network."""
+    own = model.state_dict()
+    state = keep_fresh_head(unwrap(state_dict), own)
+    require_filled(state, own, type(model).__name__, lambda *_: [])
     return state
 
 

@@ -63,3 +63,23 @@ def test_an_exported_encoder_loads_into_the_same_function(tmp_path):
         timm.create_model("vit_base_patch16_224_decayed", pretrained=True, pretrained_cfg_overlay={"file": str(out)},
                           img_size=hp.image_size, patch_size=hp.patch_size, embed_dim=2 * hp.embed_dim,
                           depth=hp.depth, num_heads=hp.num_heads, in_chans=hp.in_chans, num_classes=0, final_norm=False)
+
+
+def test_a_resnet_s_weights_load_with_a_new_head_for_other_classes(tmp_path):
+    """As timm's own loader: a head for another number of classes is made anew, every other weight
+    comes from the file, and a file that lacks one of those is refused in one line."""
+    torch.manual_seed(0)
+    trained = timm.create_model("resnet18_cifar_decayed", num_classes=10)
+    torch.save(trained.state_dict(), tmp_path / "resnet.pth")
+    model = timm.create_model("resnet18_cifar_decayed", num_classes=3, pretrained=True,
+                              pretrained_cfg_overlay={"file": str(tmp_path / "resnet.pth")})
+    assert model.fc.out_features == 3
+    for name, value in model.state_dict().items():
+        if not name.startswith("fc."):
+            assert torch.equal(value, trained.state_dict()[name]), name
+    state = trained.state_dict()
+    del state["layer1.0.conv1.weight"]
+    torch.save(state, tmp_path / "resnet.pth")
+    with pytest.raises(ValueError, match=r"leaves 1 weights at their initial value \(layer1.0.conv1.weight\)"):
+        timm.create_model("resnet18_cifar_decayed", num_classes=3, pretrained=True,
+                          pretrained_cfg_overlay={"file": str(tmp_path / "resnet.pth")})
