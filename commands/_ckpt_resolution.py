@@ -19,25 +19,31 @@ LIGHTNING_CKPT_ALIASES = ("best", "last", "hpc", "registry")
 AUTO_CKPT_PATH = "auto"
 
 
+def say(line: str) -> None:
+    """One line on stderr, from the job's first process only (not once per process)."""
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0)))) == 0:
+        print(f"shortcutlab: {line}", file=sys.stderr)
+
+
+def newest_resume_point(root: Path) -> Optional[Path]:
+    """The newest checkpoint under ``root`` that loads (Lightning's mid-step ``hpc_ckpt_*`` files
+    left out); None when there is none."""
+    files = [p for p in root.rglob("*.ckpt") if not p.name.startswith("hpc_ckpt")] if root.is_dir() else []
+    return newest_loadable(files, say)
+
+
 def resolve_auto_ckpt_path(cfg) -> None:  # noqa: ANN001 (the fit subcommand's jsonargparse Namespace)
     """``--ckpt_path auto``, and a restarted SLURM job (``SLURM_RESTART_COUNT > 0``) without
     ``--ckpt_path``: resume from the newest checkpoint under ``trainer.default_root_dir`` that
-    loads (Lightning's mid-step ``hpc_ckpt_*`` files left out), said in one line; none: a fresh
-    start, said too. ``cfg.ckpt_path`` is set in place."""
+    loads (:func:`newest_resume_point`), said in one line; none: a fresh start, said too.
+    ``cfg.ckpt_path`` is set in place."""
     restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     if cfg.get("ckpt_path") != AUTO_CKPT_PATH and not (restarted and cfg.get("ckpt_path") is None):
         return
     root = Path((cfg.get("trainer") or {}).get("default_root_dir") or os.getcwd())
     why = "--ckpt_path auto" if cfg.get("ckpt_path") == AUTO_CKPT_PATH else \
         f"SLURM restart {os.environ['SLURM_RESTART_COUNT']} of job {os.environ.get('SLURM_JOB_ID', '?')}"
-    files = [p for p in root.rglob("*.ckpt") if not p.name.startswith("hpc_ckpt")] if root.is_dir() else []
-    first_task = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0)))) == 0
-
-    def say(line: str) -> None:  # once per job, not once per process
-        if first_task:
-            print(f"shortcutlab: {line}", file=sys.stderr)
-
-    found = newest_loadable(files, say)
+    found = newest_resume_point(root)
     cfg["ckpt_path"] = str(found) if found is not None else None
     if found is None:
         say(f"{why}: no checkpoint under {root}; starting fresh")
@@ -54,16 +60,15 @@ def resolve_folder_ckpt_path(cfg, subcommand: str) -> None:  # noqa: ANN001 (a s
     if not given or not Path(given).is_dir():
         return
     if subcommand == "fit":
-        files = [p for p in Path(given).rglob("*.ckpt") if not p.name.startswith("hpc_ckpt")]
-        found = newest_loadable(files, lambda line: print(f"shortcutlab: {line}", file=sys.stderr))
+        found = newest_resume_point(Path(given))
         if found is None:
             raise BadInput(f"ckpt_path: no checkpoint that loads under the folder '{given}'")
     else:
         try:
-            found = final_checkpoint(given, say=lambda line: print(f"shortcutlab: {line}", file=sys.stderr))
+            found = final_checkpoint(given, say=say)
         except ValueError as err:
             raise BadInput(str(err).replace("model.checkpoint:", "ckpt_path:", 1)) from None
-    print(f"shortcutlab: --ckpt_path {given}: {found}", file=sys.stderr)
+    say(f"--ckpt_path {given}: {found}")
     cfg["ckpt_path"] = str(found)
 
 
