@@ -56,7 +56,7 @@ def sample(args: argparse.Namespace) -> list[Path]:
     if canonical_class_path(f"{type(module).__module__}.{type(module).__qualname__}") != DIFFUSION:
         raise ValueError(f"checkpoint: {path} is a {type(module).__name__} checkpoint, not a DiffusionModule's")
     ckpt = read_torch_file(path, "checkpoint", mmap=True)
-    module.on_load_checkpoint(ckpt)  # as Lightning does: the title names the checkpoint's epoch and step
+    module.note_checkpoint_position(ckpt)  # the grid's title names the checkpoint's epoch and step
     module.eval()
     with torch.no_grad():
         figure, images, labels = module.sample_grid(args.num_images, args.seed, args.sampler, args.num_steps,

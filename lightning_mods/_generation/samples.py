@@ -117,6 +117,10 @@ class Samples:
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
+        self.note_checkpoint_position(checkpoint)
+
+    def note_checkpoint_position(self, checkpoint: dict) -> None:
+        """Remember the epoch and step of the checkpoint the weights came from (:meth:`trained_for`)."""
         self._checkpoint_at = (checkpoint.get("epoch", "?"), checkpoint.get("global_step", "?"))
 
     def sample_grid_title(self, sampler: str, num_steps: int, guidance_scale: float, seed: int) -> str:
