@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_mods.checkpointing import migration
 from lightning_mods.evaluation import metric_names
 
 
@@ -97,14 +98,9 @@ class SettingsKeyed(Callback):
         return metric_names.variant(name, metric_names.join_tags(self.instance_tag, *setting_tags))
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint keyed by the bare class name (written before keys held settings) belongs
-        to the one instance of the class: it is re-keyed for this instance's ``load_state_dict``."""
-        states = checkpoint.get("callbacks")
-        legacy = type(self).__qualname__
-        if not isinstance(states, dict) or self.state_key in states or legacy not in states:
-            return
-        if sum(type(cb) is type(self) for cb in trainer.callbacks) == 1:
-            states[self.state_key] = states[legacy]
+        """A state of an earlier release keyed by the bare class name is this instance's when it is
+        the one instance of its class (:func:`lightning_mods.checkpointing.migration.rekey_callback_state`)."""
+        migration.rekey_callback_state(checkpoint, self, trainer.callbacks)
 
 
 def _differs(value: Any, default: Any) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from commands.cli_errors import BadInput
+from lightning_mods.checkpointing import migration
 from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.checkpointing.rebuild import newest_loadable, read_torch_file
 
@@ -96,4 +97,5 @@ def check_ckpt_path(ckpt_path: Optional[str]) -> Optional[dict]:
         raise BadInput(str(err)) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise BadInput(f"ckpt_path: '{ckpt_path}' is a torch file but not a Lightning checkpoint (no 'state_dict')")
+    migration.upgrade(ckpt)  # an earlier release's layout, as the trainer will read it
     return ckpt

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, RandomSampler
 
 from datamodules._decode_ahead import DecodeAhead
+from lightning_mods.checkpointing import migration
 
 
 def default_shuffle_seed() -> int:
@@ -171,8 +172,9 @@ class ResumableTrainData:
                 "data_order": data_order(int(loader.batch_size), self._world_size(), len(loader.dataset))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = migration.datamodule_state(state_dict)
         self._resume_position = state_dict.get("train_position")
-        self._resume_order = state_dict.get("data_order")  # absent in checkpoints written before it
+        self._resume_order = state_dict["data_order"]
 
 
 def data_order(batch_size: int, world_size: int, num_samples: int) -> dict[str, int]:

@@ -39,6 +39,7 @@ from callbacks._utils.distributed import broadcast_from_rank_zero, log_identical
 from callbacks._utils.feature_collection import collect_features, datamodule_dataset, loader_settings, smoke_test_subset
 from callbacks.measurement.shared_features import SharedEvaluation
 from lightning_mods.evaluation import metric_names
+from lightning_mods.checkpointing import migration
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 from lightning_mods.pictures.grids import log_picture, run_dir
 from lightning_mods.evaluation.over_depth import DepthRows, write_pending
@@ -156,8 +157,7 @@ def write_profiles(path: Path, history: list[dict[str, Any]]) -> Path:
     writer = csv.writer(text)
     writer.writerow(PROFILE_COLUMNS)
     for entry in history:
-        entropies = entry.get("entropy_profile") or [float("nan")] * len(entry["profile"])  # older checkpoints
-        for block, (h, r) in enumerate(zip(entropies, entry["profile"]), start=1):
+        for block, (h, r) in enumerate(zip(entry["entropy_profile"], entry["profile"]), start=1):
             writer.writerow([entry["epoch"], entry["step"], block, repr(h), repr(r)])
     return write_text_atomically(path, text.getvalue())
 
@@ -330,4 +330,4 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         return {"history": [dict(h) for h in self.history]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = [dict(h) for h in state_dict.get("history", [])]
+        self.history = migration.effective_rank_history(state_dict.get("history", []))

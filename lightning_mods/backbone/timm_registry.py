@@ -45,9 +45,11 @@ from .vit import DecayedVisionTransformer
 
 
 def _schedule(kwargs: dict[str, Any]) -> ShortcutSchedule:
+    """``shortcut=`` as given, else a schedule of the ``kind``/``alpha_min``/... given (the
+    schedule's own defaults for the rest)."""
     shortcut = kwargs.pop("shortcut", None)
-    kind, alpha_min = kwargs.pop("kind", "linear"), kwargs.pop("alpha_min", 0.6)
-    return ShortcutSchedule.coerce(shortcut) if shortcut is not None else ShortcutSchedule(kind=kind, alpha_min=alpha_min)
+    fields = {name: kwargs.pop(name) for name in ("kind", "alpha_min", "branches", "scale") if name in kwargs}
+    return ShortcutSchedule.coerce(shortcut) if shortcut is not None else ShortcutSchedule(**fields)
 
 
 def _build(cls: Callable[..., nn.Module], variant: str, pretrained: bool, filter_fn: Callable[..., Any],

@@ -43,11 +43,17 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_mods.checkpointing import atomic_files
+from lightning_mods.checkpointing import atomic_files, migration
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local saves are atomic (see the module docstring)."""
+    """``TorchCheckpointIO`` whose local saves are atomic (see the module docstring), and whose loads
+    bring a checkpoint of an earlier release to this one's layout (:mod:`lightning_mods.checkpointing.migration`)."""
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(path, *args, **kwargs)
+        migration.upgrade(checkpoint)
+        return checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:

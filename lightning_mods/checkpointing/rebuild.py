@@ -29,6 +29,7 @@ from torch import nn
 
 from lightning_mods.backbone.residual import SHORTCUT_KEY, DecayedResidual
 from lightning_mods._compat import lightning_private
+from lightning_mods.checkpointing import migration
 
 
 def read_torch_file(path: str | os.PathLike, field: str, *, noun: str = "torch checkpoint", mmap: bool = False,
@@ -102,6 +103,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise ValueError(f"checkpoint: {os.fspath(path)!r} has no 'state_dict'; expected a Lightning .ckpt written "
                          "by `shortcutlab fit`")
+    migration.upgrade(ckpt)
     return ckpt
 
 
@@ -145,7 +147,7 @@ def import_path(path: str) -> Any:
     return getattr(importlib.import_module(module_name), name)
 
 
-def _init_parameters(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
+def constructor_parameters(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
     """The named ``__init__`` parameters of ``cls``, a ``**kwargs`` followed into its base classes
     (a subclass passing them on, as ``examples/mae_l1_loss.py``); and whether a ``**kwargs``
     reaches a framework base, where anything may be accepted."""
@@ -165,10 +167,10 @@ def _init_parameters(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
 
 
 def init_parameters(class_path: str) -> Optional[set[str]]:
-    """Names of the ``__init__`` parameters of ``class_path`` (:func:`_init_parameters`); ``None``
+    """Names of the ``__init__`` parameters of ``class_path`` (:func:`constructor_parameters`); ``None``
     if any may be accepted, or it cannot be imported."""
     try:
-        params, open_ended = _init_parameters(import_path(class_path))
+        params, open_ended = constructor_parameters(import_path(class_path))
     except (ImportError, AttributeError, ValueError, TypeError):
         return None
     return None if open_ended else set(params)
@@ -188,7 +190,7 @@ def without_class_defaults(value: Any) -> Any:
     if not isinstance(class_path, str) or not isinstance(init, dict):
         return value
     try:
-        params, _ = _init_parameters(import_path(class_path))
+        params, _ = constructor_parameters(import_path(class_path))
     except (ImportError, AttributeError, ValueError, TypeError):
         return value
 
@@ -358,10 +360,8 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
     if overridden:
         # the given settings, the checkpoint's weights: its shortcut entries would undo a given schedule
         state = {**{k: v for k, v in state.items() if not k.endswith(SHORTCUT_KEY)}, **own_entries}
-    elif not any(k.endswith(SHORTCUT_KEY) for k in state):
-        # written before checkpoints carried the shortcut weights: the module was just built
-        # with the checkpoint's own schedule, so its entries are the ones that network had
-        state = {**state, **own_entries}
+    else:
+        state = migration.fill_shortcut_weights(state, module)
     load_into(module, state, path)
     return module, _dump(parser, cfg)
 

@@ -1,0 +1,100 @@
+"""Checkpoints written by earlier releases, brought to this release's layout: every upgrade step in
+one place, each named with the releases that wrote the old layout and the release that stops
+reading it (as Lightning's ``lightning.pytorch.utilities.migration``).
+
+:func:`upgrade` changes a checkpoint dictionary in place. :func:`lightning_mods.checkpointing.rebuild.load_checkpoint`
+calls it on every file it reads (``load_run``, the probe, fine-tuning, ``--ckpt_path`` checks), and a
+fit's checkpoint IO (:class:`~lightning_mods.checkpointing.checkpoint_io.AtomicCheckpointIO`, which the
+reliability callbacks install) on the one Lightning resumes from. The steps that need what the
+checkpoint meets (a network built, a callback list) or concern one part's state are called by their
+owners, also when a plain ``Trainer`` resumes: :func:`fill_shortcut_weights`, :func:`rekey_callback_state`, :func:`effective_rank_history` and
+:func:`datamodule_state`.
+
+At each step's ``dropped_in`` release the step goes (a test fails until it has), and checkpoints of
+its ``written_by`` releases must be loaded once by a release before it and saved again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_mods.backbone.residual import SHORTCUT_KEY
+
+
+@dataclass(frozen=True)
+class Step:
+    """One upgrade: checkpoints of the ``written_by`` releases are read until ``dropped_in``."""
+
+    name: str
+    written_by: str
+    dropped_in: str
+    what: str
+
+
+SHORTCUT_WEIGHTS = Step(
+    "shortcut_weights", "development builds before 0.1.0", "0.3.0",
+    "no <block>.shortcut_weights entries: the blocks' weights come from the checkpoint's own schedule")
+CALLBACK_STATE_BY_CLASS_NAME = Step(
+    "callback_state_by_class_name", "development builds before 0.1.0", "0.3.0",
+    "a callback's state keyed by its bare class name; re-keyed for the one instance of the class")
+ENTROPY_PROFILE = Step(
+    "entropy_profile", "development builds before 0.1.0", "0.3.0",
+    "EffectiveRank history entries without their per-block entropies (filled with NaN)")
+DATA_ORDER = Step(
+    "data_order", "development builds before 0.1.0", "0.3.0",
+    "a datamodule's train position without the data order it counts in (resumed unchecked)")
+STEPS = (SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE, DATA_ORDER)
+
+
+def upgrade(checkpoint: dict[str, Any]) -> list[str]:
+    """Bring a Lightning checkpoint dictionary to this release's layout, in place; the names of the
+    steps applied (none for a current checkpoint)."""
+    applied = []
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
+            history = effective_rank_history(state["history"])
+            if history != state["history"]:
+                state["history"] = history
+                applied.append(ENTROPY_PROFILE.name)
+    return sorted(set(applied))
+
+
+def effective_rank_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:data:`ENTROPY_PROFILE`: EffectiveRank's history, each entry with its ``entropy_profile``."""
+    return [{**entry, "entropy_profile": entry.get("entropy_profile") or [float("nan")] * len(entry["profile"])}
+            if "profile" in entry else dict(entry) for entry in history]
+
+
+def fill_shortcut_weights(state: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """:data:`SHORTCUT_WEIGHTS`: ``state`` with ``module``'s shortcut entries where it has none
+    (``module`` built from the checkpoint's own settings, so they are the ones that network had)."""
+    if any(k.endswith(SHORTCUT_KEY) for k in state):
+        return state
+    return {**state, **{k: v for k, v in module.state_dict().items() if k.endswith(SHORTCUT_KEY)}}
+
+
+def rekey_callback_state(checkpoint: dict[str, Any], callback: Any, callbacks: list) -> None:
+    """:data:`CALLBACK_STATE_BY_CLASS_NAME`: the state under ``callback``'s class name is its own when
+    it is the one instance of its class in ``callbacks``."""
+    states = checkpoint.get("callbacks")
+    legacy = type(callback).__qualname__
+    if not isinstance(states, dict) or callback.state_key in states or legacy not in states:
+        return
+    if sum(type(other) is type(callback) for other in callbacks) == 1:
+        states[callback.state_key] = states[legacy]
+
+
+def datamodule_state(state: dict[str, Any]) -> dict[str, Optional[dict]]:
+    """:data:`DATA_ORDER`: a datamodule's state with ``data_order`` (None where it was not written)."""
+    return {"data_order": None, **state}
+
+
+def steps_due(version: str) -> list[Step]:
+    """The steps a release ``version`` should no longer have."""
+    def parts(text: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in text.split("."))
+    return [step for step in STEPS if parts(version) >= parts(step.dropped_in)]
+
