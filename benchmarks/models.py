@@ -24,6 +24,7 @@ from lightning_mods.backbone.vit import DecayedVisionTransformer
 from .references import PlainUViT, ReferenceMAE
 from .settings import Settings, train_step
 from .timing import Row, interleaved, interleaved_fresh, paired_ratios, ratio_row, skipped
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 DECAY = ShortcutSchedule("linear", 0.6)
 NONE = ShortcutSchedule("none")
@@ -166,7 +167,7 @@ def _mae_models(settings: Settings) -> tuple[dict, int, dict[str, nn.Module]]:
     ref = ReferenceMAE(img_size=cfg["image_size"], patch_size=cfg["patch_size"], embed_dim=cfg["embed_dim"],
                        depth=cfg["depth"], num_heads=cfg["num_heads"], decoder_embed_dim=cfg["decoder_embed_dim"],
                        decoder_depth=cfg["decoder_depth"], decoder_num_heads=cfg["decoder_num_heads"])
-    ours = {f"unet_skips={skips}": MaskedAutoencoder(shortcut=DECAY, unet_skips=skips, num_reconstructions=0, **cfg)
+    ours = {f"unet_skips={skips}": MaskedAutoencoder(MaskedAutoencoderViT(shortcut=DECAY, unet_skips=skips, **cfg), num_reconstructions=0)
             for skips in (True, False)}
     return cfg, settings.pick(8, 2), {"reference": ref, **ours}
 

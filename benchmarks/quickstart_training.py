@@ -3,6 +3,8 @@ PyTorch loop, the evaluation callbacks' share of training, ResidualDroppath and 
 """
 from __future__ import annotations
 
+import inspect
+
 import contextlib
 import copy
 import json
@@ -35,6 +37,7 @@ from lightning_mods.backbone.vit import DecayedVisionTransformer
 from .hook_clock import END_HOOKS, TRAIN_HOOKS, VALIDATION_HOOKS, HookClock
 from .settings import Settings
 from .timing import Row, ratio_row, skipped, synchronize
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "digits_mae.yaml"
@@ -63,12 +66,15 @@ def quiet() -> Iterator[None]:
 def quickstart_model(settings: Settings, **changes: object) -> MaskedAutoencoder:
     """The quickstart's MAE (``model.init_args`` of configs/digits_mae.yaml) with ``changes``;
     tiny in quick mode."""
-    args = dict(yaml.safe_load(QUICKSTART.read_text())["model"]["init_args"])
-    args["shortcut"] = ShortcutSchedule(**args["shortcut"]["init_args"])
-    args.update(changes)
+    recipe = dict(yaml.safe_load(QUICKSTART.read_text())["model"]["init_args"])
+    network = dict(recipe.pop("network")["init_args"])
+    network["shortcut"] = ShortcutSchedule(**network["shortcut"]["init_args"])
+    takes = inspect.signature(MaskedAutoencoderViT).parameters
+    network.update({k: v for k, v in changes.items() if k in takes})
+    recipe.update({k: v for k, v in changes.items() if k not in takes})
     if settings.quick:
-        args.update(embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
-    return MaskedAutoencoder(image_size=16, in_chans=1, **args)
+        network.update(embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
+    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, **network), **recipe)
 
 
 def quickstart_data(settings: Settings) -> Digits:
@@ -197,9 +203,9 @@ def cli_fit_parts(settings: Settings, root: str, epochs: int):
     if settings.max_batches:
         args.append(f"--trainer.limit_train_batches={settings.max_batches}")
     if settings.quick:
-        args += ["--model.init_args.embed_dim=16", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
-                 "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=1",
-                 "--model.init_args.decoder_num_heads=2", "--data.init_args.batch_size=32"]
+        args += ["--model.network.embed_dim=16", "--model.network.depth=2", "--model.network.num_heads=2",
+                 "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
+                 "--model.network.decoder_num_heads=2", "--data.init_args.batch_size=32"]
     cli = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                          run=False, args=args, save_config_callback=None)
     return cli.trainer, cli.model, cli.datamodule

@@ -89,6 +89,9 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
             known = sorted(init_parameters(class_path) or [])
             close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
             hint = f"; did you mean '{prefix}.{close[0]}'?" if close else ""
+            if not hint and "network" in known:  # a recipe given its network: the setting may be the network's
+                hint = (f"; a setting of its network is {prefix}.network.init_args.{match.group(1)} (a config of "
+                        "release 0.1: lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
             return f"{bad}: unknown key of {class_path}{hint}"
         return f"{bad}: unknown key{_did_you_mean(bad, [o[2:] for o in option_names])}"
     elif match := _UNRECOGNISED.match(innermost):

@@ -15,7 +15,7 @@ from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
 from callbacks.reliability.lost_rank import LostRankReport
 from callbacks.reporting.prediction_writer import PredictionWriter
 from callbacks.schedule import ScheduledEvaluation
-from lightning_mods.checkpointing.rebuild import canonical_class_path, import_path
+from lightning_mods.checkpointing.rebuild import canonical_class_path, constructor_parameters, import_path
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
 # Every run carries these (--print_config shows them): a config or the command line adds to them
@@ -77,8 +77,9 @@ CKPT_PATH_HELP = {
 
 
 def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path/init_args)
-    """The settings of ``model`` that the data links (:data:`LINKED_FROM_DATA`) and that the
-    config or the command line set to other than the class's default: what a link would replace."""
+    """The settings of ``model`` (or of the ``network`` it is given) that the data links
+    (:data:`LINKED_FROM_DATA`) and that the config or the command line set to other than the
+    class's default: what a link would replace."""
     if model is None or not hasattr(model, "get") or not model.get("class_path"):
         return {}
     try:
@@ -91,7 +92,53 @@ def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed clas
         value = init.get(key) if hasattr(init, "get") else None
         if key in defaults and value is not None and value != defaults[key].default:
             given[key] = value
-    return given
+    network = init.get("network") if hasattr(init, "get") else None
+    return {**{f"network.{k}": v for k, v in linked_settings_given(network).items()}, **given}
+
+
+def network_by_name(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path/init_args)
+    """A recipe's ``network`` given as a name of timm's registry, written out in place as the
+    ``class_path``/``init_args`` of the network that name builds (built on the meta device: no
+    weights), so the data links reach it as any configured network. Returns the name's input
+    geometry, which the data must then give (the link would otherwise build another network)."""
+    init = model.get("init_args") if model is not None and hasattr(model, "get") else None
+    name = init.get("network") if init is not None and hasattr(init, "get") else None
+    if not isinstance(name, str):
+        return {}
+    import timm
+    from jsonargparse import Namespace
+
+    from lightning_mods.checkpointing.network_settings import network_settings  # (its imports register the timm names)
+
+    if not timm.is_model(name):
+        raise ValueError(f"model.network: {name!r} is neither a class nor a name in timm's registry "
+                         f"(e.g. {', '.join(timm.list_models('mae_*_decayed'))})")
+    config = network_settings(timm.create_model(name, device="meta"))
+    init["network"] = Namespace(class_path=config["class_path"], init_args=Namespace(**config["init_args"]))
+    return {f"network.{key}": config["init_args"][key] for key in LINKED_FROM_DATA if key in config["init_args"]}
+
+
+def fill_network_from_data(model, data) -> None:  # noqa: ANN001 (parsed class_path/init_args)
+    """The data's image size and channels set in the network a recipe is given
+    (``model.init_args.network``), where the network takes them: what the links do for a model's
+    own settings (a data value is its setting, else its class's attribute)."""
+    init = model.get("init_args") if model is not None and hasattr(model, "get") else None
+    network = init.get("network") if init is not None and hasattr(init, "get") else None
+    if network is None or not hasattr(network, "get") or not network.get("class_path") or data is None:
+        return
+    try:
+        accepted, _ = constructor_parameters(import_path(str(network.get("class_path"))))
+        data_class = import_path(str(data.get("class_path")))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return
+    data_init = data.get("init_args") or {}
+    if network.get("init_args") is None:
+        network["init_args"] = type(data_init)() if hasattr(data_init, "get") else {}
+    for key in ("image_size", "in_chans"):
+        value = data_init.get(key) if hasattr(data_init, "get") and data_init.get(key) is not None \
+            else getattr(data_class, key, None)
+        if key in accepted and isinstance(value, int) and not isinstance(value, bool):
+            network["init_args"][key] = value
 
 
 def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)

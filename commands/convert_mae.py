@@ -49,6 +49,7 @@ from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
 from lightning_mods.backbone.mae_weights import checkpoint_filter_fn
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 LAYOUTS = ("auto", "authors", "official", "timm")
 CLASS_PATH = "lightning_mods.mae.MaskedAutoencoder"
@@ -164,8 +165,8 @@ def import_checkpoint(src: str, layout: str = "auto", alpha_min: Optional[float]
     ratio = mask_ratio if mask_ratio is not None else float(args.get("mask_ratio", 0.75))
     norm_pix = norm_pix_loss if norm_pix_loss is not None else bool(args.get("norm_pix_loss", False))
     torch.manual_seed(seed)  # the fresh decoder, when there is one
-    model = MaskedAutoencoder(**arch, shortcut=ShortcutSchedule("linear", alpha_min), norm_pix_loss=norm_pix,
-                              mask_ratio=ratio)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**arch, shortcut=ShortcutSchedule("linear", alpha_min),
+                                                   norm_pix_loss=norm_pix, mask_ratio=ratio))
     load_weights(model, state, layout, new_decoder=not has_decoder)
     return lightning_checkpoint(model, {"source": os.path.abspath(src), "layout": layout,
                                         "new_decoder": not has_decoder})
@@ -193,10 +194,10 @@ def load_weights(model: MaskedAutoencoder, state: dict[str, torch.Tensor], layou
     if layout == "timm":  # an encoder alone in timm's names: ours under encoder.
         state = {f"encoder.{k}": v for k, v in state.items()}
     try:
-        converted = checkpoint_filter_fn(state, model, keep_initial=("decoder.",) if new_decoder else ())
+        converted = checkpoint_filter_fn(state, model.network, keep_initial=("decoder.",) if new_decoder else ())
     except ValueError as err:
         raise ValueError(f"source: {err}") from None
-    model.load_state_dict(converted, strict=True)
+    model.network.load_state_dict(converted, strict=True)
 
 
 def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any]) -> dict[str, Any]:
@@ -210,11 +211,11 @@ def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any
 # --- export --------------------------------------------------------------------------------------
 def timm_encoder(model: MaskedAutoencoder) -> VisionTransformer:
     """A timm ``VisionTransformer`` (no head, token pooling) holding our encoder's weights."""
-    hp = model.hparams
-    vit = VisionTransformer(img_size=hp.image_size, patch_size=hp.patch_size, in_chans=hp.in_chans,
-                            embed_dim=hp.embed_dim, depth=hp.depth, num_heads=hp.num_heads, mlp_ratio=hp.mlp_ratio,
-                            qkv_bias=True, num_classes=0, final_norm=hp.encoder_final_norm)
-    ours = timm_state_dict(model.encoder, force=True)  # decayed or not: export_timm asked the user
+    hp = model.network.settings
+    vit = VisionTransformer(img_size=hp["image_size"], patch_size=hp["patch_size"], in_chans=hp["in_chans"],
+                            embed_dim=hp["embed_dim"], depth=hp["depth"], num_heads=hp["num_heads"],
+                            mlp_ratio=hp["mlp_ratio"], qkv_bias=True, num_classes=0, final_norm=hp["encoder_final_norm"])
+    ours = timm_state_dict(model.network.encoder, force=True)  # decayed or not: export_timm asked the user
     wanted = vit.state_dict()
     missing = [k for k in wanted if k not in ours or ours[k].shape != wanted[k].shape]
     if missing:
@@ -225,16 +226,16 @@ def timm_encoder(model: MaskedAutoencoder) -> VisionTransformer:
 
 def is_plain(model: MaskedAutoencoder) -> bool:
     """Whether every shortcut weight is 1 and every branch weight 1 (timm's residual sums)."""
-    schedule = model.shortcut
+    schedule = model.network.shortcut
     branch_scaled = schedule.kind in ("scaled_branch", "scaled_sum") and schedule.scale != 1.0
-    return not branch_scaled and all(a == 1.0 for a in shortcut_alphas(model.encoder))
+    return not branch_scaled and all(a == 1.0 for a in shortcut_alphas(model.network.encoder))
 
 
 def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor]:
     """Our encoder as a timm ``VisionTransformer`` state_dict."""
     model = load_run(src, {"class_path": CLASS_PATH}, with_data=False)[0]
     if not is_plain(model) and not allow_decayed:
-        raise ValueError(f"allow_decayed: the encoder's shortcuts are decayed ({model.shortcut!r}); timm's blocks sum "
+        raise ValueError(f"allow_decayed: the encoder's shortcuts are decayed ({model.network.shortcut!r}); timm's blocks sum "
                          "plainly, so these weights compute another function there; pass --allow-decayed to export "
                          "anyway (e.g. to fine-tune as a standard ViT)")
     return timm_encoder(model).state_dict()
@@ -246,13 +247,13 @@ VIT_NAMES = {192: "vit_tiny_patch16_224_decayed", 384: "vit_small_patch16_224_de
 
 def encoder_rebuild_call(model: MaskedAutoencoder, path: str) -> str:
     """The ``timm.create_model`` call that rebuilds the exported encoder: every argument it needs."""
-    hp = model.hparams
-    name = VIT_NAMES.get(hp.embed_dim, "vit_base_patch16_224_decayed")
-    shortcut = f"shortcut={model.shortcut.as_dict()!r}"
+    hp = model.network.settings
+    name = VIT_NAMES.get(hp["embed_dim"], "vit_base_patch16_224_decayed")
+    shortcut = f"shortcut={model.network.shortcut.as_dict()!r}"
     return (f"timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file={path!r}), "
-            f"img_size={hp.image_size}, patch_size={hp.patch_size}, in_chans={hp.in_chans}, "
-            f"embed_dim={hp.embed_dim}, depth={hp.depth}, num_heads={hp.num_heads}, mlp_ratio={hp.mlp_ratio}, "
-            f"final_norm={bool(model.encoder_final_norm)}, {shortcut}, num_classes=0)")
+            f"img_size={hp['image_size']}, patch_size={hp['patch_size']}, in_chans={hp['in_chans']}, "
+            f"embed_dim={hp['embed_dim']}, depth={hp['depth']}, num_heads={hp['num_heads']}, "
+            f"mlp_ratio={hp['mlp_ratio']}, final_norm={bool(hp['encoder_final_norm'])}, {shortcut}, num_classes=0)")
 
 
 def save(obj: Any, path: str) -> None:
@@ -306,14 +307,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                                      args.decoder_num_heads, args.new_decoder, args.decoder_embed_dim,
                                      args.decoder_depth, args.norm_pix_loss, args.mask_ratio, args.seed)
             save(ckpt, args.output)
-            hp = ckpt["hyper_parameters"]
+            hp = ckpt["hyper_parameters"]["network"]["init_args"]
             print(f"wrote {args.output}: {ckpt['converted_from']['layout']} layout, ViT depth {hp['depth']} width "
                   f"{hp['embed_dim']} patch {hp['patch_size']} image {hp['image_size']}, alpha_min "
                   f"{hp['shortcut']['alpha_min']}, {'U-Net skip' if hp['unet_skips'] else 'classic'} decoder"
                   + (" (new)" if ckpt["converted_from"]["new_decoder"] else ""))
         elif args.command == "export-encoder":
             model = load_run(args.checkpoint, {"class_path": CLASS_PATH}, with_data=False)[0]
-            save(model.encoder.state_dict(), args.output)
+            save(model.network.encoder.state_dict(), args.output)
             print(f"wrote {args.output}: the encoder, shortcut weights included; rebuild it with "
                   f"{encoder_rebuild_call(model, args.output)}")
         else:

@@ -79,6 +79,7 @@ def draw(args: argparse.Namespace) -> Path:
     import torch
 
     from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
+    from lightning_mods.evaluation._input_geometry import network_geometry
     from lightning_mods.pictures._patch_pca import images_for_display, patch_feature_figure, patch_rgb
     from lightning_mods.pictures.grids import figure_to_array, save_png
 
@@ -106,11 +107,11 @@ def draw(args: argparse.Namespace) -> Path:
         dataset = datamodule.val_dataset if args.images == "val" else datamodule.bank_dataset
         images = torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(args.num_images, len(dataset)))])
     elif source.is_dir():
-        hp = model.hparams
-        channels = int(hp.get("in_chans", 3))
+        size, channels = network_geometry(model)
+        channels = channels or 3
         mean = list(getattr(datamodule, "mean", None) or [0.5] * channels)
         std = list(getattr(datamodule, "std", None) or [0.5] * channels)
-        size = int(hp.get("image_size") or getattr(datamodule, "image_size", 224))
+        size = int(size or getattr(datamodule, "image_size", 224))
         images = folder_images(source, args.num_images, channels, size, mean, std)
     else:
         raise FileNotFoundError(f"--images: '{args.images}' is neither val, train nor a folder")

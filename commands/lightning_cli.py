@@ -4,7 +4,8 @@
     python cli.py validate --config configs/digits_mae.yaml --ckpt_path runs/.../last.ckpt
 
 Values that data and model must agree on (image size, channels, number of classes) are
-linked from the datamodule to the model; a model that has no such argument ignores the link.
+linked from the datamodule to the model (and set in the network a recipe is given, ``model.init_args.network``);
+a model that has no such argument ignores the link.
 The command's one-line errors are :mod:`commands.cli_errors`, the resolution of ``--ckpt_path``
 :mod:`commands._ckpt_resolution` and what it prints :mod:`commands._console`.
 
@@ -38,7 +39,7 @@ import lightning_mods.exit_statuses as exit_statuses
 from commands import _catalogue as catalogue
 from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
-                                   linked_settings_given)
+                                   fill_network_from_data, linked_settings_given, network_by_name)
 from commands._resume_logs import continue_logger_versions, merge_kept_metrics
 from commands._ckpt_resolution import check_ckpt_path, resolve_auto_ckpt_path, resolve_folder_ckpt_path
 from commands.cli_errors import BadInput, duplicate_callback_message, explain_parse_error, root_message
@@ -58,7 +59,7 @@ class ShortcutLabCLI(LightningCLI):
     """LightningCLI with the data -> model links and the default callbacks."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
-        for name in LINKED_FROM_DATA:
+        for name in LINKED_FROM_DATA:  # the network a recipe is given: fill_network_from_data
             parser.link_arguments(
                 "data", f"model.init_args.{name}", compute_fn=lambda data, name=name: getattr(data, name, None),
                 apply_on="instantiate",
@@ -179,8 +180,8 @@ class ShortcutLabCLI(LightningCLI):
         # config sets (other than the class's default) wins over the checkpoint's
         cls = import_path(canonical_class_path(written["class_path"]))
         free = set(getattr(cls, "inference_settings", ()))
-        settings = {k: v for k, v in flat_settings(given).items()
-                    if k.split(".")[0] not in LINKED_FROM_DATA and k.split(".")[0] not in free}
+        settings = {k: v for k, v in flat_settings(given).items()  # the data's values: checked once it is built
+                    if k.removeprefix("network.").split(".")[0] not in LINKED_FROM_DATA and k.split(".")[0] not in free}
         conflicts = setting_conflicts(settings, flat_settings(written))
         if conflicts:
             raise ValueError(conflict_message(conflicts, "--ckpt_path: model.", ckpt_path, "in the config")
@@ -220,16 +221,19 @@ class ShortcutLabCLI(LightningCLI):
         warn_on_slow_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
         apply_cadences(trainer_cfg.get("callbacks") or [], cfg.get("evaluation_every_n_epochs"),
                        cfg.get("checkpoint_every_n_epochs"))
-        self._linked_settings = linked_settings_given(cfg.get("model"))
+        named = network_by_name(cfg.get("model"))
+        self._linked_settings = {**linked_settings_given(cfg.get("model")), **named}
+        fill_network_from_data(cfg.get("model"), cfg.get("data"))
         if trainer_cfg.get("enable_progress_bar") is False and trainer_cfg.get("callbacks"):
             # honour enable_progress_bar=false instead of failing on the default Rich bar
             trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"] if not is_progress_bar(c)]
 
     def after_instantiate_classes(self) -> None:
         for name, given in getattr(self, "_linked_settings", {}).items():
-            from_data = getattr(self.datamodule, name, None)
+            attribute = name.rpartition(".")[2]  # image_size of network.image_size
+            from_data = getattr(self.datamodule, attribute, None)
             if from_data is not None and given != from_data:  # the link would replace the setting silently
-                raise BadInput(f"model.{name}={given!r} disagrees with the data's {name} ({from_data!r}; "
+                raise BadInput(f"model.{name}={given!r} disagrees with the data's {attribute} ({from_data!r}; "
                                f"{type(self.datamodule).__name__}): the model takes it from the data, so drop "
                                f"model.{name} or change the data")
         expect_frozen_eval_modules(self.model)

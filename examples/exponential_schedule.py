@@ -7,7 +7,7 @@ saved in the checkpoint, which rebuilds this schedule (and so the same network) 
 With this file's folder on ``PYTHONPATH``, any family takes it from YAML or the command line::
 
     shortcutlab fit --config configs/digits_mae.yaml \\
-        --model.shortcut=exponential_schedule.ExponentialSchedule --model.shortcut.rate=0.05
+        --model.network.shortcut=exponential_schedule.ExponentialSchedule --model.network.shortcut.rate=0.05
 
     # the ResNet classifier (its data config first): model.init_args.backbone.init_args.shortcut
     # in YAML, or

@@ -16,7 +16,6 @@ image once under DDP.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -28,7 +27,9 @@ from torch import nn
 
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.checkpointing._finished_run import chosen_checkpoint
-from lightning_mods.checkpointing.rebuild import build_module, canonical_class_path, module_from_checkpoint
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from lightning_mods.checkpointing.network_settings import load_network, network_config, network_of
+from lightning_mods.checkpointing.rebuild import build_module
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation._input_geometry import check_input_geometry
 from lightning_mods.recipe._classification_steps import ClassificationSteps
@@ -43,12 +44,14 @@ def fine_tuning_network(mae: nn.Module, num_classes: int, drop_path_rate: float,
                         global_pool: str) -> DecayedVisionTransformer:
     """The MAE's encoder as a classifier: its architecture and shortcut schedule, its weights
     (shortcut weights included), pooled by ``global_pool`` with a LayerNorm after an average
-    pool, a new head drawn from a truncated normal of std ``head_init_std``."""
-    hp = mae.hparams
+    pool, a new head drawn from a truncated normal of std ``head_init_std``. ``mae``: a
+    :class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT` or a recipe holding one."""
+    mae = network_of(mae)
+    hp = mae.settings
     network = DecayedVisionTransformer(
-        shortcut=mae.shortcut, zero_init_branches=False, img_size=hp.image_size, patch_size=hp.patch_size,
-        in_chans=hp.in_chans, embed_dim=hp.embed_dim, depth=hp.depth, num_heads=hp.num_heads,
-        mlp_ratio=hp.mlp_ratio, qkv_bias=True, num_classes=num_classes, global_pool=global_pool,
+        shortcut=mae.shortcut, zero_init_branches=False, img_size=hp["image_size"], patch_size=hp["patch_size"],
+        in_chans=hp["in_chans"], embed_dim=hp["embed_dim"], depth=hp["depth"], num_heads=hp["num_heads"],
+        mlp_ratio=hp["mlp_ratio"], qkv_bias=True, num_classes=num_classes, global_pool=global_pool,
         fc_norm=global_pool == "avg", drop_path_rate=drop_path_rate)
     dropped = NEW_PARTS + ((FINAL_NORM,) if global_pool == "avg" else ())
     state = {k: v for k, v in mae.encoder.state_dict().items() if not k.startswith(dropped)}
@@ -107,13 +110,14 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                              f"mixup_prob in [0, 1], got {mixup}, {cutmix}, {label_smoothing}, {drop_path_rate}, "
                              f"{mixup_prob}")
         if checkpoint is not None:
-            mae, config = module_from_checkpoint(checkpoint, encoder, allow_encoder_override, name="encoder")
+            mae, config = load_network(checkpoint, encoder, allow_encoder_override, name="encoder")
         elif isinstance(encoder, dict) and encoder.get("class_path"):
             mae, config = build_module(encoder)
+            mae, config = network_of(mae), network_config(mae, config)
         else:
             raise ValueError("FineTuneClassifier: give checkpoint (a MaskedAutoencoder .ckpt of `shortcutlab fit`), "
                              "or an encoder to build (class_path and init_args)")
-        if canonical_class_path(config.get("class_path")) != MAE_CLASS:
+        if not isinstance(mae, MaskedAutoencoderViT):
             raise ValueError(f"FineTuneClassifier: {checkpoint or 'encoder'} is a {config.get('class_path')}, not a "
                              f"{MAE_CLASS}: fine-tuning starts from a pre-trained MAE")
         self.hparams["encoder"] = config  # plain data: the checkpoint says which network it fine-tuned

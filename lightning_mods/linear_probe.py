@@ -21,27 +21,24 @@ from torchmetrics.functional.classification import multiclass_accuracy
 
 from lightning_mods.recipe._classification_steps import ClassificationSteps
 from lightning_mods.checkpointing._finished_run import chosen_checkpoint
-from lightning_mods.checkpointing.rebuild import (build_module, load_checkpoint_state_dict, load_into,
-                         module_from_checkpoint)
+from lightning_mods.checkpointing.network_settings import load_network, network_config, network_of
+from lightning_mods.checkpointing.rebuild import build_module, load_checkpoint_state_dict, load_into
 from lightning_mods.recipe.optim import (global_batch_size, lars, scaled_lr, steps_from_epochs, warmup_cosine,
                                           warmup_cosine_scheduler)
 from lightning_mods.evaluation._probe_head import ProbeHead
 from lightning_mods.evaluation import metric_names
 from lightning_mods.recipe._classification_steps import top_k_accuracy
 from lightning_mods.evaluation.feature_contract import block_features, features_and_blocks, require_blocks, require_features
-from lightning_mods.evaluation._input_geometry import check_input_geometry
+from lightning_mods.evaluation._input_geometry import check_input_geometry, network_geometry
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 
 
 def block_widths(backbone: nn.Module) -> list[int]:
-    """The width of every block's pooled output (``forward_intermediates``), from one example
-    image of the backbone's input geometry (``image_size``/``in_chans`` of its settings, or its
-    patch embedding's image size)."""
+    """The width of every block's pooled output (the feature contract's block features), from one
+    example image of the backbone's input geometry (32-pixel RGB where it takes any)."""
     require_blocks(backbone, "LinearProbe: blocks")
-    hp = getattr(backbone, "hparams", {}) or {}
-    embed = getattr(getattr(backbone, "backbone", None), "patch_embed", None)
-    size = hp.get("image_size") or (embed.img_size[0] if embed is not None else 32)
-    example = torch.zeros(1, int(hp.get("in_chans", 3)), int(size), int(size))
+    size, chans = network_geometry(backbone)
+    example = torch.zeros(1, chans or 3, size or 32, size or 32)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         training = backbone.training
         backbone.eval()
@@ -95,14 +92,12 @@ def train_linear_probe_on_features(
 
 
 def set_feature_pool(backbone: nn.Module, feature_pool: str) -> None:
-    """Make an MAE backbone pool its features as ``feature_pool`` (what the probe reads, not the weights)."""
-    pools = getattr(getattr(backbone, "hparams", None), "get", lambda key: None)("feature_pool")
-    if pools is None:
+    """Make an MAE network pool its features as ``feature_pool`` (what the probe reads, not the
+    weights; the probe's own ``feature_pool`` setting records it)."""
+    if not hasattr(backbone, "feature_pool"):
         raise ValueError(f"LinearProbe: feature_pool needs a backbone with that setting (the MAE); "
                          f"{type(backbone).__name__} has none")
-    backbone.hparams.feature_pool = feature_pool
-    if hasattr(backbone, "feature_pool"):  # the network's own setting (lightning_mods.backbone.masked_autoencoder)
-        backbone.feature_pool = feature_pool
+    backbone.feature_pool = feature_pool
 
 
 class LinearProbe(ClassificationSteps, LightningModule):
@@ -155,11 +150,13 @@ class LinearProbe(ClassificationSteps, LightningModule):
         if isinstance(backbone, nn.Module):
             if checkpoint is not None:
                 load_into(backbone, load_checkpoint_state_dict(checkpoint), checkpoint)
+            backbone = network_of(backbone)
             config = {"class_path": f"{type(backbone).__module__}.{type(backbone).__qualname__}"}
         elif checkpoint is not None:
-            backbone, config = module_from_checkpoint(checkpoint, backbone, allow_backbone_override)
+            backbone, config = load_network(checkpoint, backbone, allow_backbone_override)  # the network alone
         elif isinstance(backbone, dict) and backbone.get("class_path"):
             backbone, config = build_module(backbone)
+            backbone, config = network_of(backbone), network_config(backbone, config)
         else:
             raise ValueError("LinearProbe: give checkpoint (a .ckpt of `shortcutlab fit`), or a backbone to probe "
                              "as built (class_path and init_args)")

@@ -1,60 +1,56 @@
 """Masked autoencoder pre-training with decayed identity shortcuts (the decay paper, section 4):
-the network of :mod:`lightning_mods.backbone.masked_autoencoder` (encoder, decoder with U-Net skips, masking,
-loss) with its training recipe: AdamW with MAE's weight-decay groups, the peak rate scaled with
-the global batch, warm-up then cosine, the validation loss over each image once, and the
-reconstruction picture.
+the training recipe of a :class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT`
+(encoder, decoder with U-Net skips, masking, loss), which it holds as ``network``: AdamW with
+MAE's weight-decay groups, the peak rate scaled with the global batch, warm-up then cosine, the
+validation loss over each image once, and the reconstruction picture.
 
-Extension points (the methods a subclass overrides; ``docs/extending.md``, ``examples/``):
-
-- :meth:`MaskedAutoencoder.mask_patches`: which patches are visible.
-- :meth:`MaskedAutoencoder.reconstruction_target`: what the decoder predicts for each patch
-  (and :meth:`MaskedAutoencoder.target_to_pixels`, its inverse for the reconstruction picture).
-- :meth:`MaskedAutoencoder.reconstruction_loss`: the loss of a prediction against the target.
-- :meth:`MaskedAutoencoder.pool_features`: the evaluation features from the encoder's tokens.
+The network is given as a config ``class_path``/``init_args``, a registered timm name
+(``mae_vit_base_patch16_decayed``) or a module. Its extension points (which patches are visible,
+the target, the loss, the evaluation features) are methods of the network: a subclass of
+``MaskedAutoencoderViT`` given as ``network`` changes them (``docs/extending.md``, ``examples/``).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+import io
+import os
+from typing import Optional, Union
 
 import numpy as np
+import timm
 import torch
-from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
-from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.masked_autoencoder import Generators, Indices, MaskedAutoencoderViT
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation._distributed_eval import ExactEvaluation
+from lightning_mods.evaluation._input_geometry import check_input_geometry
 from lightning_mods.pictures.grids import labelled_grid, log_picture
+from lightning_mods.checkpointing import migration
+from lightning_mods.checkpointing.network_settings import network_settings
+from lightning_mods.checkpointing.rebuild import read_torch_file
 from lightning_mods.recipe.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr,
                                            steps_from_epochs, warmup_cosine_scheduler)
 
 
-class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
-    """MAE pre-training with decayed shortcuts; defaults follow the paper's recipe (ViT-B/16).
+def mae_network(network: Union[MaskedAutoencoderViT, str]) -> MaskedAutoencoderViT:
+    """The network a recipe is given: a module as it is, a registered timm name built by timm."""
+    if isinstance(network, str):
+        network = timm.create_model(network)
+    if not isinstance(network, MaskedAutoencoderViT):
+        raise ValueError(f"MaskedAutoencoder: network must be a MaskedAutoencoderViT (or a subclass, or the timm name "
+                         f"of one, e.g. mae_vit_base_patch16_decayed); got {type(network).__name__}")
+    return network
 
-    The network is :class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT` (its methods and
-    weight names); this class adds the recipe.
+
+class MaskedAutoencoder(ExactEvaluation, LightningModule):
+    """MAE pre-training of ``network`` with decayed shortcuts; defaults follow the paper's recipe.
 
     Args:
-        image_size, in_chans: input geometry (linked from the datamodule by the CLI).
-        patch_size, embed_dim, depth, num_heads, mlp_ratio: encoder ViT.
-        shortcut: decay schedule of the encoder's ``2 * depth`` sub-layers.
-        zero_init_branches: start the last linear layer of every residual branch (encoder and
-            decoder blocks, skip fusions) and the pixel prediction at zero weight, as the
-            decay paper's authors; ``None`` = ``unet_skips`` or a decayed encoder (He et al.'s
-            standard MAE zeroes none).
-        encoder_final_norm: LayerNorm after the last encoder block, read by the classic
-            decoder and the features; ``None`` = ``not unet_skips`` (the authors have none,
-            He et al. have one).
-        decoder_embed_dim, decoder_depth, decoder_num_heads: decoder transformer.
-        unet_skips: the paper's skip decoder; ``False`` = classic MAE decoder (ablation).
-        norm_pix_loss: per-patch normalised pixel target.
-        mask_ratio: fraction of patches masked, in (0, 1); 0 only with ``loss_on_all_patches``.
-        loss_on_all_patches: the loss counts every patch, visible ones too (MAE's "loss on all
-            pixels" ablation); with ``mask_ratio=0`` a plain autoencoder. Default: masked patches only.
-        feature_pool: evaluation features, ``mean`` of all tokens or the ``cls`` token.
+        network: the :class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT` to
+            train (its architecture, shortcut schedule, masking and loss): ``class_path``/``init_args``
+            in a config (``image_size`` and ``in_chans`` linked from the datamodule by the CLI),
+            a registered timm name, or a module.
         base_lr: learning rate per 256 samples of GLOBAL batch (peak = base_lr * batch / 256).
         weight_decay, betas: AdamW; no decay on 1-D parameters (norms, biases) and learnable
             alphas; the cls and mask tokens are decayed, as in both MAE repositories.
@@ -64,24 +60,7 @@ class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
 
     def __init__(
         self,
-        image_size: int = 224,
-        in_chans: int = 3,
-        patch_size: int = 16,
-        embed_dim: int = 768,
-        depth: int = 12,
-        num_heads: int = 12,
-        mlp_ratio: float = 4.0,
-        shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.6),
-        zero_init_branches: Optional[bool] = None,
-        encoder_final_norm: Optional[bool] = None,
-        decoder_embed_dim: int = 512,
-        decoder_depth: int = 8,
-        decoder_num_heads: int = 16,
-        unet_skips: bool = True,
-        norm_pix_loss: bool = True,
-        mask_ratio: float = 0.75,
-        loss_on_all_patches: bool = False,
-        feature_pool: Literal["mean", "cls"] = "mean",
+        network: Union[MaskedAutoencoderViT, str],
         base_lr: float = 1.5e-4,
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -89,24 +68,56 @@ class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
         min_lr_ratio: float = 0.0,
         num_reconstructions: int = 8,
     ) -> None:
-        super().__init__(build=False)  # LightningModule's too; the network is built here from the arguments
-        shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6))
-        self.build_network(image_size, in_chans, patch_size, embed_dim, depth, num_heads, mlp_ratio, shortcut,
-                           zero_init_branches, encoder_final_norm, decoder_embed_dim, decoder_depth, decoder_num_heads,
-                           unet_skips, norm_pix_loss, mask_ratio, loss_on_all_patches, feature_pool)
-        self.save_hyperparameters(ignore=["shortcut"])
-        self.hparams["shortcut"] = shortcut.as_dict()  # plain data: weights_only-safe checkpoints
-        # the resolved layout, so a checkpoint rebuilds the same network if the defaults change
-        self.hparams["zero_init_branches"] = self.zero_init_branches
-        self.hparams["encoder_final_norm"] = self.encoder_final_norm
+        super().__init__()
+        self.network = mae_network(network)
+        self.save_hyperparameters(ignore=["network"])
+        # the resolved settings of the network (plain data), so a checkpoint rebuilds this very network
+        self.hparams["network"] = self._hparams_initial["network"] = network_settings(self.network)
         self.val_loss_mean = MeanMetric()  # each validation image once, also under DDP
         self._val_images: Optional[torch.Tensor] = None
 
-    def forward_intermediates(self, images: torch.Tensor, indices=None, intermediates_only: bool = False):  # noqa: ANN001
+    # --- the network ------------------------------------------------------------------------
+    def forward(self, images: torch.Tensor, mask_ratio: Optional[float] = None, generator: Generators = None):
+        """The network's ``(loss, predicted patches, mask)``."""
+        return self.network(images, mask_ratio, generator)
+
+    @property
+    def num_features(self) -> int:
+        return self.network.num_features
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The network's evaluation features ``B x D``."""
+        return self.network.forward_features(images)
+
+    def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
         """The evaluations' call (:mod:`lightning_mods.evaluation.feature_contract`): ``(forward_features,
         pooled output of the encoder blocks indices picks)``, read through the network's timm
         ``forward_intermediates`` (:meth:`MaskedAutoencoderViT.pooled_intermediates`)."""
-        return self.pooled_intermediates(images, indices, intermediates_only)
+        return self.network.pooled_intermediates(images, indices, intermediates_only)
+
+    def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
+        """The network's patch tokens of encoder block ``block`` on their grid, ``B x H/p x W/p x D``."""
+        return self.network.forward_patch_features(images, block)
+
+    def setup(self, stage: str) -> None:
+        check_input_geometry(self.network, getattr(self.trainer, "datamodule", None), "MaskedAutoencoder",
+                             "give the network the data's image_size and in_chans, or data of the network's")
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):  # noqa: ANN001, ANN206 (Lightning's)
+        """Lightning's ``load_from_checkpoint``, for a checkpoint of an earlier release too (its
+        layout upgraded as it is read: :mod:`lightning_mods.checkpointing.migration`)."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
+            checkpoint = read_torch_file(checkpoint_path, "checkpoint", mmap=True)
+            if isinstance(checkpoint, dict) and migration.upgrade(checkpoint):
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                buffer.seek(0)
+                checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        migration.upgrade(checkpoint)  # a checkpoint of an earlier release, resumed by a plain Trainer
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.reporting.prediction_writer``."""
@@ -138,7 +149,7 @@ class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
         loss = None
         if count:
             generators = [torch.Generator(device=self.device).manual_seed(1234 + i) for i in indices.tolist()]
-            loss, _, _ = self(images, generator=generators)
+            loss, _, _ = self.network(images, generator=generators)
             self.val_loss_mean.update(loss, weight=count)
         self.log(metric_names.VAL_LOSS, self.val_loss_mean, prog_bar=True, batch_size=count)
         if batch_idx == 0 and self._val_images is None:
@@ -149,7 +160,7 @@ class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
         images, self._val_images = self._val_images, None
         if images is None or self.trainer.sanity_checking or self.hparams.num_reconstructions <= 0:
             return
-        masked, recon = self.reconstruct(images, generator=self._val_generator(0))
+        masked, recon = self.network.reconstruct(images, generator=self._val_generator(0))
         dm = getattr(self.trainer, "datamodule", None)
         mean = torch.tensor(getattr(dm, "mean", (0.0,) * images.shape[1]), device=images.device).view(1, -1, 1, 1)
         std = torch.tensor(getattr(dm, "std", (1.0,) * images.shape[1]), device=images.device).view(1, -1, 1, 1)
@@ -157,7 +168,7 @@ class MaskedAutoencoder(ExactEvaluation, MaskedAutoencoderViT, LightningModule):
                 for t in (images, masked, recon)]
         tiles = np.stack(rows, axis=1)  # one validation image per row: original, masked, reconstruction
         title = (f"{type(self).__name__} reconstructions, epoch {self.current_epoch}, step {self.global_step}\n"
-                 f"validation images, {self.hparams.mask_ratio:.0%} of the patches masked;\n"
+                 f"validation images, {self.network.mask_ratio:.0%} of the patches masked;\n"
                  f"reconstruction: the visible patches pasted back")
         log_picture(self.trainer, "mae/reconstructions", labelled_grid(
             tiles, title, row_labels=[f"val {i}" for i in range(len(tiles))],

@@ -48,8 +48,10 @@ def sizes(names: list[str]) -> list:
 
 def narrow_args(model_class_path: str, full_size: bool) -> list[str]:
     """``--model.init_args.*`` overrides that make a paper network narrow (none at full size)."""
-    settings = {} if full_size else NARROW.get(model_class_path.rpartition(".")[2], {})
-    return [f"--model.init_args.{k}={v}" for k, v in settings.items()]
+    name = model_class_path.rpartition(".")[2]
+    settings = {} if full_size else NARROW.get(name, {})
+    where = "network" if name == "MaskedAutoencoder" else "init_args"  # the MAE's network settings are its network's
+    return [f"--model.{where}.{k}={v}" for k, v in settings.items()]
 
 
 SWEPT = ("alpha_min=", "seed_everything=", "default_root_dir=")  # the values a paper table sweeps

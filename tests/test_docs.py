@@ -33,7 +33,7 @@ BUDGET = {
     "validate": ["--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"],
     "predict": ["--trainer.limit_predict_batches=2", "--trainer.enable_progress_bar=false"],
 }
-SMALL_MAE = ["--model.depth=2", "--model.decoder_depth=1"]  # the quickstart's MAE, 2 encoder blocks: part of the budget
+SMALL_MAE = ["--model.network.depth=2", "--model.network.decoder_depth=1"]  # the quickstart's MAE, 2 encoder blocks: part of the budget
 MAE_WORDS = re.compile(r"configs/digits_mae\.yaml|MaskedAutoencoder")
 
 

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from lightning_mods.backbone import shortcut_alphas
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
          "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
-TINY_MAE = ["--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2"]
+TINY_MAE = ["--model.network.depth=2", "--model.network.decoder_depth=1", "--model.network.embed_dim=32",
+            "--model.network.num_heads=2"]
 
 
 WARM: list[str] = []  # the fork server's command line while this module's tests run
@@ -70,9 +72,9 @@ def expected_exponential_alphas(rate: float, alpha_min: float, num_sublayers: in
 def test_exponential_schedule_through_mae_and_resnet_yaml_and_linear_probe(tmp_path, monkeypatch):
     folder = user_folder(tmp_path, "exponential_schedule.py")
     # the MAE, the schedule chosen on the command line (digits_mae.yaml's alpha_min 0.6 carried over)
-    mae_ckpt = fit_digits_mae(folder, "mae", "--model.shortcut=exponential_schedule.ExponentialSchedule",
-                              "--model.shortcut.rate=0.2")
-    written = torch.load(mae_ckpt, weights_only=True)["hyper_parameters"]["shortcut"]
+    mae_ckpt = fit_digits_mae(folder, "mae", "--model.network.shortcut=exponential_schedule.ExponentialSchedule",
+                              "--model.network.shortcut.rate=0.2")
+    written = torch.load(mae_ckpt, weights_only=True)["hyper_parameters"]["network"]["init_args"]["shortcut"]
     assert written == {"class_path": "exponential_schedule.ExponentialSchedule",
                        "init_args": {"rate": 0.2, "alpha_min": 0.6, "branches": "both"}}
     # the ResNet classifier, the schedule chosen in a YAML file of the user's
@@ -132,12 +134,14 @@ def test_a_schedule_subclass_solves_alpha_min_and_compares_by_class(tmp_path, mo
 @pytest.mark.slow
 def test_mae_l1_loss_on_gradients_trains_and_its_checkpoint_is_that_model(tmp_path, monkeypatch):
     folder = user_folder(tmp_path, "mae_l1_loss.py")
-    ckpt = fit_digits_mae(folder, "run", "--model=mae_l1_loss.L1MaskedAutoencoder", "--model.target=gradients")
+    ckpt = fit_digits_mae(folder, "run", "--model.network=mae_l1_loss.L1MaskedAutoencoderViT",
+                          "--model.network.target=gradients")
     monkeypatch.syspath_prepend(str(folder))
     from lightning_mods.checkpointing.rebuild import module_from_checkpoint
 
     model, settings = module_from_checkpoint(ckpt, name="model")
-    assert type(model).__name__ == "L1MaskedAutoencoder" and settings["init_args"]["target"] == "gradients"
+    network = settings["init_args"]["network"]
+    assert type(model.network).__name__ == "L1MaskedAutoencoderViT" and network["init_args"]["target"] == "gradients"
     model.eval()
     x = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -146,7 +150,7 @@ def test_mae_l1_loss_on_gradients_trains_and_its_checkpoint_is_that_model(tmp_pa
     image = x.double().numpy()[:, 0]
     grad = np.zeros_like(image)
     grad[:, :, 1:] = image[:, :, 1:] - image[:, :, :-1]
-    p = model.hparams.patch_size
+    p = model.network.patch_size
     patches = grad.reshape(3, 16 // p, p, 16 // p, p).transpose(0, 1, 3, 2, 4).reshape(3, -1, p * p)
     per_patch = np.abs(pred.double().numpy() - patches).mean(-1)
     m = mask.double().numpy()
@@ -158,7 +162,7 @@ def test_branch_norm_ratio_callback_logs_one_value_per_block(tmp_path, monkeypat
     folder = user_folder(tmp_path, "branch_norm_ratio.py")
     fit_digits_mae(folder, "run", "--trainer.check_val_every_n_epoch=1",
                    "--trainer.callbacks+=branch_norm_ratio.BranchNormRatio",
-                   "--model.zero_init_branches=false",  # the paper's zero-started branches measure 0 at first
+                   "--model.network.zero_init_branches=false",  # the paper's zero-started branches measure 0 at first
                    "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
                    f"--trainer.logger.init_args.save_dir={folder / 'run'}")
     import csv
@@ -174,14 +178,12 @@ def test_branch_norm_ratio_callback_logs_one_value_per_block(tmp_path, monkeypat
     from lightning_mods.mae import MaskedAutoencoder
 
     torch.manual_seed(0)
-    model = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                              decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False,
-                              num_reconstructions=0).eval()
+    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False), num_reconstructions=0).eval()
     x = torch.rand(5, 1, 16, 16, generator=torch.Generator().manual_seed(2))
     ratios = branch_to_output_ratios(model, x)
     with torch.no_grad():
-        h = torch.cat([model._cls(5), model._embed_patches(x)], dim=1)
-        for block, ratio in zip(model.encoder.blocks, ratios):
+        h = torch.cat([model.network._cls(5), model.network._embed_patches(x)], dim=1)
+        for block, ratio in zip(model.network.encoder.blocks, ratios):
             attn = block.attn_branch(h)
             h1 = block.shortcut_weight(0) * h + attn
             mlp = block.mlp_branch(h1)

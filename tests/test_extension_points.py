@@ -12,11 +12,10 @@ from lightning_mods.backbone import ResNet18Cifar, ShortcutSchedule
 from lightning_mods.backbone.patches import patchify
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.diffusion import DiffusionModule
-from lightning_mods.mae import MaskedAutoencoder
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 MAE = dict(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16,
-           decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False, zero_init_branches=False,
-           num_reconstructions=0)
+           decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False, zero_init_branches=False)
 DIFFUSION = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4, pixel_mean=[0.5],
                  pixel_std=[0.5], num_sampling_steps=4, zero_init_branches=False)
 
@@ -42,18 +41,18 @@ def generator() -> torch.Generator:
     return torch.Generator().manual_seed(7)
 
 
-# --- MAE ----------------------------------------------------------------------------------------
-class DoubledTarget(MaskedAutoencoder):
+# --- MAE (the network's points; the recipe is given the network) ----------------------------------------------------------------------------------------
+class DoubledTarget(MaskedAutoencoderViT):
     def reconstruction_target(self, images):
-        return 2.0 * patchify(images, self.hparams.patch_size)
+        return 2.0 * patchify(images, self.patch_size)
 
 
-class L1Loss(MaskedAutoencoder):
+class L1Loss(MaskedAutoencoderViT):
     def reconstruction_loss(self, pred, target, mask):
         return ((pred - target).abs().mean(dim=-1) * mask).sum() / mask.sum()
 
 
-class FirstHalfHidden(MaskedAutoencoder):
+class FirstHalfHidden(MaskedAutoencoderViT):
     def mask_patches(self, tokens, mask_ratio, generator=None):
         b, length, _ = tokens.shape
         hidden = length // 2
@@ -63,13 +62,13 @@ class FirstHalfHidden(MaskedAutoencoder):
         return tokens[:, hidden:], mask, ids_restore
 
 
-class ClsPooled(MaskedAutoencoder):
+class ClsPooled(MaskedAutoencoderViT):
     def pool_features(self, tokens):
         return tokens[:, 0]
 
 
 def test_mae_target_changes_the_loss_target_only():
-    base, doubled = twin(MaskedAutoencoder, DoubledTarget, **MAE)
+    base, doubled = twin(MaskedAutoencoderViT, DoubledTarget, **MAE)
     x = images()
     loss_base, pred_base, mask_base = base(x, generator=generator())
     loss, pred, mask = doubled(x, generator=generator())
@@ -81,7 +80,7 @@ def test_mae_target_changes_the_loss_target_only():
 
 
 def test_mae_loss_changes_the_loss_only():
-    base, l1 = twin(MaskedAutoencoder, L1Loss, **MAE)
+    base, l1 = twin(MaskedAutoencoderViT, L1Loss, **MAE)
     x = images()
     _, pred_base, mask_base = base(x, generator=generator())
     loss, pred, mask = l1(x, generator=generator())
@@ -91,7 +90,7 @@ def test_mae_loss_changes_the_loss_only():
 
 
 def test_mae_masking_decides_the_visible_patches_and_evaluation_is_unchanged():
-    base, fixed = twin(MaskedAutoencoder, FirstHalfHidden, **MAE)
+    base, fixed = twin(MaskedAutoencoderViT, FirstHalfHidden, **MAE)
     x = images()
     _, pred, mask = fixed(x, mask_ratio=0.5)
     assert mask.tolist() == [[1.0] * 8 + [0.0] * 8] * 4
@@ -105,11 +104,11 @@ def test_mae_masking_decides_the_visible_patches_and_evaluation_is_unchanged():
 
 
 def test_mae_pooling_changes_the_features_only():
-    base, cls = twin(MaskedAutoencoder, ClsPooled, **MAE)
+    base, cls = twin(MaskedAutoencoderViT, ClsPooled, **MAE)
     x = images()
     last, blocks = base.encode(x)
     torch.testing.assert_close(cls.forward_features(x), last[:, 0], rtol=0, atol=0)
-    for mine, block in zip(cls.forward_intermediates(x, intermediates_only=True), blocks):
+    for mine, block in zip(cls.pooled_intermediates(x, intermediates_only=True), blocks):
         torch.testing.assert_close(mine, block[:, 0], rtol=0, atol=0)
     torch.testing.assert_close(cls(x, generator=generator())[0], base(x, generator=generator())[0], rtol=0, atol=0)
 

@@ -2,7 +2,7 @@
 with U-Net skips, masking and loss (the decay paper, section 4; "Residual Connections Harm
 Generative Representation Learning", section 3.2 and appendix A). No Lightning: it trains in a
 plain PyTorch loop (``loss, pred, mask = net(images); loss.backward()``), and
-:class:`lightning_mods.mae.MaskedAutoencoder` adds the training recipe to it.
+:class:`lightning_mods.mae.MaskedAutoencoder` trains it (the recipe holds it as ``network``).
 
 Encoder: a :class:`~lightning_mods.backbone.vit.DecayedVisionTransformer` (patch embed, fixed 2-D
 sin-cos position embedding, cls token) run on the visible patches of a per-sample random mask
@@ -81,9 +81,10 @@ class MaskedAutoencoderViT(nn.Module):
     """MAE with decayed shortcuts in the encoder and U-Net skips into the decoder (module docstring).
 
     ``zero_init_branches=None`` zeroes the branch ends with ``unet_skips`` or a decayed encoder (He
-    et al.'s standard MAE zeroes none); ``encoder_final_norm=None`` is ``not unet_skips``. The
-    resolved values are attributes of the built network. ``build=False`` leaves the module empty
-    for a subclass that calls :meth:`build_network` itself.
+    et al.'s standard MAE zeroes none); ``encoder_final_norm=None`` is ``not unet_skips``;
+    ``shortcut=None`` is :class:`~lightning_mods.backbone.shortcut.ShortcutSchedule`'s default (linear,
+    the decay paper's). The resolved values are attributes of the built network, and
+    :attr:`settings` holds every argument as plain data (what a checkpoint records to rebuild it).
     """
 
     def __init__(self, image_size: int = 224, in_chans: int = 3, patch_size: int = 16, embed_dim: int = 768,
@@ -92,24 +93,11 @@ class MaskedAutoencoderViT(nn.Module):
                  encoder_final_norm: Optional[bool] = None, decoder_embed_dim: int = 512, decoder_depth: int = 8,
                  decoder_num_heads: int = 16, unet_skips: bool = True, norm_pix_loss: bool = True,
                  mask_ratio: float = 0.75, loss_on_all_patches: bool = False,
-                 feature_pool: Literal["mean", "cls"] = "mean", *, build: bool = True) -> None:
+                 feature_pool: Literal["mean", "cls"] = "mean") -> None:
         super().__init__()
-        if not build:  # a subclass builds it itself (lightning_mods.mae.MaskedAutoencoder)
-            return
-        self.build_network(image_size, in_chans, patch_size, embed_dim, depth, num_heads, mlp_ratio,
-                           ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.6)), zero_init_branches,
-                           encoder_final_norm, decoder_embed_dim, decoder_depth, decoder_num_heads, unet_skips,
-                           norm_pix_loss, mask_ratio, loss_on_all_patches, feature_pool)
-
-    def build_network(self, image_size: int, in_chans: int, patch_size: int, embed_dim: int, depth: int,
-                      num_heads: int, mlp_ratio: float, shortcut: ShortcutSchedule,
-                      zero_init_branches: Optional[bool], encoder_final_norm: Optional[bool],
-                      decoder_embed_dim: int, decoder_depth: int, decoder_num_heads: int, unet_skips: bool,
-                      norm_pix_loss: bool, mask_ratio: float, loss_on_all_patches: bool, feature_pool: str) -> None:
-        """Build the encoder and decoder (and the settings the methods read) on an initialised module."""
         check_layout(image_size, patch_size, depth, mask_ratio, loss_on_all_patches, unet_skips, encoder_final_norm,
                      feature_pool)
-        self.shortcut = shortcut
+        self.shortcut = shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule())
         # zero starts: the authors' with skips; the decay paper needs them for any decayed encoder too (a
         # decayed classic-decoder ablation), while He et al.'s standard MAE has none
         standard = all(w == (1.0, 1.0) for w in shortcut.weights(2 * depth, transformer_sublayer_types(depth)))
@@ -118,27 +106,40 @@ class MaskedAutoencoderViT(nn.Module):
         self.image_size, self.in_chans, self.patch_size = image_size, in_chans, patch_size
         self.unet_skips, self.norm_pix_loss, self.mask_ratio = unet_skips, norm_pix_loss, mask_ratio
         self.loss_on_all_patches, self.feature_pool = loss_on_all_patches, feature_pool
-        self.encoder = DecayedVisionTransformer(
-            shortcut=shortcut, zero_init_branches=False,
-            img_size=image_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
-            num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True, class_token=True, global_pool="",
-            num_classes=0, final_norm=self.encoder_final_norm)
-        # MAE's initialisation replaces timm's (trunc-normal 0.02 linears, cls token 1e-6)
-        init_linear_and_norm_(self.encoder)
-        init_patch_embed_(self.encoder.patch_embed.proj)
-        grid = image_size // patch_size
-        with torch.no_grad():  # fixed sin-cos position embedding, cls position = 0
-            nn.init.normal_(self.encoder.cls_token, std=0.02)
-            self.encoder.pos_embed.copy_(sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0))
-        self.encoder.pos_embed.requires_grad_(False)
-        if self.zero_init_branches:
-            zero_branch_ends_(self.encoder.blocks)
+        self.settings = dict(
+            image_size=image_size, in_chans=in_chans, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
+            num_heads=num_heads, mlp_ratio=mlp_ratio, shortcut=shortcut.as_dict(),
+            zero_init_branches=self.zero_init_branches, encoder_final_norm=self.encoder_final_norm,
+            decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth, decoder_num_heads=decoder_num_heads,
+            unet_skips=unet_skips, norm_pix_loss=norm_pix_loss, mask_ratio=mask_ratio,
+            loss_on_all_patches=loss_on_all_patches, feature_pool=feature_pool)
+        self.encoder = self._mae_encoder(embed_dim, depth, num_heads, mlp_ratio)
         patch_dim = patch_size * patch_size * in_chans
         decoder = UNetSkipDecoder if unet_skips else ClassicDecoder
+        grid = image_size // patch_size
         layout = (grid * grid, embed_dim, depth) if unet_skips else (grid * grid, embed_dim)
         self.decoder: nn.Module = decoder(*layout, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio,
                                           patch_dim, zero_init=self.zero_init_branches)
         self.num_features = embed_dim
+
+    def _mae_encoder(self, embed_dim: int, depth: int, num_heads: int, mlp_ratio: float) -> DecayedVisionTransformer:
+        """The decayed ViT on the image, with MAE's initialisation and fixed sin-cos positions."""
+        encoder = DecayedVisionTransformer(
+            shortcut=self.shortcut, zero_init_branches=False,
+            img_size=self.image_size, patch_size=self.patch_size, in_chans=self.in_chans, embed_dim=embed_dim,
+            depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True, class_token=True, global_pool="",
+            num_classes=0, final_norm=self.encoder_final_norm)
+        # MAE's initialisation replaces timm's (trunc-normal 0.02 linears, cls token 1e-6)
+        init_linear_and_norm_(encoder)
+        init_patch_embed_(encoder.patch_embed.proj)
+        grid = self.image_size // self.patch_size
+        with torch.no_grad():  # fixed sin-cos position embedding, cls position = 0
+            nn.init.normal_(encoder.cls_token, std=0.02)
+            encoder.pos_embed.copy_(sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0))
+        encoder.pos_embed.requires_grad_(False)
+        if self.zero_init_branches:
+            zero_branch_ends_(encoder.blocks)
+        return encoder
 
     # --- encoder -------------------------------------------------------------------------
     def _embed_patches(self, images: torch.Tensor) -> torch.Tensor:

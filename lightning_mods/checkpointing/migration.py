@@ -5,7 +5,7 @@ reading it (as Lightning's ``lightning.pytorch.utilities.migration``).
 :func:`upgrade` changes a checkpoint dictionary in place. :func:`lightning_mods.checkpointing.rebuild.load_checkpoint`
 calls it on every file it reads (``load_run``, the probe, fine-tuning, ``--ckpt_path`` checks), and a
 fit's checkpoint IO (:class:`~lightning_mods.checkpointing.checkpoint_io.AtomicCheckpointIO`, which the
-reliability callbacks install) on the one Lightning resumes from. The steps that need what the
+reliability callbacks install) and the MAE recipe's ``on_load_checkpoint`` on the one Lightning resumes from. The steps that need what the
 checkpoint meets (a network built, a callback list) or concern one part's state are called by their
 owners, also when a plain ``Trainer`` resumes: :func:`fill_shortcut_weights`, :func:`rekey_callback_state`, :func:`effective_rank_history` and
 :func:`datamodule_state`.
@@ -23,6 +23,12 @@ from torch import nn
 
 from lightning_mods.backbone.residual import SHORTCUT_KEY
 
+MAE_RECIPE = "lightning_mods.mae.MaskedAutoencoder"
+MAE_NETWORK = "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT"
+# the recipe's own arguments; every other saved setting was the network's
+MAE_RECIPE_SETTINGS = ("base_lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio", "num_reconstructions")
+MODULE_STATES = ("state_dict", "current_model_state")  # the weights, and EMA's training weights beside them
+
 
 @dataclass(frozen=True)
 class Step:
@@ -34,6 +40,9 @@ class Step:
     what: str
 
 
+MAE_NETWORK_MEMBER = Step(
+    "mae_network_member", "0.1.0", "0.3.0",
+    "MaskedAutoencoder held its network's settings and weights itself; they move under 'network'")
 SHORTCUT_WEIGHTS = Step(
     "shortcut_weights", "development builds before 0.1.0", "0.3.0",
     "no <block>.shortcut_weights entries: the blocks' weights come from the checkpoint's own schedule")
@@ -46,13 +55,13 @@ ENTROPY_PROFILE = Step(
 DATA_ORDER = Step(
     "data_order", "development builds before 0.1.0", "0.3.0",
     "a datamodule's train position without the data order it counts in (resumed unchecked)")
-STEPS = (SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE, DATA_ORDER)
+STEPS = (MAE_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE, DATA_ORDER)
 
 
 def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     """Bring a Lightning checkpoint dictionary to this release's layout, in place; the names of the
     steps applied (none for a current checkpoint)."""
-    applied = []
+    applied = [MAE_NETWORK_MEMBER.name] if _mae_network_member(checkpoint) else []
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
             history = effective_rank_history(state["history"])
@@ -60,6 +69,34 @@ def upgrade(checkpoint: dict[str, Any]) -> list[str]:
                 state["history"] = history
                 applied.append(ENTROPY_PROFILE.name)
     return sorted(set(applied))
+
+
+def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout:
+    :data:`MAE_NETWORK_MEMBER` moves an MAE's network settings under ``init_args.network``."""
+    init = dict(model.get("init_args") or {})
+    if str(model.get("class_path", "")).rpartition(".")[2] != "MaskedAutoencoder" or "network" in init:
+        return dict(model)
+    network = {k: v for k, v in init.items() if k not in MAE_RECIPE_SETTINGS}
+    recipe = {k: v for k, v in init.items() if k in MAE_RECIPE_SETTINGS}
+    return {**model, "init_args": {"network": {"class_path": MAE_NETWORK, "init_args": network}, **recipe}}
+
+
+def _mae_network_member(checkpoint: dict[str, Any]) -> bool:
+    hparams = checkpoint.get("hyper_parameters")
+    if not isinstance(hparams, dict) or hparams.get("_class_path") != MAE_RECIPE or "network" in hparams:
+        return False
+    network = {k: v for k, v in hparams.items() if not k.startswith("_") and k not in MAE_RECIPE_SETTINGS}
+    for linked in ("num_classes",):  # a link from the data the MAE never took
+        network.pop(linked, None)
+    kept = {k: v for k, v in hparams.items() if k.startswith("_") or k in MAE_RECIPE_SETTINGS}
+    hparams.clear()
+    hparams.update(kept, network={"class_path": MAE_NETWORK, "init_args": network})
+    for field in MODULE_STATES:
+        state = checkpoint.get(field)
+        if isinstance(state, dict):
+            checkpoint[field] = {f"network.{k}": v for k, v in state.items()}
+    return True
 
 
 def effective_rank_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

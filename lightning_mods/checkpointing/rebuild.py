@@ -265,7 +265,8 @@ def _parse(parser: ArgumentParser, config: dict, previous: Optional[Namespace] =
         if missing:
             raise ValueError(f"checkpoint settings: cannot import {missing[0]!r}, a class the checkpoint was written "
                              f"with ({missing[1]}); put its module on PYTHONPATH") from None
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        first = next((line for line in lines if re.search(r"not accepted|unknown|must be", line)), lines[0])
         raise ValueError(f"checkpoint settings: {first}") from None
 
 

@@ -21,7 +21,8 @@ def network_geometry(network: nn.Module) -> tuple[Optional[int], Optional[int]]:
     return None, None
 
 
-def check_input_geometry(network: nn.Module, datamodule: Any, owner: str) -> None:
+def check_input_geometry(network: nn.Module, datamodule: Any, owner: str,
+                         advice: str = "evaluate the checkpoint on data of its own geometry") -> None:
     """One-line ``ValueError`` when ``datamodule`` (its ``image_size``/``in_chans``) gives images
     ``network`` cannot take."""
     size, chans = network_geometry(network)
@@ -32,5 +33,4 @@ def check_input_geometry(network: nn.Module, datamodule: Any, owner: str) -> Non
     if chans is not None and isinstance(data_chans, int) and data_chans != chans:
         wrong.append(f"{data_chans}-channel images where the network takes {chans}")
     if wrong:
-        raise ValueError(f"{owner}: the data gives {' and '.join(wrong)}; evaluate the checkpoint on data of its "
-                         "own geometry")
+        raise ValueError(f"{owner}: the data gives {' and '.join(wrong)}; {advice}")

@@ -12,6 +12,10 @@ kNN, the online and offline linear probes, effective rank and the prediction wri
   is pooled, ``Tensor[B, D_k]`` (timm returns token maps; the evaluations read one vector a
   sample), in depth order; from one forward pass where the network allows.
 
+A network whose ``forward_intermediates`` keeps timm's meaning (token maps, as
+:class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT`) gives the pooled block
+features as ``pooled_intermediates`` (same call), which the evaluations then read instead.
+
 Only measurements over depth (``blocks=...``, ``EffectiveRank(per_block=True)``) need
 ``forward_intermediates``; a module without it gets a one-line error naming what is missing.
 Every family of this package implements both.
@@ -54,17 +58,24 @@ def require_features(module: object, owner: str) -> None:
 
 def require_blocks(module: object, owner: str) -> None:
     """One-line ``ValueError`` unless ``module`` has ``forward_intermediates`` (block features)."""
-    if not callable(getattr(module, "forward_intermediates", None)):
+    if not callable(getattr(module, "forward_intermediates", None)) and not callable(
+            getattr(module, "pooled_intermediates", None)):
         raise ValueError(f"{owner} needs {type(module).__name__}.forward_intermediates(images, indices) for block "
                          "features (lightning_mods.evaluation.feature_contract.FeatureModule)")
 
 
 def features_and_blocks(module: FeatureModule, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(features, every block's pooled features)`` from the module's ``forward_intermediates``."""
-    features, blocks = module.forward_intermediates(images)
+    features, blocks = pooled_call(module)(images)
     return features, list(blocks)
 
 
 def block_features(module: FeatureModule, images: torch.Tensor, indices: Indices = None) -> list[torch.Tensor]:
     """The pooled features of the blocks ``indices`` picks (every block by default)."""
-    return list(module.forward_intermediates(images, indices, intermediates_only=True))
+    return list(pooled_call(module)(images, indices, intermediates_only=True))
+
+
+def pooled_call(module: FeatureModule):  # noqa: ANN201 (the bound method)
+    """The module's ``pooled_intermediates`` where it has one, else its ``forward_intermediates``."""
+    pooled = getattr(module, "pooled_intermediates", None)
+    return pooled if callable(pooled) else module.forward_intermediates

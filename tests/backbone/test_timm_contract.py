@@ -14,6 +14,7 @@ from timm.layers import _fx
 from timm.models import get_pretrained_cfg
 
 import lightning_mods.backbone  # noqa: F401 (registers the networks)
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 # small instances of every registered encoder; the ResNet-50s keep their stages (timm's layout)
 ENCODERS = {
@@ -178,8 +179,8 @@ def test_the_mae_s_forward_intermediates_is_timm_s_and_the_evaluations_read_it()
         assert [m.shape for m in maps] == [(2, 32, 8, 8)] * 2
         for got, want in zip(maps, want_maps):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        recipe = MaskedAutoencoder(image_size=32, patch_size=4, **WHOLE_NETWORKS["mae_vit_tiny_patch4_32_decayed"])
-        recipe.load_state_dict(mae.state_dict(), strict=True)
+        recipe = MaskedAutoencoder(MaskedAutoencoderViT(image_size=32, patch_size=4, **WHOLE_NETWORKS["mae_vit_tiny_patch4_32_decayed"]))
+        recipe.network.load_state_dict(mae.state_dict(), strict=True)
         recipe.eval()
         features, pooled = recipe.forward_intermediates(x)
         with_cls = vit.forward_intermediates(x, intermediates_only=True, return_prefix_tokens=True)

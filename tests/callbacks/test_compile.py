@@ -16,6 +16,7 @@ from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedVisionTransformer
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.mae import MaskedAutoencoder
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 
 def tiny_classifier() -> ImageClassifier:
@@ -68,9 +69,7 @@ def test_compile_needs_residual_blocks():
 def tiny_mae():
     torch.manual_seed(0)
     # zero_init_branches off: the first steps' loss and gradients depend on every weight and mask
-    return MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                             decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, warmup_epochs=0,
-                             num_reconstructions=0, zero_init_branches=False, shortcut=ShortcutSchedule("linear", 0.6))
+    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False, shortcut=ShortcutSchedule("linear", 0.6)), warmup_epochs=0, num_reconstructions=0)
 
 
 def fit_mae(callbacks: list, root) -> tuple[MaskedAutoencoder, dict]:  # noqa: ANN001

@@ -30,6 +30,7 @@ from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.resnet import ResNet18Cifar
 from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 EPOCHS, BATCHES = 3, 4  # limit_train_batches: epochs of 4 of the 44 batches of 32 digits
 EPOCH_BOUNDARY, MID_EPOCH = 4, 7  # optimiser steps: end of epoch 0; 3 of 4 batches into epoch 1 (odd)
@@ -84,10 +85,7 @@ class RecordingLogger(Logger):
 
 
 def tiny_mae(kind: str) -> MaskedAutoencoder:
-    return MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                             decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, num_reconstructions=0,
-                             shortcut=ShortcutSchedule(kind, 0.6) if kind != "learnable" else ShortcutSchedule(kind),
-                             base_lr=1e-2, warmup_epochs=1)
+    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, shortcut=ShortcutSchedule(kind, 0.6) if kind != "learnable" else ShortcutSchedule(kind)), num_reconstructions=0, base_lr=1e-2, warmup_epochs=1)
 
 
 def tiny_classifier() -> ImageClassifier:

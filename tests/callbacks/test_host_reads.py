@@ -19,9 +19,9 @@ from commands import lightning_cli as cli
 from test_nonfinite_guard import HostReads
 
 NOT_DEVICE_READS = ("torch/utils/data/", "torchvision/", "torch/optim/")
-SMALLER = {"MAE": ["--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
-                   "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=1",
-                   "--model.init_args.decoder_num_heads=2", "--data.init_args.batch_size=16"],
+SMALLER = {"MAE": ["--model.network.embed_dim=32", "--model.network.depth=2", "--model.network.num_heads=2",
+                   "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
+                   "--model.network.decoder_num_heads=2", "--data.init_args.batch_size=16"],
            "diffusion": ["--data.init_args.batch_size=16"],
            "classifier": ["--data.init_args.batch_size=16"],
            "spiral": []}

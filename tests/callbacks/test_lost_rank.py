@@ -19,7 +19,7 @@ from lightning_mods import exit_statuses
 from test_callbacks_ddp import REPO, free_port
 
 BOUND_S = 60  # the survivor's exit after the kill, generous for a loaded CI machine (seen: ~2 s)
-FIT = ["fit", "--config=configs/digits_mae.yaml", "--model.depth=2", "--model.decoder_depth=1",
+FIT = ["fit", "--config=configs/digits_mae.yaml", "--model.network.depth=2", "--model.network.decoder_depth=1",
        "--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.max_epochs=200",
        "--trainer.enable_progress_bar=false"]
 LINE = re.compile(r"shortcutlab: error: rank 1 \(pid (\d+) on \S+\) was lost \(exited or killed\) at step \d+; "

@@ -168,7 +168,7 @@ def test_a_second_knn_on_the_quickstart_through_the_cli(tmp_path):
                "--trainer.callbacks.k=[10,20,100,200]")
     assert command in readme
     budget = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.enable_progress_bar=false",
-              f"--trainer.default_root_dir={tmp_path}", "--model.depth=2", "--model.decoder_depth=1"]
+              f"--trainer.default_root_dir={tmp_path}", "--model.network.depth=2", "--model.network.decoder_depth=1"]
     out = cli.main(command.split()[1:] + budget)
     logged = out.trainer.callback_metrics
     assert len([cb for cb in out.trainer.callbacks if isinstance(cb, KNNEvaluator)]) == 2

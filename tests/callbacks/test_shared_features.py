@@ -16,6 +16,7 @@ from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
 from callbacks.measurement.online_probe import OnlineLinearProbe
 from datamodules.digits import Digits
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 from lightning_mods.mae import MaskedAutoencoder
 
 
@@ -42,9 +43,10 @@ class CountingMAE(MaskedAutoencoder):
 def fit_with(callbacks: list, tmp_path) -> tuple[CountingMAE, dict, Digits]:  # noqa: ANN001
     """Two training steps then one validation, from the same seed whatever the callbacks."""
     L.seed_everything(0, verbose=False)
-    module = CountingMAE(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                         decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, num_reconstructions=0,
-                         base_lr=1e-3, warmup_epochs=0)
+    module = CountingMAE(network=MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2,
+                                                      num_heads=2, decoder_embed_dim=16, decoder_depth=1,
+                                                      decoder_num_heads=2),
+                         num_reconstructions=0, base_lr=1e-3, warmup_epochs=0)
     data = Digits(batch_size=64, image_size=8)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=2, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -60,7 +60,7 @@ def bad_files(tmp_path) -> dict[str, Path]:
     paths["not-lightning"] = good
     paths["missing"] = tmp_path / "missing.ckpt"
     cfg = tmp_path / "unknown_key.yaml"
-    cfg.write_text("model:\n  init_args:\n    shortcut:\n      init_args:\n        alpha_mni: 0.5\n")
+    cfg.write_text("model:\n  init_args:\n    network:\n      init_args:\n        shortcut:\n          init_args:\n            alpha_mni: 0.5\n")
     paths["unknown-yaml"] = cfg
     cfg = tmp_path / "unknown_trainer_key.yaml"
     cfg.write_text("trainer:\n  max_epcohs: 3\n")
@@ -78,21 +78,25 @@ def run_console(monkeypatch, capsys, argv: list[str]) -> tuple[int, list[str]]:
 
 
 CONFIG = [f"--config={ROOT / 'configs' / 'digits_mae.yaml'}"]
-SHORTCUT = "--model.init_args.shortcut.init_args"
+SHORTCUT = "--model.init_args.network.init_args.shortcut.init_args"
 CASES = {  # name: (arguments, words the one line must hold)
     "invalid choice": ([*CONFIG, f"{SHORTCUT}.kind=foo"],
-                       ["model.init_args.shortcut.init_args.kind: must be one of", "'linear'", "got 'foo'"]),
+                       ["model.init_args.network.init_args.shortcut.init_args.kind: must be one of", "'linear'", "got 'foo'"]),
     "nan": ([*CONFIG, f"{SHORTCUT}.alpha_min=nan"],
-            ["model.init_args.shortcut.init_args.alpha_min: must be of type finite float; got 'nan'"]),
+            ["model.init_args.network.init_args.shortcut.init_args.alpha_min: must be of type finite float; got 'nan'"]),
     "yaml nan": ([*CONFIG, f"{SHORTCUT}.alpha_min=.nan"], ["alpha_min must be a finite number in [0, 1], got nan"]),
-    "unknown key": ([*CONFIG, "--model.init_args.embed_dimm=3"],
-                    ["model.init_args.embed_dimm: unknown key of lightning_mods.mae.MaskedAutoencoder",
-                     "did you mean 'model.init_args.embed_dim'?"]),
+    "unknown key": ([*CONFIG, "--model.network.embed_dimm=3"],
+                    ["model.init_args.network.init_args.embed_dimm: unknown key of "
+                     "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
+                     "did you mean 'model.init_args.network.init_args.embed_dim'?"]),
+    "a network setting of the recipe": ([*CONFIG, "--model.init_args.embed_dim=3"],
+                                        ["model.init_args.embed_dim: unknown key of lightning_mods.mae.MaskedAutoencoder",
+                                         "a setting of its network is model.init_args.network.init_args.embed_dim"]),
     "unknown option": ([*CONFIG, "--trainer.max_epcohs=3"],
                        ["unknown option '--trainer.max_epcohs'; did you mean '--trainer.max_epochs'?"]),
     "unknown yaml key": ([*CONFIG, "--config={unknown-yaml}"],
-                         ["model.init_args.shortcut.init_args.alpha_mni: unknown key",
-                          "did you mean 'model.init_args.shortcut.init_args.alpha_min'?"]),
+                         ["model.init_args.network.init_args.shortcut.init_args.alpha_mni: unknown key",
+                          "did you mean 'model.init_args.network.init_args.shortcut.init_args.alpha_min'?"]),
     "unknown yaml trainer key": ([*CONFIG, "--config={unknown-yaml-trainer}"],
                                  ["trainer.max_epcohs: unknown key; did you mean 'trainer.max_epochs'?"]),
     "missing config": (["--config={missing}"], ["config: file does not exist", "missing.ckpt"]),
@@ -108,8 +112,8 @@ CASES = {  # name: (arguments, words the one line must hold)
     "url checkpoint": ([*CONFIG, "--ckpt_path=s3://bucket/last.ckpt"],
                        ["ckpt_path: a local file is needed, got the URL 's3://bucket/last.ckpt'"]),
     # a setting the data links in would be replaced silently
-    "image size against the data": ([*CONFIG, "--model.init_args.image_size=32"],
-                                    ["model.image_size=32 disagrees with the data's image_size (16; Digits)"]),
+    "image size against the data": ([*CONFIG, "--model.network.image_size=32"],
+                                    ["model.network.image_size=32 disagrees with the data's image_size (16; Digits)"]),
     "class count against the data": ([f"--config={ROOT / 'configs' / 'data' / 'digits.yaml'}",
                                       f"--config={ROOT / 'configs' / 'digits_resnet' / 'base.yaml'}",
                                       "--model.init_args.num_classes=5"],
@@ -216,9 +220,9 @@ def test_an_evaluation_of_a_checkpoint_at_another_image_size_is_one_line_and_wri
 def test_a_wrong_data_dir_is_found_before_any_process_starts(tmp_path, monkeypatch, capsys):
     """A DDP fit of ImageNet with a data_dir that holds no ImageNet: one line from the launching
     process, before Lightning starts the others (each would print it, after its own start-up)."""
-    small = ["--model.init_args.depth=2", "--model.init_args.embed_dim=32", "--model.init_args.num_heads=2",
-             "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=1",
-             "--model.init_args.decoder_num_heads=2"]
+    small = ["--model.network.depth=2", "--model.network.embed_dim=32", "--model.network.num_heads=2",
+             "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
+             "--model.network.decoder_num_heads=2"]
     monkeypatch.chdir(ROOT)  # the config's class list is a path in the checkout
     code, lines = run_console(monkeypatch, capsys, [
         "fit", "--config=configs/data/imagenet100.yaml", "--config=configs/mae/base.yaml", *small,

@@ -18,12 +18,14 @@ from commands import _console as console
 from commands import lightning_cli as cli
 from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
 from lightning_mods.mae import MaskedAutoencoder
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.init_args.patch_size=8",
-            "--model.init_args.embed_dim=32", "--model.init_args.depth=4", "--model.init_args.num_heads=2",
-            "--model.init_args.decoder_embed_dim=16", "--model.init_args.decoder_depth=2",
-            "--model.init_args.decoder_num_heads=2", "--model.init_args.num_reconstructions=4"]
+TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder",
+            "--model.network=lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
+            "--model.network.patch_size=8", "--model.network.embed_dim=32", "--model.network.depth=4",
+            "--model.network.num_heads=2", "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=2",
+            "--model.network.decoder_num_heads=2", "--model.init_args.num_reconstructions=4"]
 DIGITS = ["--data=datamodules.digits.Digits", "--data.init_args.batch_size=32",
           "--data.init_args.image_size=16"]  # the quickstart's geometry (configs/digits_mae.yaml)
 
@@ -47,7 +49,7 @@ def mae_checkpoint(tmp_path_factory) -> Path:
 
 def test_links_image_geometry_from_the_datamodule(mae_checkpoint):
     ckpt = torch.load(mae_checkpoint, map_location="cpu", weights_only=True)
-    hp = ckpt["hyper_parameters"]
+    hp = ckpt["hyper_parameters"]["network"]["init_args"]  # the recipe records its network's settings
     assert hp["in_chans"] == 1 and hp["image_size"] == 16
     assert hp["shortcut"]["alpha_min"] == 0.6  # the paper's default schedule
 
@@ -66,11 +68,11 @@ def test_validate_from_checkpoint(mae_checkpoint, tmp_path):
 
 def test_linear_probe_loads_the_mae_checkpoint(mae_checkpoint):
     state = load_checkpoint_state_dict(mae_checkpoint)
-    backbone = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
-                                 decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+    backbone = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
     probe = LinearProbe(backbone, checkpoint=str(mae_checkpoint), num_classes=10)
+    assert probe.backbone is backbone.network  # the probe holds the network alone
     for name, value in state.items():
-        torch.testing.assert_close(probe.backbone.state_dict()[name], value, rtol=0, atol=0)
+        torch.testing.assert_close(probe.backbone.state_dict()[name.removeprefix("network.")], value, rtol=0, atol=0)
     assert not any(p.requires_grad for p in probe.backbone.parameters())
     probe.train()
     assert not probe.backbone.training  # frozen backbone stays in eval mode
@@ -86,15 +88,13 @@ def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
 
 
 def test_linear_probe_refuses_a_checkpoint_of_another_geometry(mae_checkpoint):
-    other = MaskedAutoencoder(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2,
-                              decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
+    other = MaskedAutoencoder(MaskedAutoencoderViT(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
     with pytest.raises(ValueError, match=r"checkpoint: .* does not fit the MaskedAutoencoder: .*pos_embed is \(1, 5, 32\) "
                                          r"there and \(1, 17, 32\) here") as err:
         LinearProbe(other, checkpoint=str(mae_checkpoint), num_classes=10)
     assert "\n" not in str(err.value)
-    shallow = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=2, num_heads=2,
-                                decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
-    with pytest.raises(ValueError, match="unexpected encoder.blocks.2"):
+    shallow = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
+    with pytest.raises(ValueError, match="unexpected network.encoder.blocks.2"):
         LinearProbe(shallow, checkpoint=str(mae_checkpoint), num_classes=10)
 
 
@@ -133,11 +133,11 @@ def test_linear_probe_refuses_a_pickle_with_code(tmp_path):
 
 def test_bad_shortcut_value_is_a_one_line_error(tmp_path):
     with pytest.raises(ValueError) as err:
-        cli.main(["fit", *TINY_MAE, *DIGITS, "--model.init_args.shortcut.init_args.alpha_min=1.5",
+        cli.main(["fit", *TINY_MAE, *DIGITS, "--model.network.shortcut.alpha_min=1.5",
                   "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}"])
     assert cli.root_message(err.value) == "alpha_min must be a finite number in [0, 1], got 1.5"
     exe = Path(sys.executable).with_name("shortcutlab")
-    out = subprocess.run([str(exe), "fit", *TINY_MAE, *DIGITS, "--model.init_args.shortcut.init_args.alpha_min=1.5",
+    out = subprocess.run([str(exe), "fit", *TINY_MAE, *DIGITS, "--model.network.shortcut.alpha_min=1.5",
                           "--trainer.fast_dev_run=1", f"--trainer.default_root_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2

@@ -22,9 +22,9 @@ from commands import lightning_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 # short names only: what the overview and the README teach
-TINY_MAE = ["--model", "MaskedAutoencoder", "--model.patch_size=8", "--model.embed_dim=16", "--model.depth=2",
-            "--model.num_heads=2", "--model.decoder_embed_dim=8", "--model.decoder_depth=1",
-            "--model.decoder_num_heads=2", "--model.num_reconstructions=0",
+TINY_MAE = ["--model", "MaskedAutoencoder", "--model.network", "MaskedAutoencoderViT", "--model.network.patch_size=8", "--model.network.embed_dim=16", "--model.network.depth=2",
+            "--model.network.num_heads=2", "--model.network.decoder_embed_dim=8", "--model.network.decoder_depth=1",
+            "--model.network.decoder_num_heads=2", "--model.num_reconstructions=0",
             "--data", "Digits", "--data.batch_size=16", "--data.image_size=16"]
 FAST = ["--trainer.fast_dev_run=1", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false"]
 
@@ -80,7 +80,8 @@ def test_overview_names_models_data_configs_and_every_command(argv, capsys):
     quickstart = cli.QUICKSTART.split("--config ")[1]
     assert (ROOT / quickstart).is_file() and cli.QUICKSTART in text
     assert f"configs/ ({len(list((ROOT / 'configs').rglob('*.yaml')))} YAML files" in text
-    assert "--model MaskedAutoencoder --data Digits --model.shortcut.alpha_min" in text
+    assert "--model MaskedAutoencoder --model.network MaskedAutoencoderViT --data Digits" in text
+    assert "--model.network.shortcut.alpha_min 0.8" in text
     assert max(len(line) for line in text.splitlines()) <= cli.WIDTH
 
 
@@ -119,19 +120,21 @@ def test_fit_help_lists_the_model_and_data_classes(capsys, monkeypatch):
 
 
 def test_short_class_names_and_short_keys(capsys, monkeypatch):
-    dumped = run_cli(["fit", *TINY_MAE, "--model.shortcut.alpha_min=0.8", "--trainer.callbacks+=ResidualDroppath",
+    dumped = run_cli(["fit", *TINY_MAE, "--model.network.shortcut.alpha_min=0.8", "--trainer.callbacks+=ResidualDroppath",
                       "--print_config"], capsys, monkeypatch)
     config = yaml.safe_load(dumped)
     assert config["model"]["class_path"] == "lightning_mods.mae.MaskedAutoencoder"
-    assert config["model"]["init_args"]["shortcut"]["init_args"]["alpha_min"] == 0.8
-    assert config["model"]["init_args"]["embed_dim"] == 16
+    network = config["model"]["init_args"]["network"]
+    assert resolve(network["class_path"]) is resolve("lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT")
+    assert network["init_args"]["shortcut"]["init_args"]["alpha_min"] == 0.8
+    assert network["init_args"]["embed_dim"] == 16
     assert resolve(config["data"]["class_path"]) is Digits
     assert config["trainer"]["callbacks"][-1]["class_path"] == "callbacks.training.residual_droppath.ResidualDroppath"
 
 
 @pytest.mark.parametrize("option, name, path, keys", [
     ("--model.help", "MaskedAutoencoder", "lightning_mods.mae.MaskedAutoencoder",
-     ["--model.shortcut", "--model.mask_ratio", "--model.base_lr"]),
+     ["--model.network", "--model.base_lr", "--model.num_reconstructions"]),
     ("--data.help", "Digits", "datamodules.digits.Digits", ["--data.image_size", "--data.batch_size"]),
     ("--model.help", "DiffusionModule", "lightning_mods.diffusion.DiffusionModule", ["--model.warmup_steps"]),
 ])
@@ -141,6 +144,12 @@ def test_help_of_a_class_by_its_short_name(option, name, path, keys, capsys, mon
     assert resolve(shown) is resolve(path)
     for key in keys:
         assert key in text
+
+
+def test_help_of_the_network_a_recipe_is_given(capsys, monkeypatch):
+    text = run_cli(["fit", "--model", "MaskedAutoencoder", "--model.network.help", "MaskedAutoencoderViT"], capsys,
+                   monkeypatch)
+    assert "--network.shortcut" in text and "--network.mask_ratio" in text and "--network.decoder_depth" in text
 
 
 def console(argv: list[str], monkeypatch, capsys) -> tuple[int, list[str]]:

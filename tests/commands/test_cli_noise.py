@@ -79,9 +79,9 @@ def test_lightning_tips_are_dropped_and_other_info_kept(caplog):
 
 @pytest.mark.slow
 def test_a_short_probe_fit_prints_no_third_party_noise(tmp_path):
-    backbone = ("{class_path: lightning_mods.mae.MaskedAutoencoder, init_args: {image_size: 16, in_chans: 1, "
-                "patch_size: 8, embed_dim: 16, depth: 2, num_heads: 2, decoder_embed_dim: 16, decoder_depth: 1, "
-                "decoder_num_heads: 2}}")
+    backbone = ("{class_path: lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT, init_args: {"
+                "image_size: 16, in_chans: 1, patch_size: 8, embed_dim: 16, depth: 2, num_heads: 2, "
+                "decoder_embed_dim: 16, decoder_depth: 1, decoder_num_heads: 2}}")
     command = [sys.executable, "-c", "import cli; cli.console_main()", "fit",
                "--config", "configs/linear_probe_digits.yaml", f"--model.backbone={backbone}",
                "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",

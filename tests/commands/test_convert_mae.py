@@ -55,9 +55,10 @@ def test_authors_checkpoint_with_args(tmp_path, decoder_depth):
     convert("import", str(src), str(tmp_path / "mae.ckpt"), *HEADS)
     images = torch.randn(2, 3, 16, 16)
     model = same_as_reference(tmp_path / "mae.ckpt", ref, images)
-    hp = model.hparams
-    assert hp.unet_skips and not hp.encoder_final_norm and hp.shortcut["alpha_min"] == 0.6
-    assert (hp.depth, hp.decoder_depth, hp.image_size, hp.patch_size, hp.embed_dim) == (4, decoder_depth, 16, 4, 32)
+    hp = model.hparams.network["init_args"]
+    assert hp["unet_skips"] and not hp["encoder_final_norm"] and hp["shortcut"]["alpha_min"] == 0.6
+    assert [hp[k] for k in ("depth", "decoder_depth", "image_size", "patch_size", "embed_dim")] == [4, decoder_depth, 16,
+                                                                                                   4, 32]
 
 
 def test_authors_checkpoint_without_args_needs_alpha_min(tmp_path, capsys):
@@ -81,7 +82,7 @@ def test_official_checkpoint_and_timm_export(tmp_path):
     convert("import", str(src), str(tmp_path / "mae.ckpt"), *HEADS)
     images = torch.randn(2, 3, 16, 16)
     model = same_as_reference(tmp_path / "mae.ckpt", ref, images)
-    assert not model.hparams.unet_skips and model.hparams.encoder_final_norm
+    assert not model.network.unet_skips and model.network.encoder_final_norm
     # export: strict load into timm's own VisionTransformer, same tokens as our encoder
     convert("export-timm", str(tmp_path / "mae.ckpt"), str(tmp_path / "vit.pth"))
     vit = VisionTransformer(img_size=16, patch_size=4, in_chans=3, embed_dim=32, depth=3, num_heads=4,
@@ -134,15 +135,15 @@ def test_converted_checkpoint_validates_and_probes(tmp_path):
     ckpt = tmp_path / "mae.ckpt"
     convert("import", str(tmp_path / "official.pth"), str(ckpt), "--num-heads=2", "--decoder-num-heads=2")
     # the config must describe the checkpoint's network (another one is a one-line error)
-    arch = ["--model.patch_size=8", "--model.embed_dim=32", "--model.depth=2", "--model.num_heads=2",
-            "--model.decoder_embed_dim=16", "--model.decoder_depth=1", "--model.decoder_num_heads=2",
-            "--model.unet_skips=false", "--model.norm_pix_loss=false", "--model.shortcut.alpha_min=1.0"]
+    arch = ["--model.network.patch_size=8", "--model.network.embed_dim=32", "--model.network.depth=2", "--model.network.num_heads=2",
+            "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1", "--model.network.decoder_num_heads=2",
+            "--model.network.unet_skips=false", "--model.network.norm_pix_loss=false", "--model.network.shortcut.alpha_min=1.0"]
     out = cli.main(["validate", "--model=lightning_mods.mae.MaskedAutoencoder", *arch, "--data=datamodules.digits.Digits",
                     "--data.init_args.batch_size=32", "--data.init_args.image_size=16", f"--ckpt_path={ckpt}",
                     "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
                     "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}"])
     assert "val/loss" in out.trainer.callback_metrics
-    assert torch.equal(out.model.encoder.blocks[1].mlp.fc2.weight, ref.blocks[1].mlp.fc2.weight)
+    assert torch.equal(out.model.network.encoder.blocks[1].mlp.fc2.weight, ref.blocks[1].mlp.fc2.weight)
     probe = LinearProbe(checkpoint=str(ckpt), num_classes=10)  # the backbone comes from the checkpoint
     assert torch.equal(probe.backbone.encoder.norm.weight, ref.norm.weight)
 
@@ -181,14 +182,14 @@ def test_export_of_a_checkpoint_whose_weights_do_not_fit_is_one_line(tmp_path, c
     torch.save({"model": ref.state_dict()}, tmp_path / "official.pth")
     convert("import", str(tmp_path / "official.pth"), str(tmp_path / "mae.ckpt"), *HEADS)
     ckpt = torch.load(tmp_path / "mae.ckpt", weights_only=True)
-    del ckpt["state_dict"]["encoder.blocks.1.mlp.fc2.weight"]
+    del ckpt["state_dict"]["network.encoder.blocks.1.mlp.fc2.weight"]
     torch.save(ckpt, tmp_path / "mae.ckpt")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         convert("export-timm", str(tmp_path / "mae.ckpt"), str(tmp_path / "vit.pth"))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
-    assert "does not fit the MaskedAutoencoder: missing encoder.blocks.1.mlp.fc2.weight" in err
+    assert "does not fit the MaskedAutoencoder: missing network.encoder.blocks.1.mlp.fc2.weight" in err
     assert not (tmp_path / "vit.pth").exists()
 
 

@@ -69,9 +69,9 @@ def stand_in_imagenet100(root: Path) -> list[str]:
             for word in ("--set", setting)]
 
 
-SMALL_PRETRAINING = ["model.init_args.embed_dim=32", "model.init_args.depth=2", "model.init_args.num_heads=2",
-                     "model.init_args.decoder_embed_dim=32", "model.init_args.decoder_depth=1",
-                     "model.init_args.decoder_num_heads=2"]
+SMALL_PRETRAINING = ["model.network.embed_dim=32", "model.network.depth=2", "model.network.num_heads=2",
+                     "model.network.decoder_embed_dim=32", "model.network.decoder_depth=1",
+                     "model.network.decoder_num_heads=2"]
 
 
 def in_process(args, log, grace=None) -> tuple[int, float]:  # noqa: ANN001 (commands._supervised_run.run_once's)
@@ -110,7 +110,7 @@ def test_table1_on_imagenet100_as_written(tmp_path, monkeypatch, capsys):
         assert {name: e["status"] for name, e in record["evaluations"].items()} == {"ft": 0, "lp": 0, "lp_mae": 0}
         for evaluation in record["evaluations"].values():  # --set reached every evaluation, --run-set none
             command = shlex.split(evaluation["command"])
-            assert "--trainer.limit_train_batches=1" in command and "--model.init_args.depth=2" not in command
+            assert "--trainer.limit_train_batches=1" in command and "--model.network.depth=2" not in command
 
     report.main(report_args[1:])
     experiment = user / "runs" / "table1_imagenet100"

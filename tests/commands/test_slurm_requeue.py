@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8  # 2 epochs of 4 batches
 BUDGET = ["--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
           "--trainer.check_val_every_n_epoch=1", "--trainer.log_every_n_steps=1",
-          "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu", "--model.depth=2",
-          "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2",
+          "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu", "--model.network.depth=2",
+          "--model.network.decoder_depth=1", "--model.network.embed_dim=32", "--model.network.num_heads=2",
           "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
 STOPPED = re.compile(r"shortcutlab: stopped by SIGUSR1 at step (\d+); resumable checkpoint (\S+last\.ckpt) "
                      r"\(resume: fit \.\.\. --ckpt_path \S+\); requeued SLURM job 4242 \(scontrol requeue 4242\); "

@@ -264,14 +264,14 @@ def test_report_bad_input_is_one_line(tmp_path, capsys, setup, message):
 
 
 def test_grid_points_first_axis_slowest_and_names_round_trip():
-    axes = [sweep.parse_axis("model.shortcut.alpha_min=0.6,0.8,1.0"), sweep.parse_axis("--seed_everything=0,1")]
+    axes = [sweep.parse_axis("model.network.shortcut.alpha_min=0.6,0.8,1.0"), sweep.parse_axis("--seed_everything=0,1")]
     points = sweep.grid_points(axes)
-    assert [(p["model.shortcut.alpha_min"], p["seed_everything"]) for p in points] == \
+    assert [(p["model.network.shortcut.alpha_min"], p["seed_everything"]) for p in points] == \
         [("0.6", "0"), ("0.6", "1"), ("0.8", "0"), ("0.8", "1"), ("1.0", "0"), ("1.0", "1")]
     names = [sweep.run_name(p) for p in points]
     assert names[1] == "alpha_min=0.6,seed=1"
     assert [_sweep_grid.parse_run_name(n) for n in names] == \
-        [{"alpha_min": p["model.shortcut.alpha_min"], "seed": p["seed_everything"]} for p in points]
+        [{"alpha_min": p["model.network.shortcut.alpha_min"], "seed": p["seed_everything"]} for p in points]
     assert sweep.run_name({}) == "run" and _sweep_grid.parse_run_name("run") == {}
 
 
@@ -289,7 +289,7 @@ def test_same_short_name_twice_is_refused():
 
 def test_print_gives_one_command_per_run(tmp_path, capsys):
     sweep.main(["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path),
-                "--grid", "model.shortcut.alpha_min=0.6,1.0", "--grid", "seed_everything=0,1",
+                "--grid", "model.network.shortcut.alpha_min=0.6,1.0", "--grid", "seed_everything=0,1",
                 "--run-set", "trainer.max_epochs=3", "--set", "trainer.accelerator=cpu",
                 "--then", "configs/linear_probe_digits.yaml", "--then-set", "trainer.max_epochs=2", "--print"])
     lines = capsys.readouterr().out.strip().splitlines()
@@ -300,7 +300,7 @@ def test_print_gives_one_command_per_run(tmp_path, capsys):
     for args, (alpha, seed) in zip(fits, expected):
         name = f"alpha_min={alpha},seed={seed}"
         assert args[:3] == ["shortcutlab", "fit", "--config=configs/digits_mae.yaml"]
-        assert f"--model.shortcut.alpha_min={alpha}" in args and f"--seed_everything={seed}" in args
+        assert f"--model.network.shortcut.alpha_min={alpha}" in args and f"--seed_everything={seed}" in args
         assert "--trainer.max_epochs=3" in args and "--trainer.accelerator=cpu" in args
         assert args[-1] == f"--config={tmp_path / 'e' / name / 'run.yaml'}"
         logger = json.loads((tmp_path / "e" / name / "run.yaml").read_text().split("\n", 1)[1])
@@ -378,7 +378,7 @@ TINY = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
         "--set", "trainer.max_epochs=1", "--set", "trainer.limit_train_batches=2",
         "--set", "trainer.limit_val_batches=1", "--set", "trainer.check_val_every_n_epoch=1",
         "--set", "trainer.enable_progress_bar=false", "--set", "trainer.accelerator=cpu",
-        "--run-set", "model.depth=2", "--run-set", "model.decoder_depth=1"]  # the MAE's, not the evaluations'
+        "--run-set", "model.network.depth=2", "--run-set", "model.network.decoder_depth=1"]  # the MAE's, not the evaluations'
 
 
 @pytest.mark.slow
@@ -394,7 +394,7 @@ def test_a_rerun_skips_finished_runs_and_a_failed_run_fails_the_sweep(tmp_path, 
         (run / "sweep.json").write_text(json.dumps({"name": run.name, "status": 0, "seconds": 1.0}))
     args = ["--experiment", "tiny", "--runs-dir", str(tmp_path), *TINY]
     with pytest.raises(SystemExit) as stop:
-        sweep.main([*args, "--grid", "model.shortcut.alpha_min=0.6,7.0,1.0"])
+        sweep.main([*args, "--grid", "model.network.shortcut.alpha_min=0.6,7.0,1.0"])
     printed = capsys.readouterr().out
     assert stop.value.code == 1
     assert printed.count("skipped") == 2
@@ -438,12 +438,12 @@ def test_one_parser_checks_every_point_of_a_grid(monkeypatch):
                         lambda self, **kw: built.append(1) or original(self, **kw))
     checker = lightning_cli.ArgumentChecker()
     base = ["fit", "--config=configs/digits_mae.yaml"]
-    good = [base + [f"--model.shortcut.alpha_min={a}", f"--seed_everything={s}"]
+    good = [base + [f"--model.network.shortcut.alpha_min={a}", f"--seed_everything={s}"]
             for a in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0) for s in (0, 1, 2)]
     assert checker(good[0]) is None
     one_cli = len(built)  # LightningCLI builds a parser per subcommand
     assert [checker(args) for args in good[1:]] == [None] * 17
-    bad = base + ["--model.shortcut.alpah_min=0.6"]
+    bad = base + ["--model.network.shortcut.alpah_min=0.6"]
     reason = checker(bad)
     assert reason is not None and "alpha_min" in reason
     assert checker(good[0]) is None
@@ -559,7 +559,7 @@ def test_a_rerun_with_other_settings_is_refused_naming_the_difference(tmp_path, 
     config = tmp_path / "mine.yaml"
     config.write_text("trainer:\n  max_epochs: 4\n")
     args = ["--experiment", "e", "--runs-dir", str(tmp_path), "--config", str(config),
-            "--grid", "model.shortcut.alpha_min=0.6,1.0"]
+            "--grid", "model.network.shortcut.alpha_min=0.6,1.0"]
     sweep.main([*args, "--run-set", "trainer.max_epochs=4"])
     assert calls == ["alpha_min=0.6", "alpha_min=1.0"]
     before = {p: p.read_text() for p in sorted((tmp_path / "e").rglob("sweep.json"))}

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SLOW_ENOUGH = ["--config", str(ROOT / "configs" / "digits_mae.yaml"),
                "--set", "trainer.max_epochs=12", "--set", "trainer.limit_val_batches=1",
                "--set", "trainer.enable_progress_bar=false", "--set", "trainer.accelerator=cpu",
-               "--set", "model.depth=2", "--set", "model.decoder_depth=1", "--set", "model.embed_dim=32",
-               "--set", "model.num_heads=2"]
+               "--set", "model.network.depth=2", "--set", "model.network.decoder_depth=1", "--set", "model.network.embed_dim=32",
+               "--set", "model.network.num_heads=2"]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -105,7 +105,7 @@ def test_sigterm_and_sigkill_leave_no_process_and_the_rerun_finishes(tmp_path):
 
 def test_a_typo_in_a_grid_key_is_refused_before_anything_starts(tmp_path, capsys):
     args = ["--experiment", "typo", "--runs-dir", str(tmp_path), "--config", str(ROOT / "configs" / "digits_mae.yaml"),
-            "--grid", "model.shortcut.alpha_mim=0.6,1.0"]
+            "--grid", "model.network.shortcut.alpha_mim=0.6,1.0"]
     for extra in ([], ["--print"]):
         with pytest.raises(SystemExit) as stop:
             sweep.main([*args, *extra])
@@ -113,9 +113,10 @@ def test_a_typo_in_a_grid_key_is_refused_before_anything_starts(tmp_path, capsys
         captured = capsys.readouterr()
         assert captured.out == ""  # --print prints no line either
         assert captured.err == (
-            "shortcutlab sweep: error: grid point alpha_mim=0.6: model.init_args.shortcut.init_args.alpha_mim: "
+            "shortcutlab sweep: error: grid point alpha_mim=0.6: "
+            "model.init_args.network.init_args.shortcut.init_args.alpha_mim: "
             "unknown key of lightning_mods.backbone.shortcut.ShortcutSchedule; did you mean "
-            "'model.init_args.shortcut.init_args.alpha_min'? (nothing was started)\n")
+            "'model.init_args.network.init_args.shortcut.init_args.alpha_min'? (nothing was started)\n")
         assert not (tmp_path / "typo").exists()  # no run folder, no plan
 
 

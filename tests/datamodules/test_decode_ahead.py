@@ -103,6 +103,7 @@ class Stop(Exception):
 def test_a_fit_that_ends_mid_epoch_or_fails_leaves_no_thread(jpegs, tmp_path, failing):
     from lightning.pytorch import Trainer
 
+    from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
     from lightning_mods.mae import MaskedAutoencoder
 
     class Module(MaskedAutoencoder):
@@ -112,8 +113,9 @@ def test_a_fit_that_ends_mid_epoch_or_fails_leaves_no_thread(jpegs, tmp_path, fa
                 raise Stop("a step failed")
             return super().training_step(batch, batch_idx)
 
-    model = Module(image_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16,
-                   decoder_depth=1, decoder_num_heads=2, num_reconstructions=0)
+    model = Module(MaskedAutoencoderViT(image_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2,
+                                        decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2),
+                   num_reconstructions=0)
     trainer = Trainer(max_steps=2 if not failing else 10, limit_val_batches=0, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
                       accelerator="cpu")

@@ -96,9 +96,10 @@ def test_stock_timm_weights_load_strictly_into_the_standard_network_only():
 
 
 # --- checkpoints of the LightningModules, as `shortcutlab fit` writes them -----------------------
-MAE = {"class_path": "lightning_mods.mae.MaskedAutoencoder",
-       "init_args": dict(image_size=16, in_chans=1, patch_size=8, embed_dim=16, depth=2, num_heads=2,
-                         decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, num_reconstructions=0)}
+MAE_NETWORK = {"class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
+               "init_args": dict(image_size=16, in_chans=1, patch_size=8, embed_dim=16, depth=2, num_heads=2,
+                                 decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)}
+MAE = {"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"network": MAE_NETWORK, "num_reconstructions": 0}}
 FAMILIES = {
     "mae": MAE,
     "classifier": {"class_path": "lightning_mods.classifier.ImageClassifier",
@@ -116,8 +117,9 @@ def with_shortcut(config: dict, alpha_min: float) -> dict:
     shortcut = {"class_path": "lightning_mods.backbone.shortcut.ShortcutSchedule",
                 "init_args": {"kind": "linear", "alpha_min": alpha_min}}
     init = dict(config["init_args"])
-    if "backbone" in init:
-        init["backbone"] = {**init["backbone"], "init_args": {**init["backbone"]["init_args"], "shortcut": shortcut}}
+    held = "backbone" if "backbone" in init else "network" if "network" in init else None
+    if held:  # the network the recipe holds
+        init[held] = {**init[held], "init_args": {**init[held]["init_args"], "shortcut": shortcut}}
     else:
         init["shortcut"] = shortcut
     return {**config, "init_args": init}
@@ -152,7 +154,8 @@ def test_every_consumer_rebuilds_the_network_that_wrote_the_checkpoint(name, tmp
     for module in (loaded, probe.backbone):
         assert torch.equal(features(module, name), want)
         np.testing.assert_array_equal(shortcut_alphas(module), linear_alphas(len(shortcut_alphas(writer)), 0.6))
-    assert probe.hparams.backbone["class_path"] == FAMILIES[name]["class_path"]
+    probed = MAE_NETWORK if name == "mae" else FAMILIES[name]  # the MAE's network alone
+    assert probe.hparams.backbone["class_path"] == probed["class_path"]
 
 
 def test_probe_of_an_alpha_one_checkpoint_with_an_alpha_0_6_setting_is_refused(tmp_path):
@@ -160,7 +163,7 @@ def test_probe_of_an_alpha_one_checkpoint_with_an_alpha_0_6_setting_is_refused(t
     another network; now the checkpoint alone gives 1.0 and a disagreeing setting is an error."""
     path = tmp_path / "mae_alpha1.ckpt"
     writer = write_checkpoint(path, MAE, 1.0)
-    given = {"init_args": {"shortcut": {"init_args": {"alpha_min": 0.6}}}}
+    given = {"init_args": {"shortcut": {"init_args": {"alpha_min": 0.6}}}}  # the probe's backbone: the MAE's network
     with pytest.raises(ValueError, match=r"^backbone.shortcut.alpha_min: 0.6 given, checkpoint .* has 1.0") as err:
         LinearProbe(backbone=given, checkpoint=str(path), num_classes=3)
     assert "\n" not in str(err.value)
@@ -186,13 +189,13 @@ def test_probe_of_a_checkpoint_written_before_the_shortcut_entries(tmp_path):
     np.testing.assert_array_equal(shortcut_alphas(probe.backbone), linear_alphas(4, 0.6))
     assert torch.equal(features(probe.backbone, "mae"), features(writer, "mae"))
     with pytest.raises(RuntimeError, match="encoder.blocks.0.shortcut_weights"):
-        type(writer)(**MAE["init_args"]).load_state_dict(ckpt["state_dict"])
+        build_module(MAE)[0].load_state_dict(ckpt["state_dict"])
 
 
-TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.init_args.patch_size=8",
-            "--model.init_args.embed_dim=16", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
-            "--model.init_args.decoder_embed_dim=8", "--model.init_args.decoder_depth=1",
-            "--model.init_args.decoder_num_heads=2", "--model.init_args.num_reconstructions=0"]
+TINY_MAE = ["--model=lightning_mods.mae.MaskedAutoencoder", "--model.network.patch_size=8",
+            "--model.network.embed_dim=16", "--model.network.depth=2", "--model.network.num_heads=2",
+            "--model.network.decoder_embed_dim=8", "--model.network.decoder_depth=1",
+            "--model.network.decoder_num_heads=2", "--model.init_args.num_reconstructions=0"]
 DIGITS = ["--data=datamodules.digits.Digits", "--data.init_args.batch_size=32", "--data.init_args.image_size=16"]
 
 
@@ -213,15 +216,15 @@ def test_ckpt_path_with_other_settings_or_weights_is_a_one_line_error(tmp_path):
     path = tmp_path / "mae_alpha1.ckpt"
     writer = write_checkpoint(path, MAE, 1.0)
     base = ["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"]
-    with pytest.raises(ValueError) as err:  # the default schedule is alpha_min 0.6
-        cli.main(base)
+    with pytest.raises(ValueError) as err:  # a config that sets the schedule (unset, the checkpoint's is taken)
+        cli.main([*base, "--model.network.shortcut.alpha_min=0.6"])
     assert cli.root_message(err.value).startswith(
-        f"--ckpt_path: model.shortcut.alpha_min: 0.6 in the config, checkpoint {str(path)!r} has 1.0")
+        f"--ckpt_path: model.network.shortcut.alpha_min: 0.6 in the config, checkpoint {str(path)!r} has 1.0")
     with pytest.raises(ValueError) as err:  # geometry linked from the data: the first differing weight
-        cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--data.init_args.image_size=24"])
-    assert "does not fit the model: encoder.pos_embed is (1, 5, 16) there and (1, 10, 16) here" in \
+        cli.main([*base, "--model.network.shortcut.alpha_min=1.0", "--data.init_args.image_size=24"])
+    assert "does not fit the model: network.encoder.pos_embed is (1, 5, 16) there and (1, 10, 16) here" in \
         cli.root_message(err.value)
-    out = cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--trainer.limit_val_batches=1",
+    out = cli.main([*base, "--model.network.shortcut.alpha_min=1.0", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false", "--trainer.logger=false"])
     assert shortcut_alphas(out.model) == [1.0] * 4 and "val/loss" in out.trainer.callback_metrics
     assert torch.equal(features(out.model.cpu().eval(), "mae"), features(writer, "mae"))
@@ -242,10 +245,10 @@ def test_ckpt_path_written_outside_the_cli_is_checked_against_the_config_too(tmp
     writer = write_checkpoint(path, MAE, 1.0)
     without_class_path(path)
     base = ["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={path}", f"--trainer.default_root_dir={tmp_path / 'run'}"]
-    with pytest.raises(ValueError) as err:  # the default schedule is alpha_min 0.6
-        cli.main(base)
+    with pytest.raises(ValueError) as err:  # a config that sets the schedule (unset, the checkpoint's is taken)
+        cli.main([*base, "--model.network.shortcut.alpha_min=0.6"])
     assert cli.root_message(err.value).startswith(
-        f"--ckpt_path: model.shortcut.alpha_min: 0.6 in the config, checkpoint {str(path)!r} has 1.0")
+        f"--ckpt_path: model.network.shortcut.alpha_min: 0.6 in the config, checkpoint {str(path)!r} has 1.0")
     other = tmp_path / "python_classifier.ckpt"
     write_checkpoint(other, FAMILIES["classifier"], 0.6)
     without_class_path(other)
@@ -253,7 +256,7 @@ def test_ckpt_path_written_outside_the_cli_is_checked_against_the_config_too(tmp
         cli.main(["validate", *TINY_MAE, *DIGITS, f"--ckpt_path={other}", f"--trainer.default_root_dir={tmp_path}"])
     message = cli.root_message(err.value)  # a classifier's settings (base_lr ...) differ first
     assert message.startswith("--ckpt_path: model.") and str(other) in message and "\n" not in message
-    out = cli.main([*base, "--model.init_args.shortcut.init_args.alpha_min=1.0", "--trainer.limit_val_batches=1",
+    out = cli.main([*base, "--model.network.shortcut.alpha_min=1.0", "--trainer.limit_val_batches=1",
                     "--trainer.enable_progress_bar=false", "--trainer.logger=false"])
     assert torch.equal(features(out.model.cpu().eval(), "mae"), features(writer, "mae"))
 

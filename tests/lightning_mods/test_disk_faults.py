@@ -23,8 +23,8 @@ from lightning_mods.checkpointing import atomic_files
 from lightning_mods.checkpointing.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--config=configs/digits_mae.yaml", "--trainer.enable_progress_bar=false", "--model.depth=2",
-        "--model.decoder_depth=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+TINY = ["--config=configs/digits_mae.yaml", "--trainer.enable_progress_bar=false", "--model.network.depth=2",
+        "--model.network.decoder_depth=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
         "--trainer.check_val_every_n_epoch=1"]
 
 

@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent('''
     from lightning_mods.classifier import ImageClassifier
     from lightning_mods.diffusion import DiffusionModule
     from lightning_mods.linear_probe import LinearProbe
+    from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
     from lightning_mods.mae import MaskedAutoencoder
     from lightning_mods.spiral_classifier import SpiralClassifier
 
@@ -53,14 +54,15 @@ SCRIPT = textwrap.dedent('''
     torch.manual_seed(1)
     # pixel targets (not normalised per patch, where an untrained decoder's loss barely depends on
     # which patches are masked): the loss moves with each image's mask
-    mae = counting(MaskedAutoencoder)(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                                      decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False)
+    mae = counting(MaskedAutoencoder)(MaskedAutoencoderViT(
+        image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8,
+        decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False))
     torch.manual_seed(2)
     runs = {
         "classifier": (ImageClassifier(ResNet18Cifar(), num_classes=3, in_chans=1), loader(images, labels)),
-        "probe": (LinearProbe(backbone=MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2,
-                                                         num_heads=2, decoder_embed_dim=8, decoder_depth=1,
-                                                         decoder_num_heads=2), num_classes=3, blocks="all"),
+        "probe": (LinearProbe(backbone=MaskedAutoencoder(MaskedAutoencoderViT(
+                      image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8,
+                      decoder_depth=1, decoder_num_heads=2)), num_classes=3, blocks="all"),
                   loader(images, labels)),
         "spiral": (SpiralClassifier(depth=2, width=4), loader(points, sides)),
         "mae": (mae, loader(images, labels)),

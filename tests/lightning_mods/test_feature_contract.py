@@ -13,14 +13,14 @@ from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.evaluation.feature_contract import FeatureModule, require_blocks, take_indices
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.spiral_classifier import SpiralClassifier
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 
 def families() -> dict[str, tuple[nn.Module, torch.Tensor, int]]:
     """name -> (a small module, an input batch, its number of blocks)."""
     torch.manual_seed(0)
     return {
-        "mae": (MaskedAutoencoder(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=4, num_heads=2,
-                                  decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2),
+        "mae": (MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=4, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)),
                 torch.randn(3, 1, 8, 8), 4),
         "classifier": (ImageClassifier(ResNet18Cifar(), num_classes=4, in_chans=1), torch.randn(3, 1, 16, 16), 8),
         "diffusion": (DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=16, depth=3, num_heads=2,

@@ -27,7 +27,7 @@ def readme_command(start: str) -> list[str]:
             return line.split()[2:]
     raise AssertionError(f"no docs/metrics.md line starts with {start!r}")
 TINY_QUICKSTART = ["--config=configs/digits_mae.yaml", "--trainer.enable_progress_bar=false",
-                   "--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32", "--model.num_heads=2"]
+                   "--model.network.depth=2", "--model.network.decoder_depth=1", "--model.network.embed_dim=32", "--model.network.num_heads=2"]
 
 
 def test_principal_components_are_numpy_svd_of_the_centred_tokens():

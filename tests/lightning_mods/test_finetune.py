@@ -14,13 +14,16 @@ import torch
 import folders
 from commands import lightning_cli as cli
 from lightning_mods.backbone.residual import shortcut_alphas
+from lightning_mods.checkpointing.rebuild import load_run
 from lightning_mods.finetune import FineTuneClassifier, fine_tuning_network
 from lightning_mods.mae import MaskedAutoencoder
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 MAE_CKPT = folders.TESTS / "data" / "written_by_0_1_0" / "last.ckpt"
-VIT_B = {"class_path": "lightning_mods.mae.MaskedAutoencoder",
-         "init_args": {"image_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,
-                       "decoder_embed_dim": 64, "decoder_depth": 2, "decoder_num_heads": 2}}
+VIT_B = {"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"network": {
+    "class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
+    "init_args": {"image_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,
+                  "decoder_embed_dim": 64, "decoder_depth": 2, "decoder_num_heads": 2}}}}
 
 
 def maes_rule(names_and_ndims: list[tuple[str, int]], depth: int, layer_decay: float,
@@ -56,11 +59,11 @@ def test_vit_b_groups_carry_maes_layer_decay_and_weight_decay_flags():
 
 
 def test_the_network_is_the_encoder_with_a_new_head():
-    mae = MaskedAutoencoder.load_from_checkpoint(MAE_CKPT, map_location="cpu")
+    mae, _ = load_run(MAE_CKPT, with_data=False)  # a checkpoint of release 0.1.0, upgraded as it is read
     module = FineTuneClassifier(checkpoint=str(MAE_CKPT), num_classes=10)
     net = module.model
-    assert shortcut_alphas(net) == shortcut_alphas(mae.encoder) and min(shortcut_alphas(net)) < 1.0  # decayed
-    encoder = mae.encoder.state_dict()
+    assert shortcut_alphas(net) == shortcut_alphas(mae.network.encoder) and min(shortcut_alphas(net)) < 1.0  # decayed
+    encoder = mae.network.encoder.state_dict()
     for name, value in net.state_dict().items():
         if not name.startswith(("head.", "fc_norm.")):
             assert torch.equal(value, encoder[name]), name
@@ -108,18 +111,19 @@ def test_fine_tuning_the_quickstart_checkpoint_trains_reports_and_resumes_exactl
 def test_the_cls_token_pool_keeps_the_encoders_final_norm():
     """He et al.'s MAE (no U-Net skips) has a final encoder norm: fine-tuned on the cls token it
     is kept, with its pre-trained weights; the average pool replaces it by a new LayerNorm."""
+    network = {"image_size": 8, "in_chans": 1, "patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 2,
+               "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2, "unet_skips": False,
+               "encoder_final_norm": True}
     encoder = {"class_path": "lightning_mods.mae.MaskedAutoencoder",
-               "init_args": {"image_size": 8, "in_chans": 1, "patch_size": 4, "embed_dim": 16, "depth": 2,
-                             "num_heads": 2, "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2,
-                             "unet_skips": False, "encoder_final_norm": True}}
+               "init_args": {"network": {"class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT", "init_args": network}}}
     torch.manual_seed(0)
     token = FineTuneClassifier(encoder=encoder, num_classes=3, global_pool="token")
     torch.manual_seed(0)
-    mae = MaskedAutoencoder(**encoder["init_args"])
+    mae = MaskedAutoencoder(MaskedAutoencoderViT(**network))
     with torch.no_grad():
-        mae.encoder.norm.weight.add_(0.5)  # a norm unlike a fresh one
+        mae.network.encoder.norm.weight.add_(0.5)  # a norm unlike a fresh one
     net = fine_tuning_network(mae, 3, 0.0, 2e-5, "token")
-    assert torch.equal(net.norm.weight, mae.encoder.norm.weight)
+    assert torch.equal(net.norm.weight, mae.network.encoder.norm.weight)
     assert isinstance(token.model.fc_norm, torch.nn.Identity)
     avg = fine_tuning_network(mae, 3, 0.0, 2e-5, "avg")
     assert isinstance(avg.norm, torch.nn.Identity) and torch.equal(avg.fc_norm.weight, torch.ones(16))

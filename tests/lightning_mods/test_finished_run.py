@@ -12,8 +12,8 @@ from commands import lightning_cli as cli
 from lightning_mods.checkpointing._finished_run import final_checkpoint
 from lightning_mods.linear_probe import LinearProbe
 
-TINY = ["--config=configs/digits_mae.yaml", "--model.depth=2", "--model.decoder_depth=1", "--model.embed_dim=32",
-        "--model.num_heads=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+TINY = ["--config=configs/digits_mae.yaml", "--model.network.depth=2", "--model.network.decoder_depth=1", "--model.network.embed_dim=32",
+        "--model.network.num_heads=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
         "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu", "--trainer.check_val_every_n_epoch=1"]
 
 
@@ -45,8 +45,8 @@ def test_the_folder_names_the_resumed_run_s_final_checkpoint(resumed_pretraining
     probe = LinearProbe(checkpoint=str(resumed_pretraining), num_classes=10)
     assert probe.hparams.checkpoint == str(final)  # recorded as the file: a resumed probe reads the same
     written = weights(final)
-    for name, value in probe.backbone.state_dict().items():
-        assert torch.equal(value, written[name]), name
+    for name, value in probe.backbone.state_dict().items():  # the MAE's network: its weights network.*
+        assert torch.equal(value, written[f"network.{name}"]), name
     assert any(not torch.equal(written[k], v) for k, v in weights(first).items() if k in written)
 
 

@@ -39,7 +39,7 @@ def test_the_mae_protocol_probe_trains_reports_and_resumes_exactly(tmp_path):
     assert optimizer.param_groups[0]["weight_decay"] == 0.0
     scheduler = straight.trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.base_lrs[0] == pytest.approx(0.1 * 64 / 256)  # 0.1 per 256 of the global batch
-    assert straight.model.backbone.hparams.feature_pool == "cls"
+    assert straight.model.backbone.feature_pool == "cls"
     assert 0.0 <= float(straight.trainer.callback_metrics["val/top1"]) <= 1.0
 
     # the same run, resumed from its checkpoint at step 6 (its epochs are 3 steps)

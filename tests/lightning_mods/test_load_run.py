@@ -21,9 +21,9 @@ def written():
 def test_the_network_and_the_data_of_the_run(written):
     module, datamodule = load_run(OLD_CKPT)
     assert type(module).__name__ == "MaskedAutoencoder" and type(datamodule).__name__ == "Digits"
-    state = module.state_dict()
-    assert set(state) == set(written["state_dict"])
-    assert all(torch.equal(state[k], v) for k, v in written["state_dict"].items())
+    state = module.state_dict()  # release 0.1.0's MAE was its network: its weights are the network's now
+    assert set(state) == {f"network.{k}" for k in written["state_dict"]}
+    assert all(torch.equal(state[f"network.{k}"], v) for k, v in written["state_dict"].items())
     saved = written["datamodule_hyper_parameters"]
     assert (datamodule.batch_size, datamodule.image_size) == (saved["batch_size"], saved["image_size"]) == (128, 16)
 
@@ -45,8 +45,8 @@ def test_no_datamodule_when_not_asked_or_not_named(written, tmp_path):
 
 
 def test_a_model_setting_that_disagrees_is_refused():
-    with pytest.raises(ValueError, match=r"model\.depth"):
-        load_run(OLD_CKPT, {"init_args": {"depth": 3}}, with_data=False)
+    with pytest.raises(ValueError, match=r"model\.network\.depth"):
+        load_run(OLD_CKPT, {"init_args": {"network": {"init_args": {"depth": 3}}}}, with_data=False)
 
 
 def test_the_snippet_of_the_docs():

@@ -9,6 +9,7 @@ from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.mae_decoder import ClassicDecoder, SkipFusion, UNetSkipDecoder
 from lightning_mods.backbone.patches import patchify, random_masking, sincos_pos_embed_2d, unpatchify
 from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 TINY = dict(image_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_heads=4,
             decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
@@ -72,7 +73,7 @@ def test_loss_counts_masked_patches_only_float64_reference():
 
 def test_model_loss_is_masked_only_mse_of_its_prediction():
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY, norm_pix_loss=False)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, norm_pix_loss=False))
     images = torch.randn(2, 2, 16, 16)
     loss, pred, mask = model(images, generator=torch.Generator().manual_seed(7))
     target = patchify(images, 4).double().numpy()
@@ -154,12 +155,12 @@ def test_skips_carry_masked_positions_as_their_fusions_mask_token():
 @pytest.mark.parametrize("unet_skips", [True, False])
 def test_zero_init_prediction_depends_only_on_biases(unet_skips):
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY, unet_skips=unet_skips, zero_init_branches=True)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, unet_skips=unet_skips, zero_init_branches=True))
     with torch.no_grad():
-        model.decoder.pred.bias.normal_()
+        model.network.decoder.pred.bias.normal_()
     _, pred_a, _ = model(torch.randn(2, 2, 16, 16))
     _, pred_b, _ = model(torch.randn(2, 2, 16, 16) * 5)
-    bias = model.decoder.pred.bias.detach()
+    bias = model.network.decoder.pred.bias.detach()
     torch.testing.assert_close(pred_a, bias.expand_as(pred_a), rtol=0, atol=0)
     torch.testing.assert_close(pred_b, bias.expand_as(pred_b), rtol=0, atol=0)
 
@@ -174,18 +175,18 @@ def test_classic_decoder_reads_the_encoder_output_and_the_unet_decoder_does_not(
     """Zeroing the encoder's output (its final-norm slot) wipes the input out of the classic
     decoder's prediction and leaves the U-Net decoder's, which reads the blocks, unchanged."""
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY, unet_skips=unet_skips, zero_init_branches=False)
-    assert isinstance(model.decoder, ClassicDecoder) != unet_skips
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, unet_skips=unet_skips, zero_init_branches=False))
+    assert isinstance(model.network.decoder, ClassicDecoder) != unet_skips
     with torch.no_grad():
-        model.decoder.pred.weight.normal_()
-        for fusion in getattr(model.decoder, "fusions", []):
+        model.network.decoder.pred.weight.normal_()
+        for fusion in getattr(model.network.decoder, "fusions", []):
             for p in fusion.parameters():
                 p.normal_(std=0.2)
     a, b = torch.randn(2, 2, 16, 16), torch.randn(2, 2, 16, 16)
     with torch.no_grad():
         torch.manual_seed(1)
         pred_a = model(a)[1]
-        model.encoder.norm = ZeroOut()
+        model.network.encoder.norm = ZeroOut()
         torch.manual_seed(1)
         zeroed_a = model(a)[1]
         torch.manual_seed(1)
@@ -199,10 +200,9 @@ def test_classic_decoder_reads_the_encoder_output_and_the_unet_decoder_does_not(
 
 def test_forward_features_is_mean_of_last_block_tokens():
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY, zero_init_branches=False,
-                              shortcut=ShortcutSchedule("linear", 0.5)).eval()
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, zero_init_branches=False, shortcut=ShortcutSchedule("linear", 0.5))).eval()
     images = torch.randn(3, 2, 16, 16)
-    enc = model.encoder
+    enc = model.network.encoder
     with torch.no_grad():
         x = enc.patch_embed(images) + enc.pos_embed[:, 1:]
         x = torch.cat([(enc.cls_token + enc.pos_embed[:, :1]).expand(3, -1, -1), x], 1)
@@ -220,8 +220,8 @@ def test_forward_features_is_mean_of_last_block_tokens():
 
 def test_pos_embed_is_fixed_and_other_parameters_learn():
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY)
-    assert not model.encoder.pos_embed.requires_grad
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**TINY))
+    assert not model.network.encoder.pos_embed.requires_grad
     loss, _, _ = model(torch.randn(2, 2, 16, 16))
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
@@ -230,7 +230,7 @@ def test_pos_embed_is_fixed_and_other_parameters_learn():
 
 def test_without_skips_an_odd_depth_and_a_final_norm_all_learn():
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**{**TINY, "depth": 3}, unet_skips=False, encoder_final_norm=True)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**{**TINY, "depth": 3}, unet_skips=False, encoder_final_norm=True))
     model(torch.randn(2, 2, 16, 16))[0].backward()
     assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
 
@@ -242,7 +242,7 @@ def test_without_skips_an_odd_depth_and_a_final_norm_all_learn():
                                           ({"mask_ratio": 0.95}, "leaves no visible patch")])
 def test_bad_settings(kwargs, field):
     with pytest.raises(ValueError, match=field) as err:
-        MaskedAutoencoder(**{**TINY, **kwargs})
+        MaskedAutoencoder(MaskedAutoencoderViT(**{**TINY, **kwargs}))
     assert "\n" not in str(err.value)
 
 
@@ -251,8 +251,7 @@ def test_reconstruction_picture_labels_its_rows_and_columns(monkeypatch):
 
     import lightning_mods.mae as mae
 
-    model = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                              decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, num_reconstructions=2)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=2)
     model.trainer = SimpleNamespace(sanity_checking=False, current_epoch=1, global_step=7,
                                     datamodule=SimpleNamespace(mean=(0.5,), std=(0.25,)))
     logged = {}
@@ -273,7 +272,7 @@ def test_reconstruction_picture_labels_its_rows_and_columns(monkeypatch):
 @pytest.mark.parametrize("ratio", [0.0, -0.1, 1.0])
 def test_a_mask_ratio_outside_0_1_is_refused_in_one_line(ratio):
     with pytest.raises(ValueError) as err:
-        MaskedAutoencoder(**TINY, mask_ratio=ratio)
+        MaskedAutoencoder(MaskedAutoencoderViT(**TINY, mask_ratio=ratio))
     assert str(err.value) == (f"mask_ratio must be in (0, 1) (the loss counts masked patches only: at 0 it is 0 at "
                               f"every step), got {ratio}; for a plain autoencoder set loss_on_all_patches=true")
 
@@ -282,8 +281,7 @@ def test_a_plain_autoencoder_trains_on_every_patch():
     """``mask_ratio=0`` with ``loss_on_all_patches``: nothing masked, the loss is the MSE of every
     patch (hand-computed from the prediction), non-zero, and it has gradients."""
     torch.manual_seed(0)
-    model = MaskedAutoencoder(**TINY, mask_ratio=0.0, loss_on_all_patches=True, norm_pix_loss=False,
-                              zero_init_branches=False)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, mask_ratio=0.0, loss_on_all_patches=True, norm_pix_loss=False, zero_init_branches=False))
     images = torch.randn(3, 2, 16, 16)
     loss, pred, mask = model(images)
     assert mask.sum() == 0
@@ -291,16 +289,16 @@ def test_a_plain_autoencoder_trains_on_every_patch():
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     assert loss > 0
     loss.backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoder.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.network.encoder.parameters())
     with pytest.raises(ValueError, match=r"mask_ratio must be in \[0, 1\) with loss_on_all_patches, got 1.0"):
-        MaskedAutoencoder(**TINY, mask_ratio=1.0, loss_on_all_patches=True)
+        MaskedAutoencoder(MaskedAutoencoderViT(**TINY, mask_ratio=1.0, loss_on_all_patches=True))
 
 
 def test_loss_on_all_patches_with_masking_counts_the_visible_patches_too():
     torch.manual_seed(0)
     images = torch.randn(2, 2, 16, 16)
-    plain = MaskedAutoencoder(**TINY, norm_pix_loss=False, zero_init_branches=False)
-    everywhere = MaskedAutoencoder(**TINY, norm_pix_loss=False, zero_init_branches=False, loss_on_all_patches=True)
+    plain = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, norm_pix_loss=False, zero_init_branches=False))
+    everywhere = MaskedAutoencoder(MaskedAutoencoderViT(**TINY, norm_pix_loss=False, zero_init_branches=False, loss_on_all_patches=True))
     everywhere.load_state_dict(plain.state_dict())
     masked_loss, pred, mask = plain(images, generator=torch.Generator().manual_seed(1))
     all_loss, pred_again, _ = everywhere(images, generator=torch.Generator().manual_seed(1))
@@ -313,13 +311,13 @@ def test_the_decoder_cls_token_gets_its_gradient_in_the_layout_ddp_expects():
     """Its gradient is a slice of the concatenated tokens' (strides 17*D, D, 1), which DDP's reducer
     warns about at every multi-process fit; the hook gives the same values with a fresh tensor's strides."""
     torch.manual_seed(0)
-    hooked = MaskedAutoencoder(**TINY)
-    plain = MaskedAutoencoder(**TINY)
+    hooked = MaskedAutoencoder(MaskedAutoencoderViT(**TINY))
+    plain = MaskedAutoencoder(MaskedAutoencoderViT(**TINY))
     plain.load_state_dict(hooked.state_dict())
-    plain.decoder.cls_token = nn.Parameter(hooked.decoder.cls_token.detach().clone())  # a parameter without the hook
+    plain.network.decoder.cls_token = nn.Parameter(hooked.network.decoder.cls_token.detach().clone())  # a parameter without the hook
     images = torch.randn(2, 2, 16, 16)
     for model in (hooked, plain):
         model(images, generator=torch.Generator().manual_seed(0))[0].backward()
-    got, sliced = hooked.decoder.cls_token.grad, plain.decoder.cls_token.grad
+    got, sliced = hooked.network.decoder.cls_token.grad, plain.network.decoder.cls_token.grad
     assert sliced.stride() != got.stride() == torch.empty(got.shape).stride()
     assert torch.equal(got, sliced)

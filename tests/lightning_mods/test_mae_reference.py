@@ -15,6 +15,7 @@ from torch import nn
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from mae_references import AuthorsMAE, OfficialMAE, randomise_
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 GEOMETRY = dict(image_size=16, in_chans=3, patch_size=4, embed_dim=32, num_heads=4, decoder_embed_dim=16,
                 decoder_num_heads=2)
@@ -49,8 +50,7 @@ def pair(kind: str, alpha_min: float, depth: int, decoder_depth: int, seed: int 
     ref_cls = AuthorsMAE if kind == "authors" else OfficialMAE
     dims = {k: v for k, v in GEOMETRY.items() if k not in ("image_size",)}
     ref = randomise_(ref_cls(img_size=16, depth=depth, decoder_depth=decoder_depth, min_decay=alpha_min, **dims), seed)
-    ours = MaskedAutoencoder(**GEOMETRY, depth=depth, decoder_depth=decoder_depth, unet_skips=kind == "authors",
-                             shortcut=ShortcutSchedule("linear", alpha_min), norm_pix_loss=True, mask_ratio=0.75)
+    ours = MaskedAutoencoderViT(**GEOMETRY, depth=depth, decoder_depth=decoder_depth, unet_skips=kind == "authors", shortcut=ShortcutSchedule("linear", alpha_min), norm_pix_loss=True, mask_ratio=0.75)
     ref_params = dict(ref.named_parameters())
     copied = set()
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_mae_initialisation_statistics(unet_skips):
     torch.manual_seed(0)
     # without skips at alpha_min 1: He et al.'s MAE
     standard = {} if unet_skips else {"shortcut": {"kind": "linear", "alpha_min": 1.0}}
-    model = MaskedAutoencoder(**INIT_DIMS, unet_skips=unet_skips, **standard)
+    model = MaskedAutoencoderViT(**INIT_DIMS, unet_skips=unet_skips, **standard)
     zero_weights = set()
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -158,18 +158,18 @@ def test_mae_initialisation_statistics(unet_skips):
 
 
 def test_explicit_flags_override_the_layout_defaults():
-    model = MaskedAutoencoder(**INIT_DIMS, unet_skips=False, zero_init_branches=True, encoder_final_norm=False)
+    model = MaskedAutoencoderViT(**INIT_DIMS, unet_skips=False, zero_init_branches=True, encoder_final_norm=False)
     assert torch.all(model.encoder.blocks[0].attn.proj.weight == 0) and torch.all(model.decoder.pred.weight == 0)
     assert isinstance(model.encoder.norm, nn.Identity)
-    assert model.hparams.zero_init_branches is True and model.hparams.encoder_final_norm is False
-    authors_unzeroed = MaskedAutoencoder(**INIT_DIMS, zero_init_branches=False)
+    assert model.zero_init_branches is True and model.encoder_final_norm is False
+    authors_unzeroed = MaskedAutoencoderViT(**INIT_DIMS, zero_init_branches=False)
     assert not torch.all(authors_unzeroed.decoder.fusions[0].fc2.weight == 0)
 
 
 def test_decayed_classic_ablation_starts_its_branches_at_zero():
     """the decay paper, section 3.1: a decayed encoder needs the zero starts, with or without the skips."""
-    model = MaskedAutoencoder(**INIT_DIMS, unet_skips=False, shortcut={"kind": "linear", "alpha_min": 0.6})
-    assert model.hparams.zero_init_branches is True
+    model = MaskedAutoencoderViT(**INIT_DIMS, unet_skips=False, shortcut={"kind": "linear", "alpha_min": 0.6})
+    assert model.zero_init_branches is True
     for i in range(4):
         assert torch.all(model.encoder.blocks[i].attn.proj.weight == 0)
         assert torch.all(model.encoder.blocks[i].mlp.fc2.weight == 0)
@@ -177,8 +177,7 @@ def test_decayed_classic_ablation_starts_its_branches_at_zero():
 
 
 def test_196_patches_at_mask_ratio_0_9_keep_19():
-    model = MaskedAutoencoder(image_size=56, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                              decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, mask_ratio=0.9)
+    model = MaskedAutoencoderViT(image_size=56, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, mask_ratio=0.9)
     loss, pred, mask = model(torch.randn(2, 1, 56, 56))
     assert pred.shape == (2, 196, 16)
     assert mask.sum(1).tolist() == [177.0, 177.0]  # int(196 * 0.1) = 19 visible, not round() = 20
@@ -187,7 +186,7 @@ def test_196_patches_at_mask_ratio_0_9_keep_19():
 def test_weight_decay_groups_follow_the_mae_repositories():
     """add_weight_decay of both repositories: no decay exactly for 1-D parameters (norms, biases);
     the cls and mask tokens (3-D) are decayed, the fixed position embeddings are not trained."""
-    model = MaskedAutoencoder(**INIT_DIMS)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(**INIT_DIMS))
     model.trainer = type("T", (), {"estimated_stepping_batches": 10, "datamodule": type("D", (), {"batch_size": 4})(),
                                    "world_size": 1, "num_nodes": 1, "num_devices": 1, "max_epochs": 10,
                                    "accumulate_grad_batches": 1})()
@@ -197,5 +196,5 @@ def test_weight_decay_groups_follow_the_mae_repositories():
         (decay if group["weight_decay"] > 0 else no_decay).update(names[id(p)] for p in group["params"])
     expected_no_decay = {n for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1}
     assert no_decay == expected_no_decay
-    assert {"encoder.cls_token", "decoder.cls_token", "decoder.fusions.0.mask_token"} <= decay
-    assert "encoder.pos_embed" not in decay | no_decay
+    assert {"network.encoder.cls_token", "network.decoder.cls_token", "network.decoder.fusions.0.mask_token"} <= decay
+    assert "network.encoder.pos_embed" not in decay | no_decay

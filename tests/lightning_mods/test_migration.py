@@ -48,7 +48,7 @@ def test_a_fits_checkpoint_io_upgrades_the_file_it_resumes_from(tmp_path):
 
 
 def test_a_release_0_1_0_checkpoint_needs_no_upgrade_and_a_train_position_without_its_order_resumes_unchecked():
-    assert migration.upgrade(load_checkpoint(RELEASE_0_1_0)) == []
+    assert migration.upgrade(load_checkpoint(RELEASE_0_1_0)) == []  # read by load_checkpoint: upgraded already
     assert migration.datamodule_state({"train_position": {"epoch": 1, "batches": 0}})["data_order"] is None
     kept = {"seed": 0, "batch_size": 8, "world_size": 1, "num_samples": 16}
     assert migration.datamodule_state({"train_position": None, "data_order": kept})["data_order"] == kept

@@ -21,6 +21,7 @@ import yaml
 
 from callbacks._graveyard import SHIMS
 from commands import lightning_cli as cli
+from lightning_mods.checkpointing.migration import upgrade_model_config
 from lightning_mods.mae import MaskedAutoencoder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,9 +83,12 @@ def test_the_moved_map_names_real_modules_only():
 
 @pytest.mark.slow
 def test_a_run_written_before_the_move_resumes(tmp_path):
+    config = yaml.safe_load((OLD_RUN / "config.yaml").read_text())
+    config["model"] = upgrade_model_config(config["model"])  # the MAE's network settings under model.network
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        out = cli.main(["fit", f"--config={OLD_RUN / 'config.yaml'}", f"--ckpt_path={OLD_RUN / 'last.ckpt'}",
+        out = cli.main(["fit", f"--config={tmp_path / 'config.yaml'}", f"--ckpt_path={OLD_RUN / 'last.ckpt'}",
                         "--trainer.max_epochs=3", f"--trainer.default_root_dir={tmp_path}",
                         "--trainer.enable_progress_bar=false"])
     trainer = out.trainer
@@ -94,5 +98,5 @@ def test_a_run_written_before_the_move_resumes(tmp_path):
             "callbacks.reliability.exact_resume"} <= names
     saved = torch.load(OLD_RUN / "last.ckpt", map_location="cpu", weights_only=True)
     restored = MaskedAutoencoder.load_from_checkpoint(OLD_RUN / "last.ckpt", map_location="cpu")
-    assert all(torch.equal(restored.state_dict()[k], v) for k, v in saved["state_dict"].items())
+    assert all(torch.equal(restored.state_dict()[f"network.{k}"], v) for k, v in saved["state_dict"].items())
     assert "knn/top1" in trainer.callback_metrics

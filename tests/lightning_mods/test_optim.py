@@ -9,6 +9,7 @@ import torch
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.recipe.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
                                   warmup_cosine)
+from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 
 def fake_trainer(batch=32, world_size=4, accumulate=2, total_steps=1000, max_epochs=10):
@@ -37,9 +38,7 @@ def test_warmup_then_cosine_hand_computed():
 
 
 def test_mae_peak_lr_and_no_decay_groups():
-    model = MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                              decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, base_lr=1.5e-4,
-                              warmup_epochs=2)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), base_lr=1.5e-4, warmup_epochs=2)
     model.trainer = fake_trainer(batch=128, world_size=8, accumulate=1, total_steps=1000, max_epochs=10)
     config = model.configure_optimizers()
     opt = config["optimizer"]
@@ -53,8 +52,8 @@ def test_mae_peak_lr_and_no_decay_groups():
         if n.endswith(".bias") or "norm" in n:
             assert n not in decayed_names, n
     # as both MAE repositories (add_weight_decay), the 3-D cls and mask tokens are decayed
-    assert {"encoder.cls_token", "decoder.cls_token"} <= decayed_names
-    assert "encoder.blocks.0.attn.qkv.weight" in decayed_names
+    assert {"network.encoder.cls_token", "network.decoder.cls_token"} <= decayed_names
+    assert "network.encoder.blocks.0.attn.qkv.weight" in decayed_names
     sched = config["lr_scheduler"]["scheduler"]
     assert config["lr_scheduler"]["interval"] == "step"
     # 2 of 10 epochs of 1000 steps are warm-up: 200 steps
@@ -142,9 +141,7 @@ def family_modules():
     torch.manual_seed(0)
     classifier = ImageClassifier(ResNet18Cifar(shortcut=ShortcutSchedule("linear", 0.6), channels=(8, 16, 16, 32)),
                                  num_classes=10, in_chans=3, optimizer="adamw", base_lr=1e-3, warmup_epochs=0)
-    return {"mae": MaskedAutoencoder(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                                     decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, warmup_epochs=0,
-                                     base_lr=1e-2),  # updates large enough that a 0.1 % lr error shows
+    return {"mae": MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), warmup_epochs=0, base_lr=1e-2),  # updates large enough that a 0.1 % lr error shows
             "diffusion": DiffusionModule(**TINY, warmup_steps=0), "classifier": classifier}
 
 
