@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from callbacks.reliability.bad_input_cleanup import RemoveLogsOnBadInput
+from callbacks.reliability.resume_point import EpochResumePoint
 from callbacks.reliability.lost_rank import LostRankReport
 from callbacks.reporting.prediction_writer import PredictionWriter
 from callbacks.schedule import ScheduledEvaluation
@@ -79,16 +80,17 @@ CKPT_PATH_HELP = {
 def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path/init_args)
     """The settings of ``model`` (or of the ``network`` it is given) that the data links
     (:data:`LINKED_FROM_DATA`) and that the config or the command line set to other than the
-    class's default: what a link would replace."""
+    class's default: what a link would replace (a network's timm-style ``img_size`` is the data's
+    ``image_size``)."""
     if model is None or not hasattr(model, "get") or not model.get("class_path"):
         return {}
     try:
-        defaults = inspect.signature(import_path(str(model.get("class_path")))).parameters
+        defaults, _ = constructor_parameters(import_path(str(model.get("class_path"))))
     except (ImportError, AttributeError, TypeError, ValueError):
         return {}
     init = model.get("init_args") or {}
     given = {}
-    for key in LINKED_FROM_DATA:
+    for key in (*LINKED_FROM_DATA, "img_size"):
         value = init.get(key) if hasattr(init, "get") else None
         if key in defaults and value is not None and value != defaults[key].default:
             given[key] = value
@@ -119,9 +121,11 @@ def network_by_name(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path
 
 
 def fill_network_from_data(model, data) -> None:  # noqa: ANN001 (parsed class_path/init_args)
-    """The data's image size and channels set in the network a recipe is given
-    (``model.init_args.network``), where the network takes them: what the links do for a model's
-    own settings (a data value is its setting, else its class's attribute)."""
+    """The data's image size and channels (and, for a class-conditional recipe, its number of
+    classes) set in the network a recipe is given (``model.init_args.network``), where the network
+    takes them (a timm-style ``img_size`` is the data's ``image_size``): what the links do for a
+    model's own settings. A value comes from the data's settings, its class, or, where only a built
+    datamodule knows it (latents), a datamodule built from those settings."""
     init = model.get("init_args") if model is not None and hasattr(model, "get") else None
     network = init.get("network") if init is not None and hasattr(init, "get") else None
     if network is None or not hasattr(network, "get") or not network.get("class_path") or data is None:
@@ -131,14 +135,31 @@ def fill_network_from_data(model, data) -> None:  # noqa: ANN001 (parsed class_p
         data_class = import_path(str(data.get("class_path")))
     except (ImportError, AttributeError, TypeError, ValueError):
         return
-    data_init = data.get("init_args") or {}
+    wanted = {"image_size": "image_size" if "image_size" in accepted else "img_size", "in_chans": "in_chans"}
+    if init.get("class_conditional"):
+        wanted["num_classes"] = "num_classes"
+    values = data_geometry(data_class, data.get("init_args"), list(wanted))
     if network.get("init_args") is None:
-        network["init_args"] = type(data_init)() if hasattr(data_init, "get") else {}
-    for key in ("image_size", "in_chans"):
-        value = data_init.get(key) if hasattr(data_init, "get") and data_init.get(key) is not None \
-            else getattr(data_class, key, None)
-        if key in accepted and isinstance(value, int) and not isinstance(value, bool):
-            network["init_args"][key] = value
+        network["init_args"] = type(data)()
+    for key, target in wanted.items():
+        if target in accepted and values.get(key) is not None:
+            network["init_args"][target] = values[key]
+
+
+def data_geometry(data_class: type, settings, keys: list[str]) -> dict[str, int]:  # noqa: ANN001 (Namespace)
+    """``keys`` of a datamodule of ``data_class`` with ``settings``: its settings, else its class's
+    attributes, else those of one built from the settings (None where none says)."""
+    settings = settings.as_dict() if hasattr(settings, "as_dict") else dict(settings or {})
+    def plain(value: Any) -> Optional[int]:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    found = {key: plain(settings.get(key)) or plain(getattr(data_class, key, None)) for key in keys}
+    if any(value is None for value in found.values()):
+        try:
+            built = data_class(**settings)
+        except Exception:  # noqa: BLE001 (the real instantiation says what is wrong, in one line)
+            return found
+        found = {key: value if value is not None else plain(getattr(built, key, None)) for key, value in found.items()}
+    return found
 
 
 def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
@@ -160,7 +181,8 @@ def _describe(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a cl
 def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_every: Optional[int]) -> None:
     """The top-level cadence knobs: ``evaluation_every`` into the evaluation callbacks
     (:class:`callbacks.schedule.ScheduledEvaluation`), ``checkpoint_every`` into the ModelCheckpoint
-    callbacks but the every-epoch ``latest`` one (parsed ``class_path``/``init_args`` entries,
+    callbacks but the resume point (:class:`~callbacks.reliability.resume_point.EpochResumePoint`; parsed
+    ``class_path``/``init_args`` entries,
     changed in place; None leaves a cadence as configured)."""
     for callback in callbacks:
         if not hasattr(callback, "get") or callback.get("init_args") is None:
@@ -171,7 +193,7 @@ def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_
             continue
         if evaluation_every is not None and issubclass(cls, ScheduledEvaluation):
             init["every_n_epochs"] = int(evaluation_every)  # a plain int: PositiveInt does not dump to YAML
-        if checkpoint_every is not None and issubclass(cls, ModelCheckpoint) and init.get("filename") != "latest":
+        if checkpoint_every is not None and issubclass(cls, ModelCheckpoint) and not issubclass(cls, EpochResumePoint):
             init["every_n_epochs"] = int(checkpoint_every)
 
 

@@ -71,7 +71,7 @@ class ShortcutLabCLI(LightningCLI):
                                  "effective rank, FID); null: as the config says")
         parser.add_argument("--checkpoint_every_n_epochs", type=Optional[PositiveInt], default=None,
                             help="every_n_epochs of the ModelCheckpoint callbacks in trainer.callbacks "
-                                 "except the every-epoch resume point (filename 'latest'); null: as the config says")
+                                 "except the every-epoch resume point (EpochResumePoint); null: as the config says")
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, args)
         """Lightning's parsing; with raising parsers (``console_main``) a parse error becomes one
@@ -181,7 +181,8 @@ class ShortcutLabCLI(LightningCLI):
         cls = import_path(canonical_class_path(written["class_path"]))
         free = set(getattr(cls, "inference_settings", ()))
         settings = {k: v for k, v in flat_settings(given).items()  # the data's values: checked once it is built
-                    if k.removeprefix("network.").split(".")[0] not in LINKED_FROM_DATA and k.split(".")[0] not in free}
+                    if k.removeprefix("network.").split(".")[0] not in (*LINKED_FROM_DATA, "img_size")
+                    and k.split(".")[0] not in free}
         conflicts = setting_conflicts(settings, flat_settings(written))
         if conflicts:
             raise ValueError(conflict_message(conflicts, "--ckpt_path: model.", ckpt_path, "in the config")
@@ -230,7 +231,7 @@ class ShortcutLabCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         for name, given in getattr(self, "_linked_settings", {}).items():
-            attribute = name.rpartition(".")[2]  # image_size of network.image_size
+            attribute = name.rpartition(".")[2].replace("img_size", "image_size")  # of network.img_size
             from_data = getattr(self.datamodule, attribute, None)
             if from_data is not None and given != from_data:  # the link would replace the setting silently
                 raise BadInput(f"model.{name}={given!r} disagrees with the data's {attribute} ({from_data!r}; "

@@ -213,7 +213,7 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parsed, overrides = parser.parse_known_args(args)
 
     module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides, parsed.allow_model_override)
-    num_blocks = module.model.num_blocks
+    num_blocks = module.network.num_blocks
     blocks = list(range(num_blocks)) if parsed.blocks is None else parsed.blocks
     bad = [b for b in blocks if not 0 <= b < num_blocks]
     if bad:

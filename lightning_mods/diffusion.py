@@ -24,84 +24,43 @@ models see the null class so no label leaks into the features.
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 from torchmetrics import MeanMetric
 import torch.nn.functional as F
-from jsonargparse import lazy_instance
 from lightning.pytorch import LightningModule
 
 from lightning_mods.evaluation import metric_names
 from lightning_mods._generation.sampling import check_sampler, make_noise_process
 from lightning_mods._generation.guidance import drop_labels
+from lightning_mods._generation.diffusion_settings import check_conditioning, check_settings, latent_vae, middle_block
 from lightning_mods._generation.latent_vae import FrozenVAE
 from lightning_mods._generation.samples import Samples
 from lightning_mods.recipe.optim import adamw, global_batch_size, param_groups_weight_decay, scaled_lr, warmup_cosine_scheduler
-from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.checkpointing.earlier_releases import ReadsEarlierReleases
+from lightning_mods.checkpointing.network_settings import given_network, network_settings
 from lightning_mods.backbone.uvit import UViT
 from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
-
-LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
-
-
-def check_settings(class_conditional: bool, num_classes: int, label_dropout: float, guidance_scale: float,
-                   lr_schedule: str, reference_batch: Optional[int], num_sample_images: int, feature_timestep: int,
-                   num_train_timesteps: int, in_chans: int, pixel_mean: Optional[Sequence[float]],
-                   pixel_std: Optional[Sequence[float]]) -> None:
-    """One-line errors for :class:`DiffusionModule` settings that cannot work together."""
-    if class_conditional and num_classes <= 0:
-        raise ValueError(f"num_classes must be > 0 for a class-conditional model, got {num_classes}")
-    if not 0.0 <= label_dropout <= 1.0:
-        raise ValueError(f"label_dropout must be in [0, 1], got {label_dropout}")
-    if guidance_scale < 0.0:
-        raise ValueError(f"guidance_scale must be >= 0 (1 = no guidance), got {guidance_scale}")
-    if lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {lr_schedule!r}")
-    if reference_batch is not None and reference_batch <= 0:
-        raise ValueError(f"reference_batch must be > 0 or null, got {reference_batch}")
-    if num_sample_images < 0:
-        raise ValueError(f"num_sample_images must be >= 0, got {num_sample_images}")
-    if not 0 <= feature_timestep < num_train_timesteps:
-        raise ValueError(f"feature_timestep must be in [0, {num_train_timesteps - 1}], got {feature_timestep}")
-    for name, stats in (("pixel_mean", pixel_mean), ("pixel_std", pixel_std)):
-        if stats is not None and len(stats) != in_chans:
-            raise ValueError(f"{name} needs {in_chans} value(s), one per channel, got {len(stats)}")
+from lightning_mods.evaluation._input_geometry import check_input_geometry
 
 
-def middle_block(num_blocks: int, feature_block: Optional[int]) -> int:
-    """The block the evaluation features come from: ``feature_block``, else the middle one."""
-    block = num_blocks // 2 if feature_block is None else feature_block
-    if not 0 <= block < num_blocks:
-        raise ValueError(f"feature_block must be in [0, {num_blocks - 1}], got {feature_block}")
-    return block
-
-
-def latent_vae(vae_path: str, scaling_factor: Optional[float], in_chans: int) -> FrozenVAE:
-    """The frozen VAE of latent mode, whose latent channels must be the network's ``in_chans``."""
-    vae = FrozenVAE(vae_path, scaling_factor=scaling_factor)
-    if vae.latent_channels != in_chans:
-        raise ValueError(f"in_chans ({in_chans}) must equal the VAE's latent_channels "
-                         f"({vae.latent_channels}) in latent mode")
-    return vae
-
-
-class DiffusionModule(Samples, ExactEvaluation, LightningModule):
+class DiffusionModule(ReadsEarlierReleases, Samples, ExactEvaluation, LightningModule):
     """U-ViT noise-prediction diffusion, pixel or latent, unconditional or class-conditional.
 
     Extension points: :meth:`corrupt` (the noise process of training), :meth:`loss_weight`
     (the loss weighting over time) and :meth:`condition` (the conditioning input).
 
     Args:
-        image_size, in_chans, num_classes: linked from the datamodule by the CLI (latent
-            size and channels in latent mode).
-        class_conditional: condition on the labels (``num_classes`` classes + a null class).
-        patch_size, embed_dim, depth, num_heads, mlp_ratio, qkv_bias, mlp_time_embed,
-            final_conv: the U-ViT (defaults: U-ViT-S of the decay paper, section 5).
-        shortcut: decay schedule over all blocks in, mid and out.
-        zero_init_branches: zero the last linear layer of every residual branch (``False``: U-ViT's
-            own init, truncated normal 0.02 everywhere).
+        network: the :class:`~lightning_mods.backbone.uvit.UViT` to train (its architecture and
+            shortcut schedule over all blocks in, mid and out): ``class_path``/``init_args`` in a
+            config (its ``img_size``, ``in_chans`` and, class-conditional, ``num_classes`` set from the
+            datamodule by the CLI: the latent size and channels in latent mode), a registered timm
+            name, or a module.
+        num_classes: the data's classes (linked from the datamodule by the CLI).
+        class_conditional: condition on the labels (the network embeds ``num_classes`` classes +
+            a null class).
         noise_process: ``discrete`` (DDPM) or ``vp_sde`` (U-ViT's continuous VP SDE, see
             :mod:`lightning_mods._generation.sampling`).
         num_train_timesteps, beta_schedule, beta_start, beta_end: the noise schedule (``vp_sde``:
@@ -128,17 +87,13 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
             mid block).
     """
 
+    network_is_evaluated = False  # its features: the network's blocks at a noise level of its own process
     # how it samples, not what it learned: a checkpoint is validated or sampled with any of these
     inference_settings = ("sampler", "num_sampling_steps", "guidance_scale", "num_sample_images", "sample_seed")
 
     def __init__(
         self,
-        # the data and the U-ViT network
-        image_size: int = 32, in_chans: int = 3, num_classes: int = 0, class_conditional: bool = False,
-        patch_size: int = 2, embed_dim: int = 512, depth: int = 12, num_heads: int = 8, mlp_ratio: float = 4.0,
-        qkv_bias: bool = False, mlp_time_embed: bool = False, final_conv: bool = True,
-        shortcut: Optional[ShortcutSchedule] = lazy_instance(ShortcutSchedule, kind="linear", alpha_min=0.7),
-        zero_init_branches: bool = True,
+        network: Union[UViT, str], num_classes: int = 0, class_conditional: bool = False,
         # the noise process and the sampler
         noise_process: Literal["discrete", "vp_sde"] = "discrete", num_train_timesteps: int = 1000,
         beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear",
@@ -158,25 +113,23 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
         feature_timestep: int = 100, feature_seed: int = 0,
     ) -> None:
         super().__init__()
+        self.network = given_network(network, UViT, "DiffusionModule", "uvit_small_patch2_32_decayed")
         check_settings(class_conditional, num_classes, label_dropout, guidance_scale, lr_schedule, reference_batch,
-                       num_sample_images, feature_timestep, num_train_timesteps, in_chans, pixel_mean, pixel_std)
+                       num_sample_images, feature_timestep, num_train_timesteps, self.network.in_chans, pixel_mean,
+                       pixel_std)
+        check_conditioning(self.network, class_conditional, num_classes)
         self.noise_process = make_noise_process(noise_process, num_train_timesteps, beta_schedule, beta_start,
                                                 beta_end)
         check_sampler(sampler, num_sampling_steps, num_train_timesteps, noise_process)
-        self.shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule("linear", 0.7))
-        self.save_hyperparameters(ignore=["shortcut"])
+        self.save_hyperparameters(ignore=["network"])
+        # the resolved settings of the network (plain data), so a checkpoint rebuilds this very network
+        self.hparams["network"] = self._hparams_initial["network"] = network_settings(self.network)
         self._pixel_stats_cache: Optional[tuple] = None  # (key, mean, std) on the last device used
-        self.hparams["shortcut"] = self.shortcut.as_dict()  # plain data: weights_only-safe checkpoints
         self.vae: Optional[FrozenVAE] = None if vae_path is None else latent_vae(vae_path, latent_scaling_factor,
-                                                                                 in_chans)
+                                                                                 self.network.in_chans)
         self.clip_sample = (self.vae is None) if clip_sample is None else bool(clip_sample)
-        self.model = UViT(
-            img_size=image_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
-            num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-            num_classes=num_classes if class_conditional else 0, mlp_time_embed=mlp_time_embed,
-            final_conv=final_conv, shortcut=self.shortcut, zero_init_branches=zero_init_branches)
-        self.feature_block = middle_block(self.model.num_blocks, feature_block)
-        self.num_features = embed_dim
+        self.feature_block = middle_block(self.network.num_blocks, feature_block)
+        self.num_features = self.network.embed_dim
         self.val_loss_mean = MeanMetric()  # each validation image once, also under DDP
 
     # --- data space ------------------------------------------------------------------------
@@ -205,7 +158,7 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
                 self.hparams[field] = [float(v) for v in getattr(datamodule, attribute)]
 
     def _pixel_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.hparams.in_chans
+        c = self.network.in_chans
         mean = self.hparams.pixel_mean if self.hparams.pixel_mean is not None else [0.5] * c
         std = self.hparams.pixel_std if self.hparams.pixel_std is not None else [0.5] * c
         key = (device, tuple(mean), tuple(std))
@@ -228,13 +181,15 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
+        check_input_geometry(self.network, datamodule, "DiffusionModule",
+                             "give the network the data's img_size and in_chans, or data of the network's")
         if datamodule is not None:
             self.set_pixel_stats(datamodule)
 
     # --- the model -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Predicted noise ``eps_theta(x_t, t, y)``."""
-        return self.model(x, timesteps, y)
+        return self.network(x, timesteps, y)
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """``sqrt(abar_t) x_0 + sqrt(1 - abar_t) noise`` at integer ``timesteps`` of the grid (``vp_sde``:
@@ -289,7 +244,7 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
         (classifier-free guidance) for a class-conditional model; None otherwise."""
         if not self.class_conditional:
             return None
-        return drop_labels(labels.long(), dropout, self.model.null_class, generator)
+        return drop_labels(labels.long(), dropout, self.network.null_class, generator)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
@@ -335,16 +290,16 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
         t = self.hparams.feature_timestep if timestep is None else int(timestep)
         if not 0 <= t < self.hparams.num_train_timesteps:
             raise ValueError(f"timestep must be in [0, {self.hparams.num_train_timesteps - 1}], got {t}")
-        bad = [b for b in blocks if not 0 <= b < self.model.num_blocks]
+        bad = [b for b in blocks if not 0 <= b < self.network.num_blocks]
         if bad:
-            raise ValueError(f"blocks must be in [0, {self.model.num_blocks - 1}], got {bad}")
+            raise ValueError(f"blocks must be in [0, {self.network.num_blocks - 1}], got {bad}")
         x0 = self.to_model_space(images)
         generator = torch.Generator().manual_seed(self.hparams.feature_seed if seed is None else int(seed))
         noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
         timesteps = torch.full((x0.shape[0],), t, dtype=torch.long, device=x0.device)
-        outputs = self.model.forward_blocks(self.add_noise(x0, noise, timesteps), self.grid_network_time(timesteps),
+        outputs = self.network.forward_blocks(self.add_noise(x0, noise, timesteps), self.grid_network_time(timesteps),
                                             None, num_blocks=max(blocks) + 1)
-        prefix = self.model.num_prefix_tokens
+        prefix = self.network.num_prefix_tokens
         return [outputs[b][:, prefix:].mean(dim=1) for b in blocks]
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
@@ -355,7 +310,7 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
         """``(forward_features, one pooled feature per block indices picks)``, depth order in ->
         mid -> out, at ``feature_timestep``, from one noised pass (timm's call;
         :mod:`lightning_mods.evaluation.feature_contract`)."""
-        taken = take_indices(self.model.num_blocks, indices)
+        taken = take_indices(self.network.num_blocks, indices)
         wanted = taken if intermediates_only else sorted(set(taken) | {self.feature_block})
         outputs = dict(zip(wanted, self.noised_block_features(images, wanted)))
         blocks = [outputs[b] for b in taken]
@@ -374,10 +329,10 @@ class DiffusionModule(Samples, ExactEvaluation, LightningModule):
             peak = scaled_lr(peak, global_batch_size(self.trainer),
                              self.hparams.reference_batch)
         if self.hparams.decay_all_parameters:  # U-ViT: AdamW(nnet.parameters(), weight_decay=...)
-            groups = [{"params": [p for p in self.model.parameters() if p.requires_grad],
+            groups = [{"params": [p for p in self.network.parameters() if p.requires_grad],
                        "weight_decay": self.hparams.weight_decay}]
         else:
-            groups = param_groups_weight_decay(self.model, self.hparams.weight_decay)
+            groups = param_groups_weight_decay(self.network, self.hparams.weight_decay)
         optimizer = adamw(groups, lr=peak, betas=tuple(self.hparams.betas))
         total = int(self.trainer.estimated_stepping_batches)
         warmup = min(self.hparams.warmup_steps, max(0, total - 1))

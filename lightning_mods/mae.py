@@ -11,12 +11,9 @@ the target, the loss, the evaluation features) are methods of the network: a sub
 """
 from __future__ import annotations
 
-import io
-import os
 from typing import Optional, Union
 
 import numpy as np
-import timm
 import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
@@ -26,24 +23,13 @@ from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 from lightning_mods.evaluation._input_geometry import check_input_geometry
 from lightning_mods.pictures.grids import labelled_grid, log_picture
-from lightning_mods.checkpointing import migration
-from lightning_mods.checkpointing.network_settings import network_settings
-from lightning_mods.checkpointing.rebuild import read_torch_file
+from lightning_mods.checkpointing.earlier_releases import ReadsEarlierReleases
+from lightning_mods.checkpointing.network_settings import given_network, network_settings
 from lightning_mods.recipe.optim import (adamw, global_batch_size, param_groups_weight_decay, scaled_lr,
                                            steps_from_epochs, warmup_cosine_scheduler)
 
 
-def mae_network(network: Union[MaskedAutoencoderViT, str]) -> MaskedAutoencoderViT:
-    """The network a recipe is given: a module as it is, a registered timm name built by timm."""
-    if isinstance(network, str):
-        network = timm.create_model(network)
-    if not isinstance(network, MaskedAutoencoderViT):
-        raise ValueError(f"MaskedAutoencoder: network must be a MaskedAutoencoderViT (or a subclass, or the timm name "
-                         f"of one, e.g. mae_vit_base_patch16_decayed); got {type(network).__name__}")
-    return network
-
-
-class MaskedAutoencoder(ExactEvaluation, LightningModule):
+class MaskedAutoencoder(ReadsEarlierReleases, ExactEvaluation, LightningModule):
     """MAE pre-training of ``network`` with decayed shortcuts; defaults follow the paper's recipe.
 
     Args:
@@ -58,6 +44,8 @@ class MaskedAutoencoder(ExactEvaluation, LightningModule):
         num_reconstructions: validation images drawn (original / masked / reconstruction).
     """
 
+    network_is_evaluated = True  # the probe, kNN and fine-tuning read the network alone
+
     def __init__(
         self,
         network: Union[MaskedAutoencoderViT, str],
@@ -69,7 +57,7 @@ class MaskedAutoencoder(ExactEvaluation, LightningModule):
         num_reconstructions: int = 8,
     ) -> None:
         super().__init__()
-        self.network = mae_network(network)
+        self.network = given_network(network, MaskedAutoencoderViT, "MaskedAutoencoder", "mae_vit_base_patch16_decayed")
         self.save_hyperparameters(ignore=["network"])
         # the resolved settings of the network (plain data), so a checkpoint rebuilds this very network
         self.hparams["network"] = self._hparams_initial["network"] = network_settings(self.network)
@@ -102,22 +90,6 @@ class MaskedAutoencoder(ExactEvaluation, LightningModule):
     def setup(self, stage: str) -> None:
         check_input_geometry(self.network, getattr(self.trainer, "datamodule", None), "MaskedAutoencoder",
                              "give the network the data's image_size and in_chans, or data of the network's")
-
-    @classmethod
-    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs):  # noqa: ANN001, ANN206 (Lightning's)
-        """Lightning's ``load_from_checkpoint``, for a checkpoint of an earlier release too (its
-        layout upgraded as it is read: :mod:`lightning_mods.checkpointing.migration`)."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
-            checkpoint = read_torch_file(checkpoint_path, "checkpoint", mmap=True)
-            if isinstance(checkpoint, dict) and migration.upgrade(checkpoint):
-                buffer = io.BytesIO()
-                torch.save(checkpoint, buffer)
-                buffer.seek(0)
-                checkpoint_path = buffer
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        migration.upgrade(checkpoint)  # a checkpoint of an earlier release, resumed by a plain Trainer
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.reporting.prediction_writer``."""

@@ -35,9 +35,14 @@ def resolved_config(args: list[str]) -> dict:
 
 # a narrow copy of a paper network, where a row checks that the config composes, trains and
 # evaluates, not what the network's real size costs (those rows: the full_size marker)
-NARROW = {"MaskedAutoencoder": dict(embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=2,
-                                    decoder_num_heads=2),
-          "DiffusionModule": dict(embed_dim=32, depth=3, num_heads=2, feature_block=1)}
+NARROW = {"MaskedAutoencoder": {"network": dict(embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16,
+                                               decoder_depth=2, decoder_num_heads=2)},
+          "DiffusionModule": {"network": dict(embed_dim=32, depth=3, num_heads=2), "init_args": dict(feature_block=1)}}
+
+
+def narrow_settings(model_class_name: str) -> dict[str, dict]:
+    """``{"network": ..., "init_args": ...}``: what makes a paper network narrow, its network's and its own."""
+    return {"network": {}, "init_args": {}, **NARROW.get(model_class_name, {})}
 
 
 def sizes(names: list[str]) -> list:
@@ -48,10 +53,10 @@ def sizes(names: list[str]) -> list:
 
 def narrow_args(model_class_path: str, full_size: bool) -> list[str]:
     """``--model.init_args.*`` overrides that make a paper network narrow (none at full size)."""
-    name = model_class_path.rpartition(".")[2]
-    settings = {} if full_size else NARROW.get(name, {})
-    where = "network" if name == "MaskedAutoencoder" else "init_args"  # the MAE's network settings are its network's
-    return [f"--model.{where}.{k}={v}" for k, v in settings.items()]
+    if full_size:
+        return []
+    settings = narrow_settings(model_class_path.rpartition(".")[2])
+    return [f"--model.{where}.{k}={v}" for where in ("network", "init_args") for k, v in settings[where].items()]
 
 
 SWEPT = ("alpha_min=", "seed_everything=", "default_root_dir=")  # the values a paper table sweeps

@@ -15,6 +15,7 @@ import torch
 
 from lightning_mods.backbone import shortcut_alphas
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from lightning_mods.backbone.uvit import UViT
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
@@ -227,11 +228,12 @@ def test_the_schedule_of_ones_own_in_the_diffusion_and_spiral_families(tmp_path,
     from lightning_mods.spiral_classifier import SpiralClassifier
 
     schedule = ExponentialSchedule(rate=0.3, alpha_min=0.1)
-    diffusion = DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
-                                pixel_mean=[0.5], pixel_std=[0.5], num_sampling_steps=4, shortcut=schedule)
+    diffusion = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
+                                     shortcut=schedule, zero_init_branches=True),
+                                pixel_mean=[0.5], pixel_std=[0.5], num_sampling_steps=4)
     spiral = SpiralClassifier(depth=4, width=6, shortcut=schedule)
-    for module in (diffusion, spiral):
-        saved = module.hparams["shortcut"]
+    for module, saved in ((diffusion, diffusion.hparams["network"]["init_args"]["shortcut"]),
+                          (spiral, spiral.hparams["shortcut"])):
         assert saved == {"class_path": "exponential_schedule.ExponentialSchedule",
                          "init_args": {"rate": 0.3, "alpha_min": 0.1, "branches": "both"}}
         assert ShortcutSchedule.coerce(saved) == schedule

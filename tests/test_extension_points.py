@@ -3,6 +3,8 @@ and nothing else. References are computed by hand in float64 numpy from what the
 returns with the same weights and the same random draws."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from lightning_mods.backbone.patches import patchify
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from diffusion_modules import diffusion_module
 
 MAE = dict(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16,
            decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False, zero_init_branches=False)
@@ -23,8 +26,9 @@ DIFFUSION = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, 
 def twin(base_class, subclass, **kwargs):
     """``(base, subclass)`` instances with the same weights."""
     torch.manual_seed(0)
-    base = base_class(**kwargs)
-    other = subclass(**kwargs)
+    build = partial(diffusion_module, base_class) if issubclass(base_class, DiffusionModule) else base_class
+    base = build(**kwargs)
+    other = (partial(diffusion_module, subclass) if build is not base_class else subclass)(**kwargs)
     other.load_state_dict(base.state_dict())
     return base.eval(), other.eval()
 
@@ -155,15 +159,15 @@ def test_diffusion_condition_decides_the_network_input():
     kwargs = {**DIFFUSION, "num_classes": 3, "class_conditional": True, "label_dropout": 1.0}
     base, labelled = twin(DiffusionModule, AlwaysLabelled, **kwargs)
     labels = torch.tensor([0, 1, 2, 1])
-    assert base.condition(labels, 1.0).tolist() == [base.model.null_class] * 4  # every label dropped
+    assert base.condition(labels, 1.0).tolist() == [base.network.null_class] * 4  # every label dropped
     assert labelled.condition(labels, 1.0).tolist() == [0, 1, 2, 1]
     # the training step hands the network what condition() gives
     seen = []
     for module in (base, labelled):
-        module.model.register_forward_hook(lambda _m, args, _out: seen.append(args[2].tolist()))
+        module.network.register_forward_hook(lambda _m, args, _out: seen.append(args[2].tolist()))
         module.log = lambda *a, **k: None
         module.training_step((torch.rand(4, 1, 8, 8), labels), 0)
-    assert seen == [[base.model.null_class] * 4, [0, 1, 2, 1]]
+    assert seen == [[base.network.null_class] * 4, [0, 1, 2, 1]]
 
 
 # --- classifier ---------------------------------------------------------------------------------

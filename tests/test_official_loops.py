@@ -16,6 +16,7 @@ from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.mae import MaskedAutoencoder
 from test_host_reads import ReadsByPlace
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from lightning_mods.backbone.uvit import UViT
 
 
 def weights(model: torch.nn.Module) -> torch.Tensor:
@@ -48,8 +49,7 @@ def test_uvit_loop_trains_on_cifar_pickles_with_its_python_ema(tmp_path):
     images, _ = next(iter(loader))
     assert images.min() >= -1.0 and images.max() <= 1.0 and images.min() < -0.5  # [-1, 1], the diffusion space
     torch.manual_seed(0)
-    model = DiffusionModule(image_size=32, in_chans=3, num_classes=100, class_conditional=True, patch_size=4,
-                            embed_dim=32, depth=2, num_heads=2, num_sample_images=0)
+    model = DiffusionModule(UViT(img_size=32, in_chans=3, patch_size=4, embed_dim=32, depth=2, num_heads=2, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}, num_classes=100), num_classes=100, class_conditional=True, num_sample_images=0)
     before = weights(model)
     rate = official_loops.uvit_loop(model, tmp_path, 4, 0, Settings(), warmup=1, timed=2)
     assert rate > 0 and not torch.equal(before, weights(model))

@@ -4,8 +4,8 @@ kNN embeds the bank and the validation set, effective rank the validation set, t
 probe scores its heads on the validation set: the same network, the same images, the same
 ``forward_features`` (and, for per-block evaluations, ``forward_intermediates``). One
 :class:`SharedEvaluation` per Trainer holds the pass: each measurement callback declares at
-``setup`` what it will read (:meth:`SharedEvaluation.of` finds the Trainer's, adding it to the
-Trainer's callbacks when none is there), the first to ask for a dataset's features runs
+``setup`` what it will read (:meth:`SharedEvaluation.of` finds the Trainer's), the first to ask for a
+dataset's features runs
 :func:`~callbacks._utils.feature_collection.collect_features` and the others read its result.
 
 - **When a result is reused.** Only within one evaluation of one set of weights: the entry
@@ -21,7 +21,9 @@ Trainer's callbacks when none is there), the first to ask for a dataset's featur
 - **Memory.** Entries are dropped when the validation ends (``on_validation_end``, after every
   callback's ``on_validation_epoch_end`` read them), and whenever the stamp changes.
 
-Every callback still works alone: it then runs the pass itself, as before.
+Every callback still works alone: in a Trainer whose callbacks hold no ``SharedEvaluation``
+(the ``shortcutlab`` CLI's defaults carry one), each request runs its own pass and keeps nothing;
+nothing is added to the Trainer's callbacks.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
 from callbacks._utils.distributed import gather_strided
@@ -55,19 +56,19 @@ class SharedEvaluation(Callback):
         self.needs: dict[str, bool] = {}  # dataset name -> blocks wanted
         self._stamp: Optional[tuple] = None
         self._entries: dict[tuple, dict[str, Any]] = {}
+        self._keeps = True  # False: a caller's own pass (no Trainer hook would drop what it kept)
 
     @classmethod
     def of(cls, trainer: Trainer) -> "SharedEvaluation":
         """The Trainer's shared pass: the one among its callbacks (the ``shortcutlab`` CLI's
-        defaults carry one), else a new one added to them, which one line says."""
+        defaults carry one), else a pass of the caller's own that keeps nothing (not added to the
+        Trainer's callbacks)."""
         for callback in trainer.callbacks:
             if isinstance(callback, cls):
                 return callback
-        rank_zero_info("trainer.callbacks: added SharedEvaluation (the evaluation pass the measurement "
-                       "callbacks share)")
-        shared = cls()
-        trainer.callbacks.append(shared)
-        return shared
+        alone = cls()
+        alone._keeps = False
+        return alone
 
     def need(self, dataset_name: str, with_blocks: bool) -> None:
         """Declare (at ``setup``) that an evaluation will read ``dataset_name``'s features, with or
@@ -127,4 +128,7 @@ class SharedEvaluation(Callback):
                 gather_strided(local.features, total, strategy), gather_strided(local.labels, total, strategy),
                 None if local.blocks is None else [gather_strided(b, total, strategy) for b in local.blocks])
         found = entry["gathered"] if gather else entry["local"]
+        if not self._keeps:
+            self.release()
         return found if with_blocks or found.blocks is None else found._replace(blocks=None)
+

@@ -20,7 +20,7 @@ from lightning_mods.pictures.grids import labelled_grid, log_picture
 
 class Samples:
     """Mixin of :class:`lightning_mods.diffusion.DiffusionModule`: sampling, the sample grid and
-    the balanced labels FID samples with. Reads the module's ``hparams``, ``model``,
+    the balanced labels FID samples with. Reads the module's ``hparams``, ``network``,
     ``noise_process``, ``class_conditional``, ``is_latent``, ``clip_sample``,
     ``grid_network_time`` and ``to_pixels``."""
 
@@ -34,9 +34,9 @@ class Samples:
         """``eps`` at network time ``t`` (a scalar), with classifier-free guidance for labelled samples."""
         timesteps = t.to(x.device).expand(x.shape[0])
         if labels is None or not self.class_conditional or guidance_scale == 1.0:
-            return self.model(x, timesteps, labels if self.class_conditional else None).float()
-        null = torch.full_like(labels, self.model.null_class)
-        eps = self.model(torch.cat([x, x]), torch.cat([timesteps, timesteps]), torch.cat([labels, null])).float()
+            return self.network(x, timesteps, labels if self.class_conditional else None).float()
+        null = torch.full_like(labels, self.network.null_class)
+        eps = self.network(torch.cat([x, x]), torch.cat([timesteps, timesteps]), torch.cat([labels, null])).float()
         eps_cond, eps_uncond = eps.chunk(2)
         return guided_noise(eps_cond, eps_uncond, guidance_scale)
 
@@ -62,7 +62,7 @@ class Samples:
             if labels.shape != (num_samples,):
                 raise ValueError(f"labels must have shape ({num_samples},), got {tuple(labels.shape)}")
         generator = torch.Generator().manual_seed(int(seed))
-        shape = (num_samples, self.hparams.in_chans, self.hparams.image_size, self.hparams.image_size)
+        shape = (num_samples, self.network.in_chans, self.network.img_size, self.network.img_size)
         noise = torch.randn(shape, generator=generator).to(self.device)
         predict = partial(self.predict_noise, labels=labels, guidance_scale=scale)
         process = self.noise_process

@@ -69,6 +69,9 @@ class UViT(nn.Module):
         shortcut: the schedule over all ``2 * num_blocks`` sub-layers; ``None`` = plain U-ViT.
         zero_init_branches: zero the last linear layer of every residual branch.
         norm_layer, act_layer: as timm's ``Block``.
+
+    :attr:`settings` holds every argument as plain data (the classes as import paths): what a
+    checkpoint records to rebuild it.
     """
 
     def __init__(
@@ -123,6 +126,12 @@ class UViT(nn.Module):
         self.apply(self._init_weights)
         self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)
+        self.settings = dict(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+            num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, num_classes=num_classes,
+            mlp_time_embed=mlp_time_embed, final_conv=final_conv, shortcut=self.shortcut.as_dict(),
+            zero_init_branches=zero_init_branches, norm_layer=f"{norm_layer.__module__}.{norm_layer.__qualname__}",
+            act_layer=f"{act_layer.__module__}.{act_layer.__qualname__}")
         if zero_init_branches:
             zero_init_residual_branches(self)
 

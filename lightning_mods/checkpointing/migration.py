@@ -5,10 +5,11 @@ reading it (as Lightning's ``lightning.pytorch.utilities.migration``).
 :func:`upgrade` changes a checkpoint dictionary in place. :func:`lightning_mods.checkpointing.rebuild.load_checkpoint`
 calls it on every file it reads (``load_run``, the probe, fine-tuning, ``--ckpt_path`` checks), and a
 fit's checkpoint IO (:class:`~lightning_mods.checkpointing.checkpoint_io.AtomicCheckpointIO`, which the
-reliability callbacks install) and the MAE recipe's ``on_load_checkpoint`` on the one Lightning resumes from. The steps that need what the
-checkpoint meets (a network built, a callback list) or concern one part's state are called by their
-owners, also when a plain ``Trainer`` resumes: :func:`fill_shortcut_weights`, :func:`rekey_callback_state`, :func:`effective_rank_history` and
-:func:`datamodule_state`.
+reliability callbacks install) and the recipes' ``on_load_checkpoint`` and ``load_from_checkpoint``
+(:mod:`lightning_mods.checkpointing.earlier_releases`) on the one Lightning reads. The steps that
+need what the checkpoint meets (a network built, a callback list) or concern one part's state are
+called by their owners, also when a plain ``Trainer`` resumes: :func:`fill_shortcut_weights`,
+:func:`rekey_callback_state`, :func:`effective_rank_history` and :func:`datamodule_state`.
 
 At each step's ``dropped_in`` release the step goes (a test fails until it has), and checkpoints of
 its ``written_by`` releases must be loaded once by a release before it and saved again.
@@ -27,6 +28,11 @@ MAE_RECIPE = "lightning_mods.mae.MaskedAutoencoder"
 MAE_NETWORK = "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT"
 # the recipe's own arguments; every other saved setting was the network's
 MAE_RECIPE_SETTINGS = ("base_lr", "weight_decay", "betas", "warmup_epochs", "min_lr_ratio", "num_reconstructions")
+DIFFUSION_RECIPE = "lightning_mods.diffusion.DiffusionModule"
+UVIT = "lightning_mods.backbone.uvit.UViT"
+# the U-ViT's arguments the diffusion recipe took (its image_size is the network's img_size)
+UVIT_SETTINGS = ("image_size", "in_chans", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias",
+                 "mlp_time_embed", "final_conv", "shortcut", "zero_init_branches")
 MODULE_STATES = ("state_dict", "current_model_state")  # the weights, and EMA's training weights beside them
 
 
@@ -43,6 +49,9 @@ class Step:
 MAE_NETWORK_MEMBER = Step(
     "mae_network_member", "0.1.0", "0.3.0",
     "MaskedAutoencoder held its network's settings and weights itself; they move under 'network'")
+DIFFUSION_NETWORK_MEMBER = Step(
+    "diffusion_network_member", "0.1.0", "0.3.0",
+    "DiffusionModule built its U-ViT from its own settings, held as 'model'; they move under 'network'")
 SHORTCUT_WEIGHTS = Step(
     "shortcut_weights", "development builds before 0.1.0", "0.3.0",
     "no <block>.shortcut_weights entries: the blocks' weights come from the checkpoint's own schedule")
@@ -55,13 +64,16 @@ ENTROPY_PROFILE = Step(
 DATA_ORDER = Step(
     "data_order", "development builds before 0.1.0", "0.3.0",
     "a datamodule's train position without the data order it counts in (resumed unchecked)")
-STEPS = (MAE_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE, DATA_ORDER)
+STEPS = (MAE_NETWORK_MEMBER, DIFFUSION_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE,
+         DATA_ORDER)
 
 
 def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     """Bring a Lightning checkpoint dictionary to this release's layout, in place; the names of the
     steps applied (none for a current checkpoint)."""
-    applied = [MAE_NETWORK_MEMBER.name] if _mae_network_member(checkpoint) else []
+    applied = [step.name for step, function in ((MAE_NETWORK_MEMBER, _mae_network_member),
+                                                (DIFFUSION_NETWORK_MEMBER, _diffusion_network_member))
+               if function(checkpoint)]
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
             history = effective_rank_history(state["history"])
@@ -75,11 +87,40 @@ def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
     """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout:
     :data:`MAE_NETWORK_MEMBER` moves an MAE's network settings under ``init_args.network``."""
     init = dict(model.get("init_args") or {})
-    if str(model.get("class_path", "")).rpartition(".")[2] != "MaskedAutoencoder" or "network" in init:
+    recipe = str(model.get("class_path", "")).rpartition(".")[2]
+    if recipe not in ("MaskedAutoencoder", "DiffusionModule") or "network" in init:
         return dict(model)
+    if recipe == "DiffusionModule":
+        network = uvit_settings(init)
+        init = {k: v for k, v in init.items() if k not in UVIT_SETTINGS}
+        return {**model, "init_args": {"network": {"class_path": UVIT, "init_args": network}, **init}}
     network = {k: v for k, v in init.items() if k not in MAE_RECIPE_SETTINGS}
-    recipe = {k: v for k, v in init.items() if k in MAE_RECIPE_SETTINGS}
-    return {**model, "init_args": {"network": {"class_path": MAE_NETWORK, "init_args": network}, **recipe}}
+    recipe_settings = {k: v for k, v in init.items() if k in MAE_RECIPE_SETTINGS}
+    return {**model, "init_args": {"network": {"class_path": MAE_NETWORK, "init_args": network}, **recipe_settings}}
+
+
+def uvit_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The U-ViT's arguments among a 0.1 diffusion recipe's settings (its num_classes when conditional)."""
+    network = {("img_size" if k == "image_size" else k): v for k, v in settings.items() if k in UVIT_SETTINGS}
+    if settings.get("class_conditional"):
+        network["num_classes"] = settings.get("num_classes", 0)
+    return network
+
+
+def _diffusion_network_member(checkpoint: dict[str, Any]) -> bool:
+    hparams = checkpoint.get("hyper_parameters")
+    if not isinstance(hparams, dict) or hparams.get("_class_path") != DIFFUSION_RECIPE or "network" in hparams:
+        return False
+    network = uvit_settings(hparams)
+    for key in UVIT_SETTINGS:
+        hparams.pop(key, None)
+    hparams["network"] = {"class_path": UVIT, "init_args": network}
+    for field in MODULE_STATES:
+        state = checkpoint.get(field)
+        if isinstance(state, dict):
+            checkpoint[field] = {("network." + k[len("model."):] if k.startswith("model.") else k): v
+                                 for k, v in state.items()}
+    return True
 
 
 def _mae_network_member(checkpoint: dict[str, Any]) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_mods.checkpointing.rebuild import (canonical_class_path, conflict_message, constructor_parameters,
-                                                  load_checkpoint, module_from_checkpoint)
+                                                  import_path, load_checkpoint, module_from_checkpoint)
 
 
 def network_settings(network: nn.Module) -> dict[str, Any]:
@@ -31,11 +31,33 @@ def network_settings(network: nn.Module) -> dict[str, Any]:
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(settings)}
 
 
+def given_network(network: nn.Module | str, expected: type, owner: str, example: str) -> nn.Module:
+    """The network a recipe is given: a module as it is, a name of timm's registry built by timm;
+    a one-line ValueError unless it is an ``expected`` (``example``: a registered name to suggest)."""
+    if isinstance(network, str):
+        import timm
+
+        network = timm.create_model(network)
+    if not isinstance(network, expected):
+        raise ValueError(f"{owner}: network must be a {expected.__name__} (or a subclass, or the timm name of one, "
+                         f"e.g. {example}); got {type(network).__name__}")
+    return network
+
+
 def network_of(module: nn.Module) -> nn.Module:
-    """The network a recipe holds (its ``network``), or ``module`` itself when it holds none: what
-    an evaluation of a checkpoint reads."""
+    """What an evaluation of a checkpoint reads: the network a recipe holds (its ``network``) where
+    the recipe says its features are the network's (``network_is_evaluated``), else ``module``."""
     network = getattr(module, "network", None)
-    return network if isinstance(network, nn.Module) else module
+    return network if isinstance(network, nn.Module) and network_is_evaluated(type(module)) else module
+
+
+def network_is_evaluated(recipe: Any) -> bool:
+    """Whether ``recipe`` (a class, or its import path) says the evaluations read its network alone."""
+    try:
+        cls = import_path(canonical_class_path(recipe)) if isinstance(recipe, str) else recipe
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return bool(getattr(cls, "network_is_evaluated", False))
 
 
 def network_config(module: nn.Module, config: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +79,8 @@ def load_network(path: str | os.PathLike, given: Optional[dict] = None, allow_ov
     ckpt = load_checkpoint(path)
     hparams = ckpt.get("hyper_parameters") or {}
     network = hparams.get("network")
-    if not isinstance(network, dict) or not network.get("class_path"):
+    if not isinstance(network, dict) or not network.get("class_path") or \
+            not network_is_evaluated(hparams.get("_class_path")):
         return module_from_checkpoint(path, given, allow_override, name=name, ckpt=ckpt)
     given = dict(given or {})
     nested = (given.get("init_args") or {}).get("network")

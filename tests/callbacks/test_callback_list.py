@@ -57,7 +57,7 @@ def test_print_config_shows_the_defaults_then_what_the_config_appends(capsys):
     printed = [c["class_path"] for c in yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]]
     own = [c["class_path"] for c in yaml.safe_load((ROOT / "configs" / "digits_mae.yaml").read_text())["trainer"]["callbacks+"]]
     assert printed == [c["class_path"] for c in DEFAULT_CALLBACKS] + own
-    assert "callbacks.reliability.lost_rank.LostRankReport" in printed and "ModelCheckpoint" in printed[len(DEFAULT_CALLBACKS)]
+    assert "callbacks.reliability.lost_rank.LostRankReport" in printed and "EpochResumePoint" in printed[len(DEFAULT_CALLBACKS)]
 
 
 def test_a_replaced_list_gets_the_two_required_callbacks_back_and_says_so(tmp_path, caplog):
@@ -78,14 +78,15 @@ def test_a_replaced_list_gets_the_two_required_callbacks_back_and_says_so(tmp_pa
     assert len(trainer.callbacks) == len(set(map(id, trainer.callbacks))) and "added" not in caplog.text
 
 
-def test_a_shared_evaluation_that_joins_unlisted_says_so(caplog):
+def test_no_shared_evaluation_adds_itself_to_a_trainer():
+    """Without one among the callbacks, each request gets a pass of its own that keeps nothing;
+    with one, every request gets that one."""
     from callbacks.measurement.shared_features import SharedEvaluation
 
     trainer = Trainer(logger=False, callbacks=[], enable_progress_bar=False, enable_model_summary=False)
-    with caplog.at_level(logging.INFO):
-        shared = SharedEvaluation.of(trainer)
-    assert shared in trainer.callbacks and "added SharedEvaluation" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        assert SharedEvaluation.of(trainer) is shared
-    assert "added" not in caplog.text
+    alone = SharedEvaluation.of(trainer)
+    assert trainer.callbacks == [] or not any(isinstance(c, SharedEvaluation) for c in trainer.callbacks)
+    assert SharedEvaluation.of(trainer) is not alone
+    listed = SharedEvaluation()
+    trainer = Trainer(logger=False, callbacks=[listed], enable_progress_bar=False, enable_model_summary=False)
+    assert SharedEvaluation.of(trainer) is listed and SharedEvaluation.of(trainer) is listed

@@ -31,6 +31,7 @@ from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.resnet import ResNet18Cifar
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from lightning_mods.backbone.uvit import UViT
 
 EPOCHS, BATCHES = 3, 4  # limit_train_batches: epochs of 4 of the 44 batches of 32 digits
 EPOCH_BOUNDARY, MID_EPOCH = 4, 7  # optimiser steps: end of epoch 0; 3 of 4 batches into epoch 1 (odd)
@@ -94,9 +95,7 @@ def tiny_classifier() -> ImageClassifier:
 
 
 def tiny_diffusion() -> DiffusionModule:
-    return DiffusionModule(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                           num_sampling_steps=2, num_sample_images=0, warmup_steps=3, lr_schedule="cosine",
-                           zero_init_branches=False)
+    return DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, zero_init_branches=False, shortcut={"kind": "linear", "alpha_min": 0.7}), num_sampling_steps=2, num_sample_images=0, warmup_steps=3, lr_schedule="cosine")
 
 
 CASES: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], list]]] = {

@@ -18,6 +18,7 @@ from callbacks.measurement.fid import GenerationMetrics, reference_fingerprint
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule
 from tiny_feature_extractor import register_tiny_extractor
+from lightning_mods.backbone.uvit import UViT
 
 TINY_EXTRACTOR = register_tiny_extractor()
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
@@ -39,8 +40,7 @@ class RecordGeneration(Callback):
 
 def test_callback_measures_ema_samples_against_the_datamodule(tmp_path):
     torch.manual_seed(0)
-    module = DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
-                             num_sampling_steps=2, num_sample_images=0, lr=1e-2, warmup_steps=0)
+    module = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), num_sampling_steps=2, num_sample_images=0, lr=1e-2, warmup_steps=0)
     metrics = GenerationMetrics(num_samples=24, batch_size=10, every_n_epochs=1, feature_extractor=TINY_EXTRACTOR,
                                 kid_subset_size=10, cache_root=str(tmp_path / "cache"))
     ema, record = EMAWeightAveraging(decay=0.5), RecordGeneration()
@@ -138,8 +138,7 @@ def test_checkpoint_choice_by_fid_then_report_with_more_samples(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(0)
-    module = DiffusionModule(image_size=8, in_chans=1, patch_size=2, embed_dim=16, depth=2, num_heads=2,
-                             num_sampling_steps=2, num_sample_images=0, lr=3e-2, warmup_steps=0)
+    module = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=2, embed_dim=16, depth=2, num_heads=2, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), num_sampling_steps=2, num_sample_images=0, lr=3e-2, warmup_steps=0)
     fid_kwargs = dict(num_samples=12, batch_size=12, every_n_epochs=1, feature_extractor=TINY_EXTRACTOR,
                       kid=False, isc=False, cache_root=str(tmp_path / "cache"), reference_split="val",
                       num_reference=40)

@@ -22,6 +22,7 @@ from lightning_mods.backbone.shortcut import ShortcutSchedule
 from composed_configs import command_args
 from test_cli import DIGITS, TINY_MAE, run_fit
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from lightning_mods.backbone.uvit import UViT
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.enable_progress_bar=false"]
@@ -93,8 +94,7 @@ def test_diffusion_and_probe_predict_steps_write_their_features(tmp_path):
     images = torch.randn(6, 1, 8, 8)
     labels = torch.arange(6) % 3
     loader = DataLoader(TensorDataset(images, labels), batch_size=4)
-    diffusion = DiffusionModule(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3, num_heads=2,
-                                num_classes=3)
+    diffusion = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3, num_heads=2, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), num_classes=3)
     probe = LinearProbe(MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)),
                         num_classes=3)
     for name, module in (("diffusion", diffusion), ("probe", probe)):

@@ -80,13 +80,11 @@ def test_every_config_checkpoints_every_epoch_whatever_its_evaluation_cadence(na
     callbacks = declared_callbacks(name)
     names = {c["class_path"] for c in callbacks}
     assert RELIABILITY <= names, sorted(RELIABILITY - names)
-    # ModelCheckpoint saves at the end of every training epoch (not only after validations)
+    # the resume point saves at the end of every training epoch (not only after validations), as it is
     every_epoch = [c.get("init_args", {}) for c in callbacks
-                   if c["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"
-                   and c.get("init_args", {}).get("save_on_train_epoch_end") is True
-                   and c.get("init_args", {}).get("every_n_epochs", 1) == 1
-                   and c.get("init_args", {}).get("save_top_k", 1) != 0]
-    assert every_epoch, "no ModelCheckpoint saving at every training epoch's end"
+                   if c["class_path"] == "callbacks.reliability.resume_point.EpochResumePoint"
+                   and not {"every_n_epochs", "save_on_train_epoch_end", "save_top_k"} & set(c.get("init_args") or {})]
+    assert every_epoch, "no EpochResumePoint saving at every training epoch's end"
 
 
 def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_swapped_in(tmp_path, capsys):

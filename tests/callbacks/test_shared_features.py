@@ -63,10 +63,13 @@ def make_callbacks() -> list:
 
 
 def test_three_evaluations_embed_the_bank_and_the_validation_set_once(tmp_path):
-    module, together, data = fit_with(make_callbacks(), tmp_path / "all")
+    module, together, data = fit_with([*make_callbacks(), shared.SharedEvaluation()], tmp_path / "all")
     assert module.embedded == len(data.bank_dataset) + len(data.val_dataset)
-    (pass_,) = [c for c in trainer_of(module).callbacks if isinstance(c, shared.SharedEvaluation)]  # one, added
+    (pass_,) = [c for c in trainer_of(module).callbacks if isinstance(c, shared.SharedEvaluation)]  # the one listed
     assert pass_._entries == {}  # released when the validation ended
+    unlisted, _, _ = fit_with(make_callbacks(), tmp_path / "unlisted")  # none listed: each its own pass, none added
+    assert unlisted.embedded > module.embedded
+    assert not any(isinstance(c, shared.SharedEvaluation) for c in trainer_of(unlisted).callbacks)
     seen = set()
     for i, callback in enumerate(make_callbacks()):  # each alone: its own passes, the same numbers
         alone_module, alone, _ = fit_with([callback], tmp_path / f"alone{i}")
@@ -112,6 +115,7 @@ def test_a_changed_weight_or_step_is_never_served_stale_features():
     dataset = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.arange(10) % 3)
     module = Embedder()
     trainer = StubTrainer(dataset)
+    trainer.callbacks.append(shared.SharedEvaluation())
     evaluation = shared.SharedEvaluation.of(trainer)
     assert trainer.callbacks == [evaluation] and shared.SharedEvaluation.of(trainer) is evaluation
     first = evaluation.features(trainer, module, "val_dataset", "test", 4, 0)
@@ -132,4 +136,8 @@ def test_a_changed_weight_or_step_is_never_served_stale_features():
     evaluation.release()
     evaluation.features(trainer, module, "val_dataset", "test", 4, 0)
     assert module.calls == 14
+    alone = shared.SharedEvaluation.of(StubTrainer(dataset))  # none listed: a pass that keeps nothing
+    alone.features(trainer, module, "val_dataset", "test", 4, 0)
+    alone.features(trainer, module, "val_dataset", "test", 4, 0)
+    assert module.calls == 20 and alone._entries == {}
 

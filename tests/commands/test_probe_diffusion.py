@@ -12,6 +12,7 @@ from rich.progress import Progress
 from torch.utils.data import DataLoader, TensorDataset
 
 from commands.probe_diffusion import best_pair, main, probe_sweep, write_results
+from lightning_mods.backbone.uvit import UViT
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 
@@ -48,7 +49,7 @@ def test_sweep_reports_the_informative_block_and_noise_level(tmp_path):
 def test_command_writes_table_and_heatmaps(tmp_path):
     rows = main(["--config", str(CONFIG), "--out", str(tmp_path), "--blocks", "0", "3", "6", "--timesteps", "10",
                  "200", "--max-train", "150", "--max-val", "60", "--probe-epochs", "3", "--device", "cpu",
-                 "--model.init_args.depth=6"])
+                 "--model.network.depth=6"])
     assert len(rows) == 6
     with open(tmp_path / "probe_results.csv") as f:
         table = list(csv.DictReader(f))
@@ -69,8 +70,7 @@ def test_linear_probe_of_a_diffusion_backbone_takes_the_datamodules_pixel_statis
     from lightning_mods.diffusion import DiffusionModule
     from lightning_mods.linear_probe import LinearProbe
 
-    backbone = DiffusionModule(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=1, num_heads=2,
-                               num_sample_images=0)
+    backbone = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=1, num_heads=2, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), num_sample_images=0)
     probe = LinearProbe(backbone=backbone, num_classes=10)
     data = Digits(batch_size=32, image_size=8)
     trainer = Trainer(max_steps=1, limit_val_batches=1, accelerator="cpu", logger=False, enable_checkpointing=False,

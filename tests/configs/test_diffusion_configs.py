@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from commands import lightning_cli as cli
-from composed_configs import (CONFIG_DIR, NARROW, ROWS, SINGLE_FILES, command_args, is_diffusion, representatives,
-                              resolved_config, sizes)
+from composed_configs import (CONFIG_DIR, ROWS, SINGLE_FILES, command_args, is_diffusion, representatives,
+                              narrow_settings, resolved_config, sizes)
 from latent_fixtures import make_tiny_latents
 from tiny_feature_extractor import register_tiny_extractor
 
@@ -69,7 +69,9 @@ def test_fit_one_step_then_validate_from_checkpoint(name, full_size, tmp_path, d
 def fit_one_step_then_validate(name: str, full_size: bool, tmp_path: Path, data_root: dict, tiny_latents: dict) -> None:
     config = point_at_test_data(resolved_config(command_args(name)), tmp_path, data_root, tiny_latents)
     if not full_size:  # a narrow copy of the network: the row's composition, training and FID, not its size
-        config["model"]["init_args"].update(NARROW["DiffusionModule"])
+        narrow = narrow_settings("DiffusionModule")
+        config["model"]["init_args"]["network"]["init_args"].update(narrow["network"])
+        config["model"]["init_args"].update(narrow["init_args"])
     test_config = tmp_path / "config.yaml"
     test_config.write_text(yaml.safe_dump(config))
     common = [f"--config={test_config}", "--trainer.accelerator=cpu", "--trainer.devices=1",
@@ -107,25 +109,28 @@ def test_init_and_weight_decay_are_what_the_readme_says(name):
     which parameters AdamW decays."""
     from types import SimpleNamespace
 
-    from lightning_mods.diffusion import DiffusionModule
     from lightning_mods.backbone.shortcut import ShortcutSchedule
+    from lightning_mods.backbone.uvit import UViT
+    from lightning_mods.diffusion import DiffusionModule
 
     init, decay = readme_init_and_decay()[name]
     args = dict(resolved_config(command_args(name))["model"]["init_args"])
-    args["shortcut"] = ShortcutSchedule(**args["shortcut"]["init_args"])
-    args.update(embed_dim=16, depth=2, num_heads=2, vae_path=None, num_classes=3, in_chans=4, image_size=8,
-                feature_block=None)
+    network = {k: v for k, v in args.pop("network")["init_args"].items() if k not in ("norm_layer", "act_layer")}
+    network["shortcut"] = ShortcutSchedule(**network["shortcut"]["init_args"])
+    network.update(embed_dim=16, depth=2, num_heads=2, in_chans=4, img_size=8,
+                   num_classes=3 if args.get("class_conditional") else 0)
+    args.update(vae_path=None, num_classes=3, feature_block=None)
     torch.manual_seed(0)
-    module = DiffusionModule(**args)
+    module = DiffusionModule(UViT(**network), **args)
     module.trainer = SimpleNamespace(estimated_stepping_batches=10, world_size=1, accumulate_grad_batches=1,
                                      datamodule=SimpleNamespace(batch_size=args.get("reference_batch") or 1))
-    for blk in module.model.blocks_in_depth_order():
+    for blk in module.network.blocks_in_depth_order():
         zeroed = [torch.count_nonzero(layer.weight).item() == 0 for layer in (blk.attn.proj, blk.mlp.fc2)]
         assert zeroed == [init == "zero"] * 2, name
     optimizer = module.configure_optimizers()["optimizer"]
     decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
-    names = {n for n, p in module.model.named_parameters() if id(p) in decayed}
-    everything = {n for n, p in module.model.named_parameters() if p.requires_grad}
+    names = {n for n, p in module.network.named_parameters() if id(p) in decayed}
+    everything = {n for n, p in module.network.named_parameters() if p.requires_grad}
     if decay == "all parameters":
         assert names == everything
     else:

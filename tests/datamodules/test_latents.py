@@ -12,6 +12,7 @@ from lightning_mods.diffusion import DiffusionModule
 from commands.encode_latents import to_vae_input
 
 from latent_fixtures import TINY_VAE_SCALE as SCALE, make_tiny_latents
+from lightning_mods.backbone.uvit import UViT
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,7 @@ def test_latents_datamodule_follows_the_contract(encoded):
 def test_latent_round_trip_decodes_with_the_same_vae(encoded):
     dm = Latents(encoded["dir"])
     dm.setup("validate")
-    module = DiffusionModule(image_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4,
-                             vae_path=encoded["vae_path"])
+    module = DiffusionModule(UViT(img_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), vae_path=encoded["vae_path"])
     assert module.is_latent and not module.clip_sample and module.vae.scaling_factor == SCALE
     latents = torch.stack([dm.val_dataset[i][0] for i in range(4)])
     assert torch.equal(module.to_model_space(latents), latents)
@@ -90,9 +90,7 @@ def test_latent_round_trip_decodes_with_the_same_vae(encoded):
 def test_latent_diffusion_trains_and_generates_pixels(encoded, tmp_path):
     torch.manual_seed(0)
     dm = Latents(encoded["dir"], batch_size=16)
-    module = DiffusionModule(image_size=4, in_chans=4, num_classes=10, class_conditional=True, patch_size=2,
-                             embed_dim=32, depth=2, num_heads=4, vae_path=encoded["vae_path"], sampler="dpmsolver++",
-                             num_sampling_steps=3, num_sample_images=0, warmup_steps=0)
+    module = DiffusionModule(UViT(img_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}, num_classes=10), num_classes=10, class_conditional=True, vae_path=encoded["vae_path"], sampler="dpmsolver++", num_sampling_steps=3, num_sample_images=0, warmup_steps=0)
     trainer = Trainer(max_steps=2, limit_val_batches=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=dm)
@@ -104,18 +102,16 @@ def test_latent_diffusion_trains_and_generates_pixels(encoded, tmp_path):
 
 def test_mismatches_raise_one_line_errors(encoded, tmp_path):
     with pytest.raises(ValueError, match="in_chans"):
-        DiffusionModule(image_size=4, in_chans=3, vae_path=encoded["vae_path"])
+        DiffusionModule(UViT(img_size=4, in_chans=3, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), vae_path=encoded["vae_path"])
     with pytest.raises(ValueError, match="vae_path"):
-        DiffusionModule(image_size=4, in_chans=4, vae_path=str(tmp_path))
-    module = DiffusionModule(image_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4,
-                             vae_path=encoded["vae_path"], latent_scaling_factor=0.18215)
+        DiffusionModule(UViT(img_size=4, in_chans=4, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), vae_path=str(tmp_path))
+    module = DiffusionModule(UViT(img_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), vae_path=encoded["vae_path"], latent_scaling_factor=0.18215)
     with pytest.raises(ValueError, match="latent_scaling_factor"):
         module.set_pixel_stats(Latents(encoded["dir"]))
     shifted = Latents(encoded["dir"])
     shifted.shift_factor += 0.25  # latents from a VAE with another shift than the model's
     with pytest.raises(ValueError, match="vae_path: this VAE shifts latents by"):
-        DiffusionModule(image_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4,
-                        vae_path=encoded["vae_path"]).set_pixel_stats(shifted)
+        DiffusionModule(UViT(img_size=4, in_chans=4, patch_size=2, embed_dim=32, depth=2, num_heads=4, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), vae_path=encoded["vae_path"]).set_pixel_stats(shifted)
     with pytest.raises(FileNotFoundError, match="metadata.json"):
         Latents(str(tmp_path))
     with pytest.raises(ValueError, match="data"):

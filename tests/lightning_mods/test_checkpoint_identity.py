@@ -107,8 +107,9 @@ FAMILIES = {
                        "class_path": "lightning_mods.backbone.resnet.ResNet18Cifar",
                        "init_args": {"channels": [4, 4, 8, 8], "zero_init_branches": False}}}},
     "diffusion": {"class_path": "lightning_mods.diffusion.DiffusionModule",
-                  "init_args": dict(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2,
-                                    num_sample_images=0)},
+                  "init_args": {"network": {"class_path": "lightning_mods.backbone.uvit.UViT", "init_args": dict(
+                      img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2)},
+                      "num_sample_images": 0}},
     "spiral": {"class_path": "lightning_mods.spiral_classifier.SpiralClassifier", "init_args": dict(depth=4, width=4)},
 }
 
@@ -283,14 +284,14 @@ def test_probe_diffusion_rebuilds_the_model_from_its_checkpoint(tmp_path):
     from commands.probe_diffusion import load_model_and_data
 
     config = str(Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml")
-    small = ["--model.init_args.depth=2", "--model.init_args.embed_dim=16", "--model.init_args.num_heads=2",
+    small = ["--model.network.depth=2", "--model.network.embed_dim=16", "--model.network.num_heads=2",
              "--model.init_args.feature_block=1"]
     writer, _ = load_model_and_data(config, None, small)
     for p in writer.parameters():
         p.data.normal_(0, 0.1)
     path = tmp_path / "diffusion.ckpt"
     torch.save({"state_dict": writer.state_dict(), "hyper_parameters": dict(writer.hparams)}, path)
-    images = torch.randn(2, 1, writer.hparams.image_size, writer.hparams.image_size)
+    images = torch.randn(2, 1, writer.network.img_size, writer.network.img_size)
     with torch.no_grad():
         want = writer.eval().noised_block_features(images, [0, 1, 2], 50, seed=0)
     module, _ = load_model_and_data(config, str(path), small)
@@ -298,5 +299,5 @@ def test_probe_diffusion_rebuilds_the_model_from_its_checkpoint(tmp_path):
     with torch.no_grad():
         got = module.eval().noised_block_features(images, [0, 1, 2], 50, seed=0)
     assert all(torch.equal(u, v) for u, v in zip(got, want))
-    with pytest.raises(ValueError, match=r"^model.shortcut.alpha_min: 1.0 given, checkpoint .* has 0.7"):
-        load_model_and_data(config, str(path), [*small, "--model.init_args.shortcut.init_args.alpha_min=1.0"])
+    with pytest.raises(ValueError, match=r"^model.network.shortcut.alpha_min: 1.0 given, checkpoint .* has 0.7"):
+        load_model_and_data(config, str(path), [*small, "--model.network.shortcut.alpha_min=1.0"])

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from commands import lightning_cli as cli
 from lightning_mods._generation.guidance import drop_labels, guided_noise
-from lightning_mods.diffusion import DiffusionModule
+from diffusion_modules import diffusion_module
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 TINY = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
@@ -30,7 +30,7 @@ def float64_alphas_cumprod(schedule: str, beta_start: float, beta_end: float, st
 
 @pytest.mark.parametrize("schedule,start,end", [("linear", 1e-4, 0.02), ("scaled_linear", 0.00085, 0.012)])
 def test_forward_noising_matches_float64_closed_form(schedule, start, end):
-    module = DiffusionModule(**TINY, beta_schedule=schedule, beta_start=start, beta_end=end)
+    module = diffusion_module(**TINY, beta_schedule=schedule, beta_start=start, beta_end=end)
     abar = float64_alphas_cumprod(schedule, start, end)
     rng = np.random.default_rng(0)
     x0, noise = rng.standard_normal((5, 1, 8, 8)), rng.standard_normal((5, 1, 8, 8))
@@ -45,7 +45,7 @@ def test_forward_noising_matches_float64_closed_form(schedule, start, end):
 
 def test_loss_is_noise_prediction_mse():
     torch.manual_seed(0)
-    module = DiffusionModule(**TINY)
+    module = diffusion_module(**TINY)
     x0 = torch.rand(4, 1, 8, 8) * 2 - 1
     loss = module.diffusion_loss(x0, None, generator=torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(3)  # the same draws, in the documented order: noise, then t
@@ -59,7 +59,7 @@ def test_loss_is_noise_prediction_mse():
 
 
 def test_pixel_space_round_trip_uses_the_datamodule_normalisation():
-    module = DiffusionModule(**{**TINY, "pixel_mean": [0.3], "pixel_std": [0.2]})
+    module = diffusion_module(**{**TINY, "pixel_mean": [0.3], "pixel_std": [0.2]})
     pixels = torch.rand(2, 1, 8, 8)
     normalised = (pixels - 0.3) / 0.2
     torch.testing.assert_close(module.to_model_space(normalised), pixels * 2 - 1)
@@ -70,7 +70,7 @@ def test_pixel_space_round_trip_uses_the_datamodule_normalisation():
                                              ("dpmsolver++_singlestep", "discrete"), ("euler_maruyama", "vp_sde")])
 def test_sampler_shape_range_and_seed_determinism(sampler, process):
     torch.manual_seed(0)
-    module = DiffusionModule(**TINY, sampler=sampler, noise_process=process)
+    module = diffusion_module(**TINY, sampler=sampler, noise_process=process)
     raw = module.sample(3, seed=7)
     assert raw.shape == (3, 1, 8, 8) and torch.isfinite(raw).all()
     if sampler in ("ddpm", "ddim"):  # DDPM/DDIM clip the predicted x0 to [-1, 1] in pixel mode
@@ -87,7 +87,7 @@ def test_sampler_shape_range_and_seed_determinism(sampler, process):
 def test_samplers_recover_a_point_mass_with_the_exact_noise(sampler, steps):
     """Data = one image x0: the exact noise is (x_t - sqrt(abar_t) x0) / sqrt(1 - abar_t), in float64
     from the closed form, and every sampler must then land on x0 whatever its number of steps."""
-    module = DiffusionModule(**{**TINY, "sampler": sampler, "num_sampling_steps": steps})
+    module = diffusion_module(**{**TINY, "sampler": sampler, "num_sampling_steps": steps})
     x0 = torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(3)) * 1.6 - 0.8
     abar = torch.tensor(float64_alphas_cumprod("linear", 1e-4, 0.02), dtype=torch.float64)
 
@@ -103,11 +103,11 @@ def test_samplers_recover_a_point_mass_with_the_exact_noise(sampler, steps):
 def test_ddim_steps_must_divide_the_training_timesteps():
     # with 7 of 1000 steps diffusers' DDIM misses the point mass above by 0.03
     with pytest.raises(ValueError, match="num_sampling_steps for ddim must divide"):
-        DiffusionModule(**{**TINY, "sampler": "ddim", "num_sampling_steps": 7})
+        diffusion_module(**{**TINY, "sampler": "ddim", "num_sampling_steps": 7})
 
 
 def test_classifier_free_guidance_combines_conditional_and_null_predictions():
-    module = DiffusionModule(**TINY, num_classes=3, class_conditional=True)
+    module = diffusion_module(**TINY, num_classes=3, class_conditional=True)
 
     class ClassOffset(torch.nn.Module):  # eps = x + 10 * label (null class = 3)
         null_class = 3
@@ -115,7 +115,7 @@ def test_classifier_free_guidance_combines_conditional_and_null_predictions():
         def forward(self, x, t, y):
             return x + 10.0 * y.float().view(-1, 1, 1, 1)
 
-    module.model = ClassOffset()
+    module.network = ClassOffset()
     x, t, labels = torch.randn(2, 1, 8, 8), torch.tensor(5), torch.tensor([0, 2])
     eps = module.predict_noise(x, t, labels, guidance_scale=2.5)
     cond, null = x + 10.0 * labels.float().view(-1, 1, 1, 1), x + 30.0
@@ -135,7 +135,7 @@ def test_label_dropout():
 def test_class_conditional_sampling_respects_the_label():
     """Class 0 images are all -0.8, class 1 images all +0.8; samples must follow the label."""
     torch.manual_seed(0)
-    module = DiffusionModule(**{**TINY, "image_size": 4, "num_classes": 2, "class_conditional": True,
+    module = diffusion_module(**{**TINY, "image_size": 4, "num_classes": 2, "class_conditional": True,
                                 "sampler": "ddim", "num_sampling_steps": 10})
     optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
     for _ in range(200):
@@ -148,23 +148,23 @@ def test_class_conditional_sampling_respects_the_label():
     samples = module.sample(16, torch.tensor([0] * 8 + [1] * 8), seed=0, guidance_scale=2.0)
     assert samples[:8].mean() < -0.3 and samples[8:].mean() > 0.3
     with pytest.raises(ValueError, match="labels"):
-        DiffusionModule(**TINY).sample(2, torch.tensor([0, 1]))
+        diffusion_module(**TINY).sample(2, torch.tensor([0, 1]))
 
 
 def test_evaluation_features_follow_the_contract():
     torch.manual_seed(0)
-    module = DiffusionModule(**{**TINY, "depth": 4, "num_classes": 3, "class_conditional": True}).eval()
+    module = diffusion_module(**{**TINY, "depth": 4, "num_classes": 3, "class_conditional": True}).eval()
     images = torch.randn(5, 1, 8, 8)
     feats = module.forward_features(images)
     blocks = module.forward_intermediates(images, intermediates_only=True)
-    assert feats.shape == (5, 32) and len(blocks) == module.model.num_blocks == 5
+    assert feats.shape == (5, 32) and len(blocks) == module.network.num_blocks == 5
     torch.testing.assert_close(feats, blocks[module.feature_block], rtol=0, atol=0)  # default: the mid block
     torch.testing.assert_close(feats, module.forward_features(images), rtol=0, atol=0)  # fixed noise
     # by hand: noised at feature_timestep, null class, patch tokens only (2 prefix tokens)
     x0 = module.to_model_space(images)
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
     t = torch.full((5,), module.hparams.feature_timestep)
-    tokens = module.model.forward_blocks(module.add_noise(x0, noise, t), t, torch.full((5,), 3))[2]
+    tokens = module.network.forward_blocks(module.add_noise(x0, noise, t), t, torch.full((5,), 3))[2]
     torch.testing.assert_close(feats, tokens[:, 2:].mean(1))
     assert not torch.allclose(module.noised_block_features(images, [2], timestep=900)[0], feats)
 
@@ -177,12 +177,12 @@ def test_bad_arguments_raise_one_line_errors():
                           ({"feature_timestep": 1000}, "feature_timestep"),
                           ({"sampler": "euler_maruyama"}, "noise_process"), ({"noise_process": "sde"}, "noise_process")]:
         with pytest.raises(ValueError, match=field):
-            DiffusionModule(**{**TINY, **kwargs})
+            diffusion_module(**{**TINY, **kwargs})
 
 
 def test_constant_lr_schedule_warms_up_then_holds_the_peak():
     from types import SimpleNamespace
-    module = DiffusionModule(**{**TINY, "warmup_steps": 10, "lr_schedule": "constant"})
+    module = diffusion_module(**{**TINY, "warmup_steps": 10, "lr_schedule": "constant"})
     module.trainer = SimpleNamespace(estimated_stepping_batches=100)
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
     multiplier = scheduler.lr_lambdas[0]
@@ -198,7 +198,7 @@ class RecordWeights(Callback):
 
 def test_validation_samples_with_the_ema_weights(tmp_path):
     torch.manual_seed(0)
-    module = DiffusionModule(**{**TINY, "lr": 1e-2, "warmup_steps": 0, "num_sample_images": 2})
+    module = diffusion_module(**{**TINY, "lr": 1e-2, "warmup_steps": 0, "num_sample_images": 2})
     seen = {}
 
     def record_grid():
@@ -254,7 +254,7 @@ def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):
 
     import lightning_mods._generation.samples as samples
 
-    module = DiffusionModule(**{**TINY, "num_classes": 10, "class_conditional": True, "num_sample_images": 16,
+    module = diffusion_module(**{**TINY, "num_classes": 10, "class_conditional": True, "num_sample_images": 16,
                                 "sampler": "ddim", "num_sampling_steps": 50, "guidance_scale": 2.0})
     assert module.sample_grid_classes(16) == ([0, 3, 6, 9], 4)  # 4 rows spread over 0..9, 4 samples each
     assert module.sample_grid_classes(64) == ([0, 1, 3, 4, 5, 6, 8, 9], 8)  # round(9 * i / 7)

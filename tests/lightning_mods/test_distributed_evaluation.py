@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent('''
     from torch.utils.data import DataLoader, TensorDataset
     from lightning_mods.backbone.resnet import ResNet18Cifar
     from lightning_mods.classifier import ImageClassifier
+    from lightning_mods.backbone.uvit import UViT
     from lightning_mods.diffusion import DiffusionModule
     from lightning_mods.linear_probe import LinearProbe
     from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
@@ -66,8 +67,10 @@ SCRIPT = textwrap.dedent('''
                   loader(images, labels)),
         "spiral": (SpiralClassifier(depth=2, width=4), loader(points, sides)),
         "mae": (mae, loader(images, labels)),
-        "diffusion": (counting(DiffusionModule)(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3,
-                                               num_heads=2, pixel_mean=[0.5], pixel_std=[0.5], num_sample_images=0),
+        "diffusion": (counting(DiffusionModule)(UViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3,
+                                                    num_heads=2, shortcut={"kind": "linear", "alpha_min": 0.7},
+                                                    zero_init_branches=True),
+                                               pixel_mean=[0.5], pixel_std=[0.5], num_sample_images=0),
                       loader(images, labels)),
     }
     results = {}

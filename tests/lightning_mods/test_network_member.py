@@ -92,22 +92,57 @@ def resume(config: Path, ckpt: Path, root: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_before_the_change_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("family, step, member", [("", "mae_network_member", ""),
+                                                  ("diffusion", "diffusion_network_member", "model.")],
+                         ids=["mae", "diffusion"])
+def test_a_checkpoint_written_before_the_change_resumes_exactly(tmp_path, family, step, member):
     """Resumed from its epoch-0 checkpoint, the run is the one the same checkpoint gives once
     upgraded and saved in this release's layout, bit for bit; and it ends at the weights its
     uninterrupted run wrote at epoch 1 (bit for bit on the machine that wrote them; within float32
-    rounding where the thread count or the CPU differ)."""
-    config = yaml.safe_load((BEFORE / "config.yaml").read_text())
+    rounding where the thread count or the CPU differ). The diffusion run's EMA keeps the training
+    weights beside the averaged ones: both move."""
+    written = BEFORE / family
+    config = yaml.safe_load((written / "config.yaml").read_text())
     config["model"] = migration.upgrade_model_config(config["model"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    upgraded = saved(BEFORE / "epoch0.ckpt")
-    assert migration.upgrade(upgraded) == ["mae_network_member"]
+    upgraded = saved(written / "epoch0.ckpt")
+    assert migration.upgrade(upgraded) == [step]
     torch.save(upgraded, tmp_path / "upgraded.ckpt")
-    old = resume(tmp_path / "config.yaml", BEFORE / "epoch0.ckpt", tmp_path / "old")
+    old = resume(tmp_path / "config.yaml", written / "epoch0.ckpt", tmp_path / "old")
     new = resume(tmp_path / "config.yaml", tmp_path / "upgraded.ckpt", tmp_path / "new")
     assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
-    expected = saved(BEFORE / "epoch1.ckpt")
-    assert expected["global_step"] == 4 and old.keys() == {f"network.{k}" for k in expected["state_dict"]}
-    for k, v in expected["state_dict"].items():
-        torch.testing.assert_close(old[f"network.{k}"], v, rtol=1e-4, atol=1e-6)
+    expected = saved(written / "epoch1.ckpt")
+    assert expected["global_step"] == 4
+    renamed = {f"network.{k.removeprefix(member)}": v for k, v in expected["state_dict"].items()}
+    assert set(renamed) <= set(old)
+    for k, v in renamed.items():
+        torch.testing.assert_close(old[k], v, rtol=1e-4, atol=1e-6)
 
+
+def test_the_diffusion_recipe_holds_its_u_vit_and_checks_its_classes():
+    from lightning_mods.backbone.uvit import UViT
+    from lightning_mods.diffusion import DiffusionModule
+
+    tiny = dict(img_size=8, in_chans=1, patch_size=4, embed_dim=8, depth=2, num_heads=2)
+    module = DiffusionModule(UViT(**tiny, num_classes=3), num_classes=3, class_conditional=True, pixel_mean=[0.5],
+                             pixel_std=[0.5], num_sample_images=0)
+    assert module.hparams["network"]["init_args"]["num_classes"] == 3 and module.network.null_class == 3
+    assert set(module.state_dict()) == {f"network.{k}" for k in module.network.state_dict()}
+    with pytest.raises(ValueError, match="network.num_classes is 0; a class-conditional model's network embeds"):
+        DiffusionModule(UViT(**tiny), num_classes=3, class_conditional=True)
+    with pytest.raises(ValueError, match="class_conditional is false: the class embeddings would never be trained"):
+        DiffusionModule(UViT(**tiny, num_classes=3), num_classes=3)
+    by_name = DiffusionModule("uvit_small_patch2_32_decayed", num_sample_images=0)
+    assert type(by_name.network) is UViT and by_name.hparams["network"]["init_args"]["embed_dim"] == 512
+
+
+@pytest.mark.parametrize("path", [RELEASE_0_1_0, BEFORE / "diffusion" / "epoch1.ckpt"], ids=["mae", "diffusion"])
+def test_load_from_checkpoint_reads_an_earlier_release(path):
+    from lightning_mods.diffusion import DiffusionModule
+
+    written = saved(path)
+    cls = MaskedAutoencoder if "mae" in written["hyper_parameters"]["_class_path"] else DiffusionModule
+    module = cls.load_from_checkpoint(path, map_location="cpu")
+    member = "" if cls is MaskedAutoencoder else "model."
+    own = module.state_dict()
+    assert all(torch.equal(own[f"network.{k.removeprefix(member)}"], v) for k, v in written["state_dict"].items())

@@ -10,6 +10,7 @@ from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.recipe.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
                                   warmup_cosine)
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
+from diffusion_modules import diffusion_module
 
 
 def fake_trainer(batch=32, world_size=4, accumulate=2, total_steps=1000, max_epochs=10):
@@ -133,7 +134,6 @@ def test_param_groups_match_the_rule_written_out_by_hand():
 def family_modules():
     """One small module of each family, with its default AdamW recipe."""
     from lightning_mods.classifier import ImageClassifier
-    from lightning_mods.diffusion import DiffusionModule
     from lightning_mods.backbone.resnet import ResNet18Cifar
     from lightning_mods.backbone.shortcut import ShortcutSchedule
     from test_diffusion import TINY
@@ -142,7 +142,7 @@ def family_modules():
     classifier = ImageClassifier(ResNet18Cifar(shortcut=ShortcutSchedule("linear", 0.6), channels=(8, 16, 16, 32)),
                                  num_classes=10, in_chans=3, optimizer="adamw", base_lr=1e-3, warmup_epochs=0)
     return {"mae": MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), warmup_epochs=0, base_lr=1e-2),  # updates large enough that a 0.1 % lr error shows
-            "diffusion": DiffusionModule(**TINY, warmup_steps=0), "classifier": classifier}
+            "diffusion": diffusion_module(**TINY, warmup_steps=0), "classifier": classifier}
 
 
 @pytest.mark.parametrize("family", ["mae", "diffusion", "classifier"])

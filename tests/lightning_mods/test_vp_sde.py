@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_mods.diffusion import DiffusionModule
+from diffusion_modules import diffusion_module
 
 TINY = dict(image_size=4, in_chans=1, patch_size=2, embed_dim=16, depth=2, num_heads=2, pixel_mean=[0.5],
             pixel_std=[0.5], zero_init_branches=False, noise_process="vp_sde", sampler="euler_maruyama",
@@ -22,16 +22,16 @@ def beta64(t):
 
 def test_forward_marginal_and_loss_match_float64():
     torch.manual_seed(0)
-    module = DiffusionModule(**TINY)
+    module = diffusion_module(**TINY)
     x0 = torch.rand(6, 1, 4, 4) * 2 - 1
     seen = {}
-    forward = module.model.forward
+    forward = module.network.forward
 
     def spy(x, t, y=None):
         seen["x"], seen["t"] = x.detach().clone(), t.detach().clone()
         return forward(x, t, y)
 
-    module.model.forward = spy
+    module.network.forward = spy
     loss = module.diffusion_loss(x0, None, generator=torch.Generator().manual_seed(5))
     gen = torch.Generator().manual_seed(5)  # documented order: the noise, then t ~ U(0, 1)
     noise = torch.randn(x0.shape, generator=gen).double().numpy()
@@ -55,7 +55,7 @@ def test_forward_marginal_and_loss_match_float64():
 
 def test_euler_maruyama_steps_by_hand():
     """Three steps: times 1, 0.5005, 0.001 (linspace(1e-3, 1, 3)), then a noise-free step to 0."""
-    module = DiffusionModule(**{**TINY, "num_sampling_steps": 3})
+    module = diffusion_module(**{**TINY, "num_sampling_steps": 3})
     calls = []
 
     def predict(x, t, labels=None, guidance_scale=1.0):  # eps = 0.3 x + 0.1
@@ -83,7 +83,7 @@ def test_euler_maruyama_steps_by_hand():
 def test_samplers_land_on_a_gaussian_data_distribution(sampler, steps, tolerance):
     """Data ~ N(m, s^2) per pixel: the exact eps is sqrt(1 - a) (x - sqrt(a) m) / (a s^2 + 1 - a)."""
     m, s = 0.4, 0.3
-    module = DiffusionModule(**{**TINY, "sampler": sampler, "num_sampling_steps": steps, "clip_sample": False})
+    module = diffusion_module(**{**TINY, "sampler": sampler, "num_sampling_steps": steps, "clip_sample": False})
 
     def exact_noise(x, net_t, labels=None, guidance_scale=1.0):
         a = float(alpha64(float(net_t) / 999.0))
@@ -97,8 +97,8 @@ def test_samplers_land_on_a_gaussian_data_distribution(sampler, steps, tolerance
 
 def test_euler_maruyama_needs_the_vp_sde():
     with pytest.raises(ValueError, match="euler_maruyama"):
-        DiffusionModule(**{**TINY, "noise_process": "discrete"})
+        diffusion_module(**{**TINY, "noise_process": "discrete"})
     with pytest.raises(ValueError, match="noise_process"):
-        DiffusionModule(**{**TINY, "noise_process": "continuous"})
+        diffusion_module(**{**TINY, "noise_process": "continuous"})
     with pytest.raises(ValueError, match="beta_schedule"):
-        DiffusionModule(**{**TINY, "beta_schedule": "scaled_linear"})
+        diffusion_module(**{**TINY, "beta_schedule": "scaled_linear"})
