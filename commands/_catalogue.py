@@ -21,7 +21,7 @@ KINDS = {
     "model": ("lightning_mods", ("LightningModule",)),
     "data": ("datamodules", ("LightningDataModule",)),
     "callback": ("callbacks", ("Callback", "BasePredictionWriter", "RichModelSummary", "ModelCheckpoint",
-                              "RichProgressBar", "EMAWeightAveraging")),
+                              "RichProgressBar", "EMAWeightAveraging", "LearningRateMonitor")),
 }
 
 

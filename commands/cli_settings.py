@@ -31,6 +31,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "callbacks.reliability.bad_input_cleanup.RemoveLogsOnBadInput"},
     {"class_path": "callbacks.reliability.lost_rank.LostRankReport"},
     {"class_path": "callbacks.measurement.shared_features.SharedEvaluation"},
+    {"class_path": "callbacks.reporting.learning_rate.LearningRates"},
 ]
 REQUIRED = (RemoveLogsOnBadInput, LostRankReport)
 

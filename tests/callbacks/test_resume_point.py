@@ -32,10 +32,11 @@ def test_the_checkpoint_knob_sets_every_checkpoint_but_the_resume_point():
 
 def test_it_rewrites_latest_ckpt_at_each_epoch(tmp_path):
     import torch
-    from lightning.pytorch.demos.boring_classes import BoringModel
+    from line_module import Line
 
     trainer = Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[EpochResumePoint(dirpath=tmp_path)])
-    trainer.fit(BoringModel())
+    points = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 2)), batch_size=4)
+    trainer.fit(Line(), train_dataloaders=points)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.ckpt"]
     assert torch.load(tmp_path / "latest.ckpt", weights_only=True)["epoch"] == 1
