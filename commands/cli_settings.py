@@ -8,6 +8,7 @@ import importlib
 import inspect
 from typing import Any, Optional
 
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -109,7 +110,6 @@ def network_by_name(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path
     if not isinstance(name, str):
         return {}
     import timm
-    from jsonargparse import Namespace
 
     from lightning_mods.checkpointing.network_settings import network_settings  # (its imports register the timm names)
 
@@ -141,7 +141,7 @@ def fill_network_from_data(model, data) -> None:  # noqa: ANN001 (parsed class_p
         wanted["num_classes"] = "num_classes"
     values = data_geometry(data_class, data.get("init_args"), list(wanted))
     if network.get("init_args") is None:
-        network["init_args"] = type(data)()
+        network["init_args"] = Namespace()
     for key, target in wanted.items():
         if target in accepted and values.get(key) is not None:
             network["init_args"][target] = values[key]

@@ -71,9 +71,8 @@ STEPS = (MAE_NETWORK_MEMBER, DIFFUSION_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBAC
 def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     """Bring a Lightning checkpoint dictionary to this release's layout, in place; the names of the
     steps applied (none for a current checkpoint)."""
-    applied = [step.name for step, function in ((MAE_NETWORK_MEMBER, _mae_network_member),
-                                                (DIFFUSION_NETWORK_MEMBER, _diffusion_network_member))
-               if function(checkpoint)]
+    member = _network_member(checkpoint)
+    applied = [member] if member else []
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
             history = effective_rank_history(state["history"])
@@ -83,20 +82,30 @@ def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     return sorted(set(applied))
 
 
+def split_settings(recipe: str, settings: dict[str, Any]) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
+    """:data:`MAE_NETWORK_MEMBER`, :data:`DIFFUSION_NETWORK_MEMBER`: a 0.1 recipe's settings as
+    ``(its network's {"class_path", "init_args"}, the recipe's own)``; None for another recipe."""
+    name = recipe.rpartition(".")[2]
+    if name == "MaskedAutoencoder":  # num_classes: a link from the data the MAE never took
+        network = {k: v for k, v in settings.items()
+                   if not k.startswith("_") and k not in MAE_RECIPE_SETTINGS and k != "num_classes"}
+        own = {k: v for k, v in settings.items() if k.startswith("_") or k in MAE_RECIPE_SETTINGS}
+        return {"class_path": MAE_NETWORK, "init_args": network}, own
+    if name == "DiffusionModule":
+        own = {k: v for k, v in settings.items() if k not in UVIT_SETTINGS}
+        return {"class_path": UVIT, "init_args": uvit_settings(settings)}, own
+    return None
+
+
 def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
-    """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout:
-    :data:`MAE_NETWORK_MEMBER` moves an MAE's network settings under ``init_args.network``."""
+    """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout: a
+    0.1 MAE's or diffusion model's network settings move under ``init_args.network``."""
     init = dict(model.get("init_args") or {})
-    recipe = str(model.get("class_path", "")).rpartition(".")[2]
-    if recipe not in ("MaskedAutoencoder", "DiffusionModule") or "network" in init:
+    split = None if "network" in init else split_settings(str(model.get("class_path", "")), init)
+    if split is None:
         return dict(model)
-    if recipe == "DiffusionModule":
-        network = uvit_settings(init)
-        init = {k: v for k, v in init.items() if k not in UVIT_SETTINGS}
-        return {**model, "init_args": {"network": {"class_path": UVIT, "init_args": network}, **init}}
-    network = {k: v for k, v in init.items() if k not in MAE_RECIPE_SETTINGS}
-    recipe_settings = {k: v for k, v in init.items() if k in MAE_RECIPE_SETTINGS}
-    return {**model, "init_args": {"network": {"class_path": MAE_NETWORK, "init_args": network}, **recipe_settings}}
+    network, own = split
+    return {**model, "init_args": {"network": network, **own}}
 
 
 def uvit_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -107,37 +116,23 @@ def uvit_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return network
 
 
-def _diffusion_network_member(checkpoint: dict[str, Any]) -> bool:
-    hparams = checkpoint.get("hyper_parameters")
-    if not isinstance(hparams, dict) or hparams.get("_class_path") != DIFFUSION_RECIPE or "network" in hparams:
-        return False
-    network = uvit_settings(hparams)
-    for key in UVIT_SETTINGS:
-        hparams.pop(key, None)
-    hparams["network"] = {"class_path": UVIT, "init_args": network}
-    for field in MODULE_STATES:
-        state = checkpoint.get(field)
-        if isinstance(state, dict):
-            checkpoint[field] = {("network." + k[len("model."):] if k.startswith("model.") else k): v
-                                 for k, v in state.items()}
-    return True
+# the recipes whose network moved under "network": their step, and the prefix their network's weights had
+NETWORK_MEMBERS = {MAE_RECIPE: (MAE_NETWORK_MEMBER, ""), DIFFUSION_RECIPE: (DIFFUSION_NETWORK_MEMBER, "model.")}
 
 
-def _mae_network_member(checkpoint: dict[str, Any]) -> bool:
+def _network_member(checkpoint: dict[str, Any]) -> Optional[str]:
     hparams = checkpoint.get("hyper_parameters")
-    if not isinstance(hparams, dict) or hparams.get("_class_path") != MAE_RECIPE or "network" in hparams:
-        return False
-    network = {k: v for k, v in hparams.items() if not k.startswith("_") and k not in MAE_RECIPE_SETTINGS}
-    for linked in ("num_classes",):  # a link from the data the MAE never took
-        network.pop(linked, None)
-    kept = {k: v for k, v in hparams.items() if k.startswith("_") or k in MAE_RECIPE_SETTINGS}
+    if not isinstance(hparams, dict) or "network" in hparams or hparams.get("_class_path") not in NETWORK_MEMBERS:
+        return None
+    step, old = NETWORK_MEMBERS[hparams["_class_path"]]
+    network, own = split_settings(hparams["_class_path"], hparams)
     hparams.clear()
-    hparams.update(kept, network={"class_path": MAE_NETWORK, "init_args": network})
+    hparams.update(own, network=network)
     for field in MODULE_STATES:
         state = checkpoint.get(field)
         if isinstance(state, dict):
-            checkpoint[field] = {f"network.{k}": v for k, v in state.items()}
-    return True
+            checkpoint[field] = {(f"network.{k[len(old):]}" if k.startswith(old) else k): v for k, v in state.items()}
+    return step.name
 
 
 def effective_rank_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
