@@ -4,6 +4,7 @@
     shortcutlab fit --config configs/digits_mae.yaml        # LightningCLI: fit/validate/test/predict
     shortcutlab sweep ... / shortcutlab report runs/<experiment>
     shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents / sort-imagenet-val
+    shortcutlab score-bank FOLDER --k 10 20 100 200         # a saved kNN bank at other settings
 
 Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the others each have a
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
@@ -71,6 +72,8 @@ COMMANDS = {
     "report": ("commands.report", "a sweep's table (mean ± std over seeds) and figures from runs/<experiment>"),
     "sample": ("commands.sample", "images and their grid from a diffusion checkpoint, with any sampler, steps and "
                                   "guidance"),
+    "score-bank": ("commands.score_bank", "score a kNN bank saved by KNNEvaluator(save_features=...) at other k, "
+                                          "temperatures or blocks, without embedding the training set again"),
     "features": ("commands.features", "the patch-feature picture of a checkpoint (top-3 principal components as RGB)"),
     "convert-mae": ("commands.convert_mae", "import the authors', official or timm MAE weights; export to timm"),
     "feature-reuse": ("commands.feature_reuse", "the spiral feature-reuse study (ResidualDroppath paper, Fig. 3)"),

@@ -131,3 +131,14 @@ def test_timm_s_model_tests_are_prepared_for_the_registered_networks(tmp_path):
     (tmp_path / "test_models.py").write_text("X = 1\n")
     with pytest.raises(SystemExit, match="lists its forward_intermediates models another way"):
         prepare(tmp_path)
+
+
+def test_the_knn_bank_rows_measure_in_quick_mode():
+    """The speed and storage rows of the kNN bank group (its memory rows launch 7 processes: `make bench`)."""
+    from benchmarks.knn_at_scale import dtype_rows, scoring_rows
+    from benchmarks.settings import Settings
+
+    rows = scoring_rows(Settings(quick=True, rounds=1)) + dtype_rows(Settings(quick=True, rounds=1))
+    assert [row.goal for row in rows] == ["<= 1.15", None, None]
+    assert rows[0].median > 0 and all(abs(row.median) < 5 for row in rows[1:])
+    assert "% of the 20 neighbours differ" in rows[1].detail

@@ -18,19 +18,22 @@ from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from lightning_mods.evaluation._eval_mode import isolated_eval, module_device
 from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 
 from callbacks._utils.distributed import gather_strided, rank_and_world_size, strided_shard
+from callbacks._utils.pass_progress import dataset_pass
 
 
 class Features(NamedTuple):
     """Features of a dataset in dataset order.
 
-    ``features``: ``N x D`` float32; ``labels``: ``N`` int64; ``blocks``: one ``N x D_b``
-    float32 tensor per block (``None`` when block features were not asked for).
+    ``features``: ``N x D`` (float32 unless another :class:`Storage` was asked for); ``labels``:
+    ``N`` int64; ``blocks``: one ``N x D_b`` tensor per block (``None`` when block features were
+    not asked for).
     """
 
     features: torch.Tensor
@@ -45,6 +48,44 @@ def _split_batch(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[0], torch.as_tensor(batch[1])
 
 
+class Storage(NamedTuple):
+    """How a pass keeps its features: ``dtype`` (float32, bfloat16, float16), ``device`` (None:
+    the module's; ``"cpu"``: host memory) and ``normalize`` (each row L2-normalised as it is
+    stored, so nothing makes a normalised copy later). Labels stay int64."""
+
+    dtype: torch.dtype = torch.float32
+    device: Optional[str] = None
+    normalize: bool = False
+
+
+def _checked_length(module: nn.Module, dataset: Dataset, batch_size: int, num_workers: int, with_blocks: bool) -> int:
+    """``len(dataset)``, after one-line errors for the arguments of :func:`collect_features`."""
+    if batch_size <= 0:
+        raise ValueError(f"collect_features: batch_size must be > 0, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"collect_features: num_workers must be >= 0, got {num_workers}")
+    if with_blocks:
+        require_blocks(module, "collect_features: with_blocks")
+    if len(dataset) == 0:
+        raise ValueError("collect_features: dataset is empty")
+    return len(dataset)
+
+
+def _outputs(module: nn.Module, images: torch.Tensor, with_blocks: bool) -> list[torch.Tensor]:
+    """``[features]``, or ``[features, block 1, block 2, ...]``."""
+    if with_blocks:
+        features, blocks = features_and_blocks(module, images)
+        return [features, *blocks]
+    return [module.forward_features(images)]
+
+
+def _stored(batch: torch.Tensor, storage: Storage) -> torch.Tensor:
+    batch = batch.float()
+    if storage.normalize:
+        batch = F.normalize(batch, dim=1)
+    return batch.to(storage.dtype)
+
+
 def collect_features(
     module: nn.Module,
     dataset: Dataset,
@@ -53,6 +94,9 @@ def collect_features(
     with_blocks: bool = False,
     gather: bool = True,
     forward_context: Optional[Callable[[], ContextManager]] = None,
+    storage: Storage = Storage(),
+    trainer: object = None,
+    description: str = "features",
 ) -> Features:
     """Embed ``dataset`` with ``module.forward_features`` (see the module docstring).
 
@@ -64,47 +108,53 @@ def collect_features(
         with_blocks: also collect every block's pooled features.
         gather: ``True``: the whole dataset on every rank, in dataset order. ``False``: only
             this rank's shard ``rank, rank + W, ...`` (no duplicates across ranks), in order.
-        forward_context: e.g. ``trainer.precision_plugin.forward_context`` (autocast under
-            mixed precision); features are returned as float32 either way.
+        forward_context: e.g. ``trainer.precision_plugin.forward_context`` (mixed precision).
+        storage: dtype, device and normalisation of the kept features (float32 by default),
+            each tensor allocated once, at its final size: the pass holds one copy.
+        trainer, description: the progress bar and duration line of the pass
+            (:mod:`callbacks._utils.pass_progress`; none without a trainer).
     """
-    if batch_size <= 0:
-        raise ValueError(f"collect_features: batch_size must be > 0, got {batch_size}")
-    if num_workers < 0:
-        raise ValueError(f"collect_features: num_workers must be >= 0, got {num_workers}")
-    if with_blocks:
-        require_blocks(module, "collect_features: with_blocks")
-    total = len(dataset)
-    if total == 0:
-        raise ValueError("collect_features: dataset is empty")
+    total = _checked_length(module, dataset, batch_size, num_workers, with_blocks)
     rank, world_size = rank_and_world_size()
     shard = list(strided_shard(total, rank, world_size))
     owned = len(shard)
     # a rank without samples (dataset smaller than the world) embeds one to learn the shapes
     device = module_device(module)
+    keep_on = torch.device(storage.device) if storage.device is not None else device
     # its own generator: iterating a loader otherwise draws a base seed from the global RNG
     loader = DataLoader(Subset(dataset, shard or [0]), batch_size=batch_size, shuffle=False,
                         num_workers=num_workers, pin_memory=device.type == "cuda", generator=torch.Generator())
     context = forward_context or contextlib.nullcontext
-    features, labels, blocks = [], [], []
-    with isolated_eval(module):
+    kept: list[torch.Tensor] = []  # features, then each block's, allocated at the first batch
+    labels = torch.empty(owned, dtype=torch.int64, device=keep_on)
+    filled = 0
+    with isolated_eval(module), dataset_pass(trainer, description, len(loader), owned) as advance:
         for batch in loader:
             images, batch_labels = _split_batch(batch)
-            images = images.to(device, non_blocking=True)
             with context():
-                if with_blocks:
-                    batch_features, batch_blocks = features_and_blocks(module, images)
-                    blocks.append([b.float() for b in batch_blocks])
-                else:
-                    batch_features = module.forward_features(images)
-                features.append(batch_features.float())
-            labels.append(batch_labels.to(device=device, dtype=torch.int64))
+                outputs = _outputs(module, images.to(device, non_blocking=True), with_blocks)
+            if not kept:
+                kept = [torch.empty((owned, *out.shape[1:]), dtype=storage.dtype, device=keep_on) for out in outputs]
+            rows = min(len(images), owned - filled)
+            for out, into in zip(outputs, kept):
+                into[filled:filled + rows].copy_(_stored(out[:rows], storage))
+            labels[filled:filled + rows].copy_(batch_labels[:rows])
+            filled += rows
+            advance()
 
-    def finish(parts: list[torch.Tensor]) -> torch.Tensor:
-        local = torch.cat(parts)[:owned]
+    def finish(local: torch.Tensor) -> torch.Tensor:
         return gather_strided(local, total) if gather else local
 
-    block_features = [finish([b[i] for b in blocks]) for i in range(len(blocks[0]))] if with_blocks else None
-    return Features(finish(features), finish(labels), block_features)
+    return Features(finish(kept[0]), finish(labels), [finish(b) for b in kept[1:]] if with_blocks else None)
+
+
+def feature_widths(module: nn.Module, dataset: Dataset, with_blocks: bool) -> list[int]:
+    """The width of ``forward_features`` (and of every block's pooled features) on ``dataset``'s
+    first item: what a pass would keep per image, learnt from one image."""
+    with isolated_eval(module):  # the item's read and the forward draw from forked generators
+        images, _ = _split_batch(default_collate([dataset[0]]))
+        outputs = _outputs(module, images.to(module_device(module)), with_blocks)
+    return [int(out[0].numel()) for out in outputs]
 
 
 def datamodule_dataset(trainer: object, name: str, owner: str) -> Dataset:

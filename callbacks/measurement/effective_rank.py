@@ -307,7 +307,8 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
         if self.max_samples is not None and self.max_samples < len(dataset):
             subset = smoke_test_subset(trainer, torch.utils.data.Subset(dataset, range(self.max_samples)), batch_size)
             collected = collect_features(pl_module, subset, batch_size, num_workers, with_blocks=self.per_block,
-                                         forward_context=trainer.precision_plugin.forward_context)
+                                         forward_context=trainer.precision_plugin.forward_context, trainer=trainer,
+                                         description="EffectiveRank: val_dataset")
         else:  # the whole validation set: one pass shared with kNN and the online probe
             collected = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "EffectiveRank", batch_size, num_workers,
                                         with_blocks=self.per_block, dataset=dataset)

@@ -11,13 +11,16 @@ class ``c``. Ties:
   ``top-1`` of a tie goes to the smallest label.
 
 :class:`KNNEvaluator` uses the datamodule's ``bank_dataset`` (train split, eval transform) as
-the bank and its ``val_dataset`` as queries (docs/contracts.md). Under DDP the bank is gathered
-without padding duplicates, each rank scores its own strided shard of the queries, and the
-correct counts are summed over ranks: the accuracy is the one-process accuracy, the same on
-every rank.
+the bank and its ``val_dataset`` as queries (docs/contracts.md). Under DDP the bank is sharded:
+each rank keeps only the rows it embedded (in the dtype and on the device you choose), scores
+every query against them, and the ranks' top-k are merged into the global top-k
+(:mod:`callbacks.measurement.knn_scoring`): the accuracy is the one-process accuracy, the same on
+every rank, and each rank holds ``1 / W`` of the bank. Before the first feature pass the run
+stops in one line when the bank would not fit (:mod:`callbacks.measurement.knn_bank`).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -26,17 +29,21 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mods.evaluation import metric_names
-from callbacks._utils.distributed import all_reduce_sum, log_identical
-from callbacks._utils.feature_collection import loader_settings
+from lightning_mods.evaluation._eval_mode import module_device
+from callbacks._utils.distributed import all_reduce_sum, log_identical, rank_and_world_size
+from callbacks._utils.feature_collection import (Storage, datamodule_dataset, feature_widths, loader_settings,
+                                                 smoke_test_subset)
+from callbacks.measurement.knn_bank import (BANK_DEVICES, BANK_DTYPES, BankTooLarge, bank_shortage,
+                                            remove_other_shards, save_queries, save_shard)
+from callbacks.measurement.knn_scoring import (DEFAULT_SCORING_BYTES, all_finite, correct_counts, local_neighbours,
+                                               merge_across_ranks, neighbour_count, normalized_queries, rank_classes,
+                                               vote)
 from callbacks.measurement.shared_features import SharedEvaluation
 from lightning_mods.evaluation.over_depth import DepthRows, check_blocks, resolve_blocks, write_pending
 from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
 from callbacks.schedule import ScheduledEvaluation, check_every_n_epochs, evaluation_due
 from callbacks.cost import PER_VALIDATION
-
-SIMILARITY_BUDGET = 2 ** 24  # similarity entries per chunk (64 MiB in float32)
-
 
 def knn_predict(
     bank_feats: torch.Tensor,
@@ -56,8 +63,8 @@ def knn_predict(
         num_classes: number of classes ``C``.
         k: neighbours per query; ``min(k, N)`` are used when the bank is smaller.
         temperature: ``T`` of the weights ``exp(similarity / T)``.
-        chunk_size: queries scored at once (default: as many as keep ``chunk x N`` under
-            2**24 similarities), so a large bank does not need a ``Q x N`` matrix.
+        chunk_size: queries scored at once (default: as many as keep their ``chunk x N``
+            similarities within 256 MiB), so a large bank does not need a ``Q x N`` matrix.
     """
     return knn_predict_ks(bank_feats, bank_labels, query_feats, num_classes, [k], temperature, chunk_size)[0]
 
@@ -96,42 +103,16 @@ def knn_predict_ks(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"knn_predict: chunk_size must be >= 1 or None, got {chunk_size!r}")
     bank = F.normalize(bank_feats.float(), dim=1)
-    queries = F.normalize(query_feats.float().to(bank.device), dim=1)
-    labels = bank_labels.to(device=bank.device, dtype=torch.int64)
-    used = [min(k, len(bank)) for k in ks]
-    chunk = chunk_size or max(1, SIMILARITY_BUDGET // len(bank))
-    scores = [torch.zeros(len(queries), num_classes, device=bank.device) for _ in ks]
-    for start in range(0, len(queries), chunk):
-        similarity = queries[start:start + chunk] @ bank.T
-        top_sim, top_idx = similarity.topk(max(used), dim=1)  # sorted, most similar first
-        weights = (top_sim / temperature).exp()
-        voters = labels[top_idx]
-        for score, k in zip(scores, used):
-            score[start:start + chunk].scatter_add_(1, voters[:, :k], weights[:, :k])
-    return scores
-
-
-def rank_classes(scores: torch.Tensor) -> torch.Tensor:
-    """Classes by decreasing score, ties to the lower class index: ``Q x C`` indices."""
-    return torch.sort(scores, dim=1, descending=True, stable=True).indices
+    queries = normalized_queries(query_feats, bank.device)
+    budget = chunk_size * len(bank) * 4 if chunk_size else DEFAULT_SCORING_BYTES
+    sims, labels = local_neighbours(bank, bank_labels.to(bank.device), queries, neighbour_count(ks, len(bank)), budget)
+    return [vote(sims, labels, num_classes, min(k, len(bank)), temperature) for k in ks]
 
 
 def knn_classify(bank_feats: torch.Tensor, bank_labels: torch.Tensor, query_feats: torch.Tensor,
                  num_classes: int, k: int = 20, temperature: float = 0.07) -> torch.Tensor:
     """Predicted labels ``Q`` of :func:`knn_predict` (ties to the lower class index)."""
     return rank_classes(knn_predict(bank_feats, bank_labels, query_feats, num_classes, k, temperature))[:, 0]
-
-
-def topk_correct(scores: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...] = (1, 5)) -> torch.Tensor:
-    """Number of queries whose label is among the ``k`` best classes that got a vote, one count
-    per ``k``: a class without a vote (score 0) never counts, so with fewer voted classes than
-    ``k`` (always when the neighbours are fewer than ``k``) top-``k`` counts only the voted ones,
-    as DINO's ``knn_classifier`` (its top-5 at ``k < 5`` neighbours is the top-``k`` accuracy)."""
-    ranking = rank_classes(scores)
-    labels = labels.to(ranking.device).view(-1, 1)
-    voted = scores.gather(1, labels.to(scores.device)).view(-1) > 0  # every vote weighs exp(s / T) > 0
-    hits = ranking == labels
-    return torch.stack([(hits[:, :k].any(dim=1) & voted.to(hits.device)).sum() for k in ks])
 
 
 class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
@@ -155,13 +136,23 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             None: at every validation (``trainer.check_val_every_n_epoch``).
         num_classes: classes of the labels (default: the datamodule's ``num_classes``).
         batch_size, num_workers: of the feature loaders (default: the datamodule's).
-        chunk_size: queries scored at once (default: bounded by a similarity budget).
+        chunk_size: queries scored at once (default: as many as ``scoring_mib`` holds).
         name: the tag of this instance's metric names when the Trainer has several (default:
             its settings that differ from the defaults).
         blocks: also score every chosen block's pooled output (``"all"`` or a list of indices,
             1 = nearest the input, -1 = the last) from the same forward pass: one row per block
             in ``eval_per_block.csv`` and the picture ``eval/over_depth``
             (:mod:`lightning_mods.evaluation.over_depth`); the logged metrics stay those of ``forward_features``.
+        bank_dtype: how the bank is stored: ``float16`` (default; half of float32, and on
+            unit-length features its rounding, about 5e-4, is finer than bfloat16's), ``bfloat16``
+            or ``float32``. Similarities are computed in float32 either way.
+        bank_device: where the bank is kept: None (the module's device) or ``cpu`` (host memory,
+            brought to the module's device a chunk at a time for scoring).
+        scoring_mib: work memory of the scoring, in MiB: it sets how many queries are scored
+            against the bank at once (more reads the bank fewer times).
+        save_features: a folder to write the bank at each evaluation (``bank-rank*-of-*.pt``, one
+            file a rank) and the queries (``queries.pt``), for ``shortcutlab score-bank`` to score at
+            another ``k``, temperature or set of blocks without embedding the training set again.
     """
     cost = PER_VALIDATION
 
@@ -169,7 +160,9 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
                  every_n_epochs: Optional[int] = None, num_classes: Optional[int] = None,
                  batch_size: Optional[int] = None, num_workers: Optional[int] = None,
                  chunk_size: Optional[int] = None, name: Optional[str] = None,
-                 blocks: Union[None, str, list[int]] = None) -> None:
+                 blocks: Union[None, str, list[int]] = None, bank_dtype: str = "float16",
+                 bank_device: Optional[str] = None, scoring_mib: int = 256,
+                 save_features: Optional[str] = None) -> None:
         super().__init__()
         self.blocks = check_blocks("KNNEvaluator", blocks)
         ks = list(k) if isinstance(k, (list, tuple)) else [k]
@@ -187,6 +180,14 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             raise ValueError(f"KNNEvaluator: num_workers must be >= 0 or None, got {num_workers!r}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"KNNEvaluator: chunk_size must be >= 1 or None, got {chunk_size!r}")
+        if bank_dtype not in BANK_DTYPES:
+            raise ValueError(f"KNNEvaluator: bank_dtype must be one of {', '.join(BANK_DTYPES)}, got {bank_dtype!r}")
+        if bank_device not in BANK_DEVICES:
+            raise ValueError(f"KNNEvaluator: bank_device must be null (the module's device) or 'cpu', got {bank_device!r}")
+        if isinstance(scoring_mib, bool) or not isinstance(scoring_mib, int) or scoring_mib < 1:
+            raise ValueError(f"KNNEvaluator: scoring_mib must be an integer >= 1, got {scoring_mib!r}")
+        self.bank_dtype, self.bank_device, self.scoring_mib = bank_dtype, bank_device, scoring_mib
+        self.save_features = save_features
         self.k = list(ks) if isinstance(k, (list, tuple)) else k
         self.temperature = float(temperature)
         self.every_n_epochs = check_every_n_epochs("KNNEvaluator", every_n_epochs)
@@ -199,6 +200,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         self.last_epoch: Optional[int] = None
         self.over_depth = DepthRows()  # per-block rows of fit's evaluations (in the state) and the last validate's
         self._block_values: list[dict[str, Any]] = []  # of the evaluation in progress
+        self._checked_for: Optional[str] = None  # the trainer function whose bank was checked to fit
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -206,6 +208,43 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             require_blocks(pl_module, "KNNEvaluator: blocks")
         for name in ("bank_dataset", "val_dataset"):
             SharedEvaluation.of(trainer).need(name, self.blocks is not None)
+
+    @property
+    def storage(self) -> Storage:
+        """How the bank is kept: unit-length rows in ``bank_dtype`` on ``bank_device``."""
+        return Storage(BANK_DTYPES[self.bank_dtype], self.bank_device, normalize=True)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check_memory(trainer, pl_module)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check_memory(trainer, pl_module)
+
+    def check_memory(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Stop in one line (:class:`~callbacks.measurement.knn_bank.BankTooLarge`) on every rank
+        when any rank's bank, queries and scoring memory would not fit, before any feature pass;
+        once per ``fit`` or ``validate``."""
+        if self._checked_for == str(trainer.state.fn):
+            return
+        self._checked_for = str(trainer.state.fn)
+        batch_size, _ = loader_settings(trainer, self.batch_size, self.num_workers)
+        bank = smoke_test_subset(trainer, datamodule_dataset(trainer, "bank_dataset", "KNNEvaluator"), batch_size)
+        queries = smoke_test_subset(trainer, datamodule_dataset(trainer, "val_dataset", "KNNEvaluator"), batch_size)
+        widths = feature_widths(pl_module, bank, self.blocks is not None)
+        device = module_device(pl_module)
+        _, world_size = rank_and_world_size()
+        shortage = bank_shortage("KNNEvaluator", len(bank), world_size, max(1, int(trainer.num_devices)), widths,
+                                 BANK_DTYPES[self.bank_dtype],
+                                 torch.device(self.bank_device) if self.bank_device else device, len(queries), device,
+                                 self.scoring_bytes(len(bank)))
+        # the same decision on every rank: one rank's shortage stops them all
+        if int(all_reduce_sum(torch.tensor([0 if shortage is None else 1], device=device))):
+            raise BankTooLarge(shortage or "KNNEvaluator: the bank does not fit on another rank; its error names "
+                                           "the settings that fix it")
+
+    def scoring_bytes(self, bank_rows: int) -> int:
+        """The scoring's work memory: ``chunk_size`` queries' similarities when it is set."""
+        return self.chunk_size * max(1, bank_rows) * 4 if self.chunk_size else self.scoring_mib * 2 ** 20
 
     @property
     def ks(self) -> list[int]:
@@ -251,45 +290,60 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             raise ValueError("KNNEvaluator: num_classes is not set and the datamodule has no num_classes")
         batch_size, num_workers = loader_settings(trainer, self.batch_size, self.num_workers)
         with_blocks = self.blocks is not None
-        # one pass per dataset and evaluation, shared with the other evaluation callbacks
-        bank = SharedEvaluation.of(trainer).features(trainer, pl_module, "bank_dataset", "KNNEvaluator", batch_size, num_workers,
-                               with_blocks=with_blocks)
-        queries = SharedEvaluation.of(trainer).features(trainer, pl_module, "val_dataset", "KNNEvaluator", batch_size, num_workers,
-                                  with_blocks=with_blocks, gather=False)
+        # one pass per dataset and evaluation, shared with the other evaluation callbacks; the bank
+        # stays sharded (each rank its own rows), the queries are gathered (every rank scores all)
+        shared = SharedEvaluation.of(trainer)
+        bank = shared.features(trainer, pl_module, "bank_dataset", "KNNEvaluator", batch_size, num_workers,
+                               with_blocks=with_blocks, gather=False, storage=self.storage)
+        queries = shared.features(trainer, pl_module, "val_dataset", "KNNEvaluator", batch_size, num_workers,
+                                  with_blocks=with_blocks)
+        bank_total = int(all_reduce_sum(torch.tensor([len(bank.labels)], device=bank.labels.device)))
+        if self.save_features:
+            self.write_features(trainer, bank, queries, bank_total, num_classes)
         tops = (1, 5) if num_classes > 5 else (1,)
         names = [self.metric_name(k, top) for k in self.ks for top in tops]
-        metrics = self._score(bank.features, bank.labels, queries.features, queries.labels, num_classes, names, tops)
+        metrics = self._score(bank.features, bank.labels, queries.features, queries.labels, num_classes, names, tops,
+                              bank_total)
         self._block_values = []
         if with_blocks:
             chosen = resolve_blocks("KNNEvaluator", self.blocks, len(bank.blocks))
             for block in chosen:
                 values = self._score(bank.blocks[block - 1], bank.labels, queries.blocks[block - 1], queries.labels,
-                                     num_classes, names, tops, warn=False)
-                norms = all_reduce_sum(torch.stack([queries.blocks[block - 1].double().norm(dim=1).sum(),
-                                                    torch.tensor(float(len(queries.labels)), dtype=torch.float64,
-                                                                 device=queries.labels.device)]))
-                values[metric_names.FEATURE_NORM] = float(norms[0] / norms[1])
+                                     num_classes, names, tops, bank_total, warn=False)
+                values[metric_names.FEATURE_NORM] = float(queries.blocks[block - 1].double().norm(dim=1).mean())
                 self._block_values.append({"block": block, **values})
         return metrics
 
     def _score(self, bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor,
                query_labels: torch.Tensor, num_classes: int, names: list[str], tops: tuple[int, ...],
-               warn: bool = True) -> dict[str, float]:
-        """The accuracies ``names`` (per k, per top) of ``queries`` against ``bank``, summed over ranks."""
-        finite = torch.isfinite(bank).all() & torch.isfinite(queries).all()
-        if int(all_reduce_sum(finite.logical_not().to(torch.int64).view(1))):  # same answer on every rank
+               bank_total: int, warn: bool = True) -> dict[str, float]:
+        """The accuracies ``names`` (per k, per top) of every query against the bank, whose rows
+        are split over the ranks (``bank_total`` in all), the same on every rank."""
+        finite = all_finite(bank) and all_finite(queries)
+        if int(all_reduce_sum(torch.tensor([0 if finite else 1], device=queries.device))):  # same answer everywhere
             if warn:
                 rank_zero_warn("KNNEvaluator: non-finite features at this evaluation; logging NaN")
             return {name: float("nan") for name in names}
-        if len(query_labels):
-            all_scores = knn_predict_ks(bank, bank_labels, queries, num_classes, self.ks, self.temperature,
-                                        self.chunk_size)
-            correct = torch.cat([topk_correct(scores, query_labels, tops) for scores in all_scores])
-        else:  # a rank without queries (fewer queries than ranks) still joins the sum
-            correct = torch.zeros(len(names), dtype=torch.int64, device=bank.device)
-        counts = all_reduce_sum(torch.cat([correct, correct.new_tensor([len(query_labels)])]))
-        total = int(counts[-1])
-        return {name: int(c) / total for name, c in zip(names, counts[:-1].tolist())}
+        budget = self.scoring_bytes(len(bank))
+        normalized = normalized_queries(queries, queries.device)
+        sims, labels = local_neighbours(bank, bank_labels, normalized, neighbour_count(self.ks, bank_total), budget)
+        sims, labels = merge_across_ranks(sims, labels, budget)
+        ks = [min(k, bank_total) for k in self.ks]
+        correct = correct_counts(sims, labels, query_labels.to(sims.device), num_classes, ks, self.temperature, tops,
+                                 budget)
+        return {name: int(c) / len(query_labels) for name, c in zip(names, correct.tolist())}
+
+    def write_features(self, trainer: Trainer, bank: Any, queries: Any, bank_total: int, num_classes: int) -> None:
+        """``save_features``: this rank's bank rows, and (rank 0) the queries, for ``shortcutlab score-bank``."""
+        folder = Path(self.save_features)
+        folder.mkdir(parents=True, exist_ok=True)
+        rank, world_size = rank_and_world_size()
+        about = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), "bank_dtype": self.bank_dtype,
+                 "num_classes": int(num_classes)}
+        if rank == 0:
+            remove_other_shards(folder, world_size)
+            save_queries(folder, queries.features, queries.blocks, queries.labels, about)
+        save_shard(folder, rank, world_size, bank_total, bank.features, bank.blocks, bank.labels, about)
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_metrics": dict(self.last_metrics), "last_epoch": self.last_epoch,

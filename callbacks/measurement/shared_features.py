@@ -18,6 +18,7 @@ dataset's features runs
   a request without blocks is served from an entry with them.
 - **Ranks.** An entry holds this rank's strided shard; a gathered request (the whole set on
   every rank, in dataset order) gathers it once, through ``trainer.strategy``, and keeps that too.
+  The kNN bank is never gathered: each rank scores its own rows.
 - **Memory.** Entries are dropped when the validation ends (``on_validation_end``, after every
   callback's ``on_validation_epoch_end`` read them), and whenever the stamp changes.
 
@@ -34,7 +35,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import Dataset
 
 from callbacks._utils.distributed import gather_strided
-from callbacks._utils.feature_collection import Features, collect_features, datamodule_dataset, smoke_test_subset
+from callbacks._utils.feature_collection import (Features, Storage, collect_features, datamodule_dataset,
+                                                 smoke_test_subset)
 from callbacks.cost import PER_VALIDATION
 
 
@@ -104,23 +106,25 @@ class SharedEvaluation(Callback):
 
     def features(self, trainer: Trainer, module: Any, dataset_name: str, owner: str, batch_size: int,
                  num_workers: int, with_blocks: bool = False, gather: bool = True,
-                 dataset: Optional[Dataset] = None) -> Features:
+                 dataset: Optional[Dataset] = None, storage: Storage = Storage()) -> Features:
         """``collect_features`` of the datamodule's ``dataset_name`` (``bank_dataset`` or
         ``val_dataset``), computed at most once per evaluation for every reader. Under
         ``fast_dev_run`` the first batches only, as ``collect_features`` callers do. ``dataset``
-        overrides the lookup (the caller resolved it)."""
+        overrides the lookup (the caller resolved it); ``storage`` how the features are kept
+        (another storage is another pass: the kNN bank keeps unit-length float16 rows)."""
         if dataset is None:
             dataset = datamodule_dataset(trainer, dataset_name, owner)
         subset = smoke_test_subset(trainer, dataset, batch_size)
         stamp = self.stamp(trainer, module)
         if stamp != self._stamp:
             self._stamp, self._entries = stamp, {}
-        key = (dataset_name, id(dataset), len(subset), batch_size)
+        key = (dataset_name, id(dataset), len(subset), batch_size, storage)
         entry = self._entries.get(key)
         if entry is None or (with_blocks and entry["local"].blocks is None):
             blocks = with_blocks or self.needs.get(dataset_name, False)
             local = collect_features(module, subset, batch_size, num_workers, with_blocks=blocks, gather=False,
-                                     forward_context=trainer.precision_plugin.forward_context)
+                                     forward_context=trainer.precision_plugin.forward_context, storage=storage,
+                                     trainer=trainer, description=f"{owner}: {dataset_name}")
             entry = self._entries[key] = {"local": local, "gathered": None}
         if gather and entry["gathered"] is None:
             local, total, strategy = entry["local"], len(subset), trainer.strategy

@@ -1,0 +1,49 @@
+"""``shortcutlab score-bank`` as docs/multi-gpu.md shows it: a validate that saves the bank of a
+quickstart checkpoint, then the command on the saved files, whose figures equal a validate
+that scores those settings itself."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from commands import lightning_cli as cli
+from commands import score_bank
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "multi-gpu.md"
+SMALL = ["--model.network.depth=2", "--model.network.decoder_depth=1", "--trainer.enable_progress_bar=false"]
+
+
+def documented_lines() -> list[list[str]]:
+    """The two commands of the page's 'Scoring a saved bank again' block."""
+    text = PAGE.read_text()
+    block = re.search(r"tests/commands/test_knn_command\.py[^\n]*\n```bash\n(.*?)```", text, re.S).group(1)
+    return [shlex.split(line) for line in block.strip().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_documented_commands_score_a_saved_bank_as_a_run_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    cli.main(["fit", "--config", "configs/digits_mae.yaml", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+              "--trainer.limit_val_batches=1", *SMALL])
+    validate, knn = documented_lines()
+    assert validate[:2] == ["shortcutlab", "validate"] and knn[:2] == ["shortcutlab", "score-bank"]
+    cli.main(validate[1:] + SMALL)
+    capsys.readouterr()
+    score_bank.main(knn[2:])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == [f"top{t}@k={k}" for k in (10, 20, 100, 200) for t in (1, 5)]
+    assert [line.split()[0] for line in table[1:]] == ["features"] + ["block"] * 2  # depth 2
+    # a validate scoring those settings itself gives the same figures
+    trainer = cli.main(validate[1:4] + validate[4:6] + ["--trainer.callbacks+=KNNEvaluator",
+                                                        "--trainer.callbacks.k=[10,20,100,200]",
+                                                        "--trainer.callbacks.temperature=0.04",
+                                                        "--trainer.callbacks.name=again", *SMALL]).trainer
+    saved = dict(score_bank.score(tmp_path / "runs/digits_mae/bank", [10, 20, 100, 200], 0.04, None, 2 ** 24))
+    for k in (10, 20, 100, 200):
+        logged = float(trainer.callback_metrics[f"knn/top1@again,k={k}"])
+        assert round(saved["features"][f"top1@k={k}"] * 360) == round(logged * 360), k
