@@ -17,8 +17,9 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.measurement.knn import KNNEvaluator
+from callbacks.measurement.knn_bank import bank_bytes
 
-WIDTH, BLOCKS, QUERIES, CLASSES = 768, 12, 500, 100
+WIDTH, BLOCKS, QUERIES, CLASSES, BATCH = 768, 12, 500, 100, 128
 
 
 class SyntheticBlocks(LightningModule):
@@ -46,7 +47,7 @@ class SyntheticData(LightningDataModule):
 
     def __init__(self, images: int) -> None:
         super().__init__()
-        self.batch_size, self.num_workers = 500, 0
+        self.batch_size, self.num_workers = BATCH, 0
         index = torch.arange(images, dtype=torch.float32).view(-1, 1)
         self.bank_dataset = TensorDataset(index, torch.arange(images) % CLASSES)
         self.val_dataset = TensorDataset(index[:QUERIES] + 0.5, torch.arange(QUERIES) % CLASSES)
@@ -63,9 +64,14 @@ def status_kib(field: str) -> int:
 
 
 class PeakMemory(Callback):
-    """Resets the peak resident size at the validation's start and reads it at its end."""
+    """Resets the peak resident size at the validation's start (once the process group is set up)
+    and reads it at its end."""
 
     def on_validation_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if torch.distributed.is_initialized():  # the process group's first collectives set up its buffers
+            torch.distributed.all_gather(
+                [torch.zeros(64) for _ in range(torch.distributed.get_world_size())], torch.zeros(64))
+            torch.distributed.barrier()
         Path("/proc/self/clear_refs").write_text("5")
         self.before = status_kib("VmRSS")
 
@@ -81,8 +87,8 @@ def main() -> None:
                       logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       callbacks=[peak, KNNEvaluator(k=20, blocks="all", bank_dtype="float32", scoring_mib=scoring_mib)])
     trainer.validate(SyntheticBlocks(), datamodule=SyntheticData(images), verbose=False)
-    record = {"grown": peak.grown, "queries_bytes": QUERIES * (BLOCKS + 1) * WIDTH * 4,
-              "scoring_bytes": scoring_mib * 2 ** 20}
+    record = {"grown": peak.grown, "bank_bytes": bank_bytes(images, [WIDTH] * (BLOCKS + 1), torch.float32),
+              "queries_bytes": QUERIES * (BLOCKS + 1) * WIDTH * 4, "scoring_bytes": scoring_mib * 2 ** 20}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import lightning_mods.exit_statuses as exit_statuses
+from commands._progress import command_progress, show_progress, tracked
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blocks", nargs="+", default=None,
                         help="also score these blocks: all, or indices (1 = nearest the input, -1 = the last)")
     parser.add_argument("--scoring-mib", type=int, default=256, help="work memory of the scoring (default 256)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn off a terminal either)")
     return parser
 
 
@@ -62,7 +67,7 @@ def chosen_blocks(given: Optional[list[str]], count: int) -> list[int]:
 
 
 def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list[str]],
-          budget_bytes: int) -> list[tuple[str, dict[str, float]]]:
+          budget_bytes: int, progress: Optional["Progress"] = None) -> list[tuple[str, dict[str, float]]]:
     """``[(what, {"top1@k=..": ..., "top5@k=..": ...}), ...]`` for the features and each chosen block."""
     import torch
 
@@ -81,7 +86,7 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
     totals = set()
     found: list[Optional[tuple]] = [None] * len(matrices)
     kmax = max(ks)
-    for path in files:
+    for path in tracked(progress, files, "bank files scored"):
         shard = torch.load(path, weights_only=True, mmap=True)
         totals.add(int(shard["total"]))
         rows = [shard["features"]] + [shard["blocks"][b - 1] for b in chosen]
@@ -114,7 +119,8 @@ def table(results: list[tuple[str, dict[str, float]]]) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        results = score(args.folder, args.k, args.temperature, args.blocks, args.scoring_mib * 2 ** 20)
+        with command_progress(show_progress(args.quiet)) as progress:
+            results = score(args.folder, args.k, args.temperature, args.blocks, args.scoring_mib * 2 ** 20, progress)
     except (ValueError, OSError) as err:
         print(f"shortcutlab score-bank: error: {err}", file=sys.stderr)
         sys.exit(exit_statuses.BAD_INPUT)

@@ -79,11 +79,17 @@ def _outputs(module: nn.Module, images: torch.Tensor, with_blocks: bool) -> list
     return [module.forward_features(images)]
 
 
-def _stored(batch: torch.Tensor, storage: Storage) -> torch.Tensor:
-    batch = batch.float()
-    if storage.normalize:
-        batch = F.normalize(batch, dim=1)
-    return batch.to(storage.dtype)
+def _store(batch: torch.Tensor, into: torch.Tensor, normalize: bool) -> None:
+    """Write ``batch`` into its rows of the kept tensor, L2-normalised when asked: in place for
+    float32 (no copy of the batch), through a float32 copy for a narrower dtype (which could
+    not hold the unnormalised values)."""
+    if not normalize:
+        into.copy_(batch)
+    elif into.dtype == torch.float32:
+        norms = batch.float().norm(dim=1, keepdim=True).clamp_min_(1e-12)  # F.normalize's eps
+        into.copy_(batch).div_(norms.to(into.device))
+    else:
+        into.copy_(F.normalize(batch.float(), dim=1))
 
 
 def collect_features(
@@ -137,7 +143,7 @@ def collect_features(
                 kept = [torch.empty((owned, *out.shape[1:]), dtype=storage.dtype, device=keep_on) for out in outputs]
             rows = min(len(images), owned - filled)
             for out, into in zip(outputs, kept):
-                into[filled:filled + rows].copy_(_stored(out[:rows], storage))
+                _store(out[:rows], into[filled:filled + rows], storage.normalize)
             labels[filled:filled + rows].copy_(batch_labels[:rows])
             filled += rows
             advance()

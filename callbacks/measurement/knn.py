@@ -143,9 +143,9 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             1 = nearest the input, -1 = the last) from the same forward pass: one row per block
             in ``eval_per_block.csv`` and the picture ``eval/over_depth``
             (:mod:`lightning_mods.evaluation.over_depth`); the logged metrics stay those of ``forward_features``.
-        bank_dtype: how the bank is stored: ``float16`` (default; half of float32, and on
-            unit-length features its rounding, about 5e-4, is finer than bfloat16's), ``bfloat16``
-            or ``float32``. Similarities are computed in float32 either way.
+        bank_dtype: how the bank is stored: ``float32`` (default: exact), ``float16`` or
+            ``bfloat16`` (half the memory; near-collapsed features, whose similarities crowd
+            near 1, can change neighbours). Similarities are computed in float32 either way.
         bank_device: where the bank is kept: None (the module's device) or ``cpu`` (host memory,
             brought to the module's device a chunk at a time for scoring).
         scoring_mib: work memory of the scoring, in MiB: it sets how many queries are scored
@@ -160,7 +160,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
                  every_n_epochs: Optional[int] = None, num_classes: Optional[int] = None,
                  batch_size: Optional[int] = None, num_workers: Optional[int] = None,
                  chunk_size: Optional[int] = None, name: Optional[str] = None,
-                 blocks: Union[None, str, list[int]] = None, bank_dtype: str = "float16",
+                 blocks: Union[None, str, list[int]] = None, bank_dtype: str = "float32",
                  bank_device: Optional[str] = None, scoring_mib: int = 256,
                  save_features: Optional[str] = None) -> None:
         super().__init__()

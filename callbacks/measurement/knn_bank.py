@@ -10,8 +10,8 @@ set, shared by every rank, float32):
     scoring = the scoring budget (``scoring_mib``)           on the module's device
 
 ViT-B/16 on ImageNet-1K with every block (N = 1,281,167, B = 13 banks of 768, Q = 50,000):
-the bank is 47.7 GiB in float32 and 23.8 GiB in float16 on one process, 2.98 GiB in float16 at
-8 ranks and 0.37 GiB at 64; the queries add 1.86 GiB a rank. A host-memory bank
+the bank is 47.7 GiB in float32 on one process, 5.96 GiB at 8 ranks and 0.75 GiB at 64 (half
+that in float16); the queries add 1.86 GiB a rank. A host-memory bank
 (``bank_device: cpu``) is shared by the ranks of a node: the check counts it that many times.
 """
 from __future__ import annotations
@@ -61,9 +61,17 @@ def bank_shortage(owner: str, total: int, world_size: int, ranks_per_node: int, 
         per = f"{ranks_per_node} ranks of this node" if device.type == "cpu" and ranks_per_node > 1 else "each rank"
         return (f"{owner}: the bank needs {size_text(bank)} a rank ({total} images / {world_size} ranks x {sum(widths)} "
                 f"features over {len(widths)} banks x {dtype_name}), the queries and scoring {size_text(on_module)}: "
-                f"{size_text(need)} for {per} on {device}, which has {size_text(free)} free; set bank_dtype: float16 or "
-                "bfloat16 (half of float32), bank_device: cpu (host memory), fewer blocks, or run on more GPUs")
+                f"{size_text(need)} for {per} on {device}, which has {size_text(free)} free; "
+                f"{fixes(dtype, bank_device, len(widths))}")
     return None
+
+
+def fixes(dtype: torch.dtype, bank_device: torch.device, banks: int) -> str:
+    """The settings that shrink a rank's share, those that apply."""
+    found = ["bank_dtype: float16 (half the bank)"] if dtype == torch.float32 else []
+    found += ["bank_device: cpu (host memory)"] if bank_device.type != "cpu" else []
+    found += ["fewer blocks"] if banks > 1 else []
+    return "set " + ", ".join(found + ["scoring_mib lower"]) + ", or run on more ranks"
 
 
 def shard_file(folder: Path, rank: int, world_size: int) -> Path:

@@ -140,6 +140,7 @@ def correct_counts(sims: torch.Tensor, labels: torch.Tensor, query_labels: torch
     return counts
 
 
-def all_finite(tensor: torch.Tensor, rows: int = 8192) -> bool:
-    """Whether every entry is finite, read ``rows`` rows at a time (no mask as large as a bank)."""
+def all_finite(tensor: torch.Tensor, rows: int = 1024) -> bool:
+    """Whether every entry is finite, read ``rows`` rows at a time: ``isfinite`` makes several
+    temporaries the size of its input, which must stay small beside a bank."""
     return all(bool(torch.isfinite(tensor[i:i + rows]).all()) for i in range(0, len(tensor), rows))

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import Dataset
 
-from callbacks._utils.distributed import gather_strided
+from callbacks._utils.distributed import gather_strided, rank_and_world_size
 from callbacks._utils.feature_collection import (Features, Storage, collect_features, datamodule_dataset,
                                                  smoke_test_subset)
 from callbacks.cost import PER_VALIDATION
@@ -111,7 +111,7 @@ class SharedEvaluation(Callback):
         ``val_dataset``), computed at most once per evaluation for every reader. Under
         ``fast_dev_run`` the first batches only, as ``collect_features`` callers do. ``dataset``
         overrides the lookup (the caller resolved it); ``storage`` how the features are kept
-        (another storage is another pass: the kNN bank keeps unit-length float16 rows)."""
+        (another storage is another pass: the kNN bank keeps unit-length rows)."""
         if dataset is None:
             dataset = datamodule_dataset(trainer, dataset_name, owner)
         subset = smoke_test_subset(trainer, dataset, batch_size)
@@ -128,9 +128,13 @@ class SharedEvaluation(Callback):
             entry = self._entries[key] = {"local": local, "gathered": None}
         if gather and entry["gathered"] is None:
             local, total, strategy = entry["local"], len(subset), trainer.strategy
-            entry["gathered"] = Features(
+            gathered = entry["gathered"] = Features(
                 gather_strided(local.features, total, strategy), gather_strided(local.labels, total, strategy),
                 None if local.blocks is None else [gather_strided(b, total, strategy) for b in local.blocks])
+            # this rank's shard is now a strided view of the whole: the same values, no second copy
+            rank, world_size = rank_and_world_size()
+            entry["local"] = Features(gathered.features[rank::world_size], gathered.labels[rank::world_size],
+                                      None if gathered.blocks is None else [b[rank::world_size] for b in gathered.blocks])
         found = entry["gathered"] if gather else entry["local"]
         if not self._keeps:
             self.release()
