@@ -88,7 +88,18 @@ def test_the_cli_names_the_fix_in_one_line(tmp_path, monkeypatch, capsys):
     assert err[-1].startswith("shortcutlab: error: KNNEvaluator: the bank needs ") and "bank_dtype" in err[-1]
 
 
-def test_each_pass_shows_a_bar_in_the_rich_display_and_logs_its_duration(tmp_path, caplog):
+@pytest.fixture
+def rich_console_restored():
+    """RichProgressBar reconfigures rich's global console in place (its console_kwargs): put it
+    back, so that later tests on this worker print where they expect."""
+    import rich
+
+    saved = dict(rich.get_console().__dict__)
+    yield
+    rich.get_console().__dict__ = saved
+
+
+def test_each_pass_shows_a_bar_in_the_rich_display_and_logs_its_duration(tmp_path, caplog, rich_console_restored):
     screen = io.StringIO()
     bar = RichProgressBar(console_kwargs={"file": screen, "force_terminal": True, "width": 160})
     trainer = tiny_trainer(tmp_path, [bar, KNNEvaluator(k=5)], max_epochs=1, limit_train_batches=2,

@@ -19,10 +19,9 @@ import torch
 from lightning.pytorch import Trainer
 
 from callbacks.measurement.knn import KNNEvaluator
-from commands import score_bank
-from test_callbacks_ddp import free_port, run_to_end
-from test_several_settings import numpy_knn_scores
 from tiny_runs import Passthrough, TinyData
+
+# the launched processes import this module: what only the test process needs is imported there
 
 REPO = Path(__file__).resolve().parents[2]
 BANK, QUERIES, CLASSES, DIM = 103, 29, 7, 8  # 103 rows: shards of 26, 26, 26 and 25 at 4 ranks
@@ -81,6 +80,8 @@ SCRIPT = textwrap.dedent("""
 
 def numpy_accuracy(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, labels: torch.Tensor,
                    k: int, temperature: float, top: int) -> float:
+    from test_several_settings import numpy_knn_scores
+
     scores = numpy_knn_scores(bank.double().numpy(), bank_labels.numpy(), queries.double().numpy(), CLASSES,
                               min(k, len(bank)), temperature)
     ranked = np.argsort(-scores, axis=1, kind="stable")[:, :top]
@@ -106,6 +107,8 @@ def hits(accuracy: float) -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
     """What every rank saw at 1 (this process), 2 and 4 processes, and the folders they ran in."""
+    from test_callbacks_ddp import free_port, run_to_end
+
     root = tmp_path_factory.mktemp("sharded_knn")
     script = root / "run.py"
     script.write_text(SCRIPT.format(tests=folders.PATHS))
@@ -162,6 +165,8 @@ def test_a_float16_bank_gives_the_one_process_accuracies(runs, devices):
 
 @pytest.mark.slow
 def test_each_rank_saved_only_its_rows_and_the_command_scores_them_at_other_settings(runs):
+    from commands import score_bank
+
     folder = runs["root"] / "w4" / "bank"
     shards = [torch.load(folder / f"bank-rank{r:05d}-of-00004.pt", weights_only=True) for r in range(4)]
     assert [len(s["labels"]) for s in shards] == [26, 26, 26, 25]
@@ -179,6 +184,8 @@ def test_each_rank_saved_only_its_rows_and_the_command_scores_them_at_other_sett
 
 
 def test_the_command_refuses_an_incomplete_bank_in_one_line(tmp_path, capsys):
+    from commands import score_bank
+
     (tmp_path / "queries.pt").write_bytes(b"")
     (tmp_path / "bank-rank00000-of-00002.pt").write_bytes(b"")
     with pytest.raises(SystemExit) as exit_:
