@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from typing import Optional
 
 from commands import _catalogue as catalogue
-from lightning_mods.checkpointing.rebuild import init_parameters
+from lightning_mods.checkpointing.rebuild import import_path, init_parameters
 
 
 class BadInput(ValueError):
@@ -89,7 +90,7 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
             known = sorted(init_parameters(class_path) or [])
             close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
             hint = f"; did you mean '{prefix}.{close[0]}'?" if close else ""
-            if not hint and "network" in known:  # a recipe given its network: the setting may be the network's
+            if not hint and "network" in known and network_takes(class_path, match.group(1)):  # the network's setting
                 hint = (f"; a setting of its network is {prefix}.network.init_args.{match.group(1)} (a config of "
                         "release 0.1: lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
             return f"{bad}: unknown key of {class_path}{hint}"
@@ -102,6 +103,22 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
     else:
         reason = innermost[0].lower() + innermost[1:] if innermost[:1].isupper() and field else innermost
     return f"{field}: {reason}" if field else reason
+
+
+def network_takes(recipe_path: str, key: str) -> bool:
+    """Whether a network class named by the ``network`` argument's type of the recipe
+    ``recipe_path`` takes the setting ``key`` (True where one takes any setting)."""
+    try:
+        network = typing.get_type_hints(import_path(recipe_path).__init__).get("network")
+    except (ImportError, AttributeError, NameError, TypeError, ValueError):
+        return False
+    kinds = [kind for kind in (typing.get_args(network) or (network,)) if isinstance(kind, type)
+             and kind not in (str, object)]
+    for kind in kinds:
+        params = init_parameters(f"{kind.__module__}.{kind.__qualname__}")
+        if params is None or key in params:
+            return True
+    return False
 
 
 def unknown_class_message(name: str, field: str) -> str:

@@ -5,7 +5,8 @@ weights, ``predictions.pt``, a sweep's and a report's JSON.
 file system, so the rename cannot turn into a copy), flushes and fsyncs it, renames it onto the
 final name with ``os.replace`` (atomic on POSIX) and fsyncs the folder, so a crash or a full disk
 leaves either the previous file of that name or the new one, never half of either, and no
-temporary file. The file gets the permissions ``open()`` would give it (``0666`` less the
+temporary file. A process killed while it writes (SIGKILL, a lost node) cannot remove its
+temporary file: the next write into that folder does (:func:`remove_leftovers`). The file gets the permissions ``open()`` would give it (``0666`` less the
 process's umask, as Lightning's own files), not the temporary file's private ``0600``: a
 colleague sharing the folder reads it as they read the run's logs. A write that fails for lack of space, quota, a read-only file system or
 permissions raises :class:`DiskWriteError`, whose one-line message names the file, the bytes it
@@ -18,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, IO, Optional, Union
 
@@ -31,6 +35,13 @@ DISK_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk 
                errno.EPERM: "operation not permitted"}
 
 last_good_checkpoint: Optional[Path] = None  # the newest checkpoint this process wrote whole
+
+# the temporary file of a write: .<name>.<host>-<pid>.<random>.tmp, so that a later write can tell a
+# dead writer's file from a live one's
+_HOST = socket.gethostname().replace("/", "_")
+_OURS = re.compile(r"^\.(?P<name>.+)\.(?P<host>[^/]+)-(?P<pid>\d+)\.[A-Za-z0-9_]{8}\.tmp$")
+_LEGACY = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")  # written before the writer was named
+STALE_SECONDS = 15 * 60  # a writer on another host that has not written for this long is gone
 
 
 class DiskWriteError(OSError):
@@ -90,9 +101,10 @@ def _write_once(path: Path, write: Callable[[IO[bytes]], None], size: Optional[i
         if err.errno in DISK_ERRORS:
             raise DiskWriteError(err.errno, describe(err, path, size)) from None
         raise
+    remove_leftovers(path.parent)
     tmp: Optional[str] = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -110,6 +122,39 @@ def _write_once(path: Path, write: Callable[[IO[bytes]], None], size: Optional[i
             with contextlib.suppress(OSError):
                 os.remove(tmp)
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_leftovers(folder: Path, now: Optional[float] = None) -> list[Path]:
+    """Remove the temporary files that writers killed mid-write left in ``folder``: those of a
+    process of this host that has ended, and those of another host (or of a release that did not
+    name its writer) not written to for :data:`STALE_SECONDS`. Returns what it removed."""
+    removed = []
+    now = time.time() if now is None else now
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            named, legacy, stale = _OURS.match(entry.name), _LEGACY.match(entry.name), False
+            if named and named.group("host") == _HOST:
+                stale = int(named.group("pid")) != os.getpid() and not _alive(int(named.group("pid")))
+            elif named or legacy:
+                with contextlib.suppress(OSError):
+                    stale = now - entry.stat(follow_symlinks=False).st_mtime > STALE_SECONDS
+            else:
+                continue
+            if stale:
+                with contextlib.suppress(OSError):
+                    os.remove(entry.path)
+                    removed.append(Path(entry.path))
+    return removed
 
 
 def write_bytes_atomically(path: PathLike, data: bytes) -> Path:

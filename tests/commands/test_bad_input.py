@@ -92,6 +92,9 @@ CASES = {  # name: (arguments, words the one line must hold)
     "a network setting of the recipe": ([*CONFIG, "--model.init_args.embed_dim=3"],
                                         ["model.init_args.embed_dim: unknown key of lightning_mods.mae.MaskedAutoencoder",
                                          "a setting of its network is model.init_args.network.init_args.embed_dim"]),
+    # a key neither the recipe nor its network takes: no hint that the network would (it refuses it too)
+    "a key of nothing": ([*CONFIG, "--model.init_args.bogus_key=1"],
+                         ["model.init_args.bogus_key: unknown key of lightning_mods.mae.MaskedAutoencoder"]),
     "unknown option": ([*CONFIG, "--trainer.max_epcohs=3"],
                        ["unknown option '--trainer.max_epcohs'; did you mean '--trainer.max_epochs'?"]),
     "unknown yaml key": ([*CONFIG, "--config={unknown-yaml}"],
@@ -232,3 +235,13 @@ def test_a_wrong_data_dir_is_found_before_any_process_starts(tmp_path, monkeypat
     assert lines[0] == (f"shortcutlab: error: ImageNet: no class folders under '{tmp_path / 'not_imagenet' / 'train'}' "
                         "(expected data_dir/train/<wnid>/<image> and data_dir/val/<wnid>/<image>); set data_dir")
     assert not (tmp_path / "run").exists()  # no process started, no log folder left
+
+
+def test_the_network_hint_names_only_a_key_the_network_takes():
+    """An unknown recipe key is pointed at the network only when a network of the recipe takes it."""
+    from commands.cli_errors import network_takes
+
+    assert network_takes("lightning_mods.mae.MaskedAutoencoder", "embed_dim")
+    assert network_takes("lightning_mods.diffusion.DiffusionModule", "img_size")
+    assert not network_takes("lightning_mods.mae.MaskedAutoencoder", "bogus_key")
+    assert not network_takes("lightning_mods.classifier.ImageClassifier", "embed_dim")  # no network argument

@@ -204,3 +204,41 @@ def test_a_folder_removed_while_a_file_is_written_is_made_again(tmp_path):
     atomic_files.write_atomically(target, write)
     assert target.read_bytes() == b"whole" and len(attempts) == 2
 
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    """A SIGKILL mid-write leaves ``.last.ckpt.<...>.tmp``; the next write into the folder removes
+    it, and leaves a live writer's file, another program's file and a recent file of unknown writer."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from lightning_mods.checkpointing.atomic_files import STALE_SECONDS, write_bytes_atomically
+
+    # a real writer killed while its temporary file is open
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from lightning_mods.checkpointing.atomic_files import write_atomically; "
+            "write_atomically(sys.argv[2], lambda f: (f.write(b'x'), f.flush(), print('writing', flush=True), "
+            "time.sleep(60)))")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).resolve().parents[2]),
+                               str(tmp_path / "last.ckpt")], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    killed = sorted(tmp_path.glob(".last.ckpt.*.tmp"))
+    assert len(killed) == 1
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    host = socket.gethostname()
+    live = tmp_path / f".epoch1.ckpt.{host}-{os.getpid()}.abcdefgh.tmp"  # this process: alive
+    unknown_old = tmp_path / ".last.ckpt.k2j4h5g6.tmp"  # written before writers were named
+    unknown_new = tmp_path / ".latest.ckpt.q1w2e3r4.tmp"
+    other_program = tmp_path / ".notes.swp"
+    for path in (live, unknown_old, unknown_new, other_program):
+        path.write_bytes(b"")
+    old = time.time() - STALE_SECONDS - 60
+    os.utime(unknown_old, (old, old))
+    write_bytes_atomically(tmp_path / "latest.ckpt", b"new")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([live.name, unknown_new.name, other_program.name, "latest.ckpt"])
