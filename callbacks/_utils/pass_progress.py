@@ -6,7 +6,7 @@ On rank 0, with the Trainer's progress bar on (``enable_progress_bar``), the pas
 the Trainer's own Rich bar while that bar is drawn, else a bar of its own on a terminal (the
 commands' style: description, bar, done/total, elapsed, remaining); off with the progress bar,
 as the training bar is. Whatever the bar, rank 0 logs one line with the pass's duration
-(``KNNEvaluator: bank_dataset, 1281167 images in 9 min 12 s``).
+(``KNNEvaluator: bank_dataset, 1437 images in 1.0 s``).
 """
 from __future__ import annotations
 
