@@ -72,7 +72,7 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
     import torch
 
     from callbacks.measurement.knn_bank import QUERIES_FILE
-    from callbacks.measurement.knn_scoring import (correct_counts, local_neighbours, merge_topk, neighbour_count,
+    from callbacks.measurement.knn_scoring import (correct_counts, keep_best, local_neighbours, neighbour_count,
                                                    normalized_queries)
 
     if any(k < 1 for k in ks) or not temperature > 0:
@@ -91,10 +91,8 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
         totals.add(int(shard["total"]))
         rows = [shard["features"]] + [shard["blocks"][b - 1] for b in chosen]
         for i, (bank, q) in enumerate(zip(rows, normalized)):
-            sims, labels = local_neighbours(bank, shard["labels"], q, kmax, budget_bytes)
-            if found[i] is not None:  # the best k of this shard and the earlier ones
-                sims, labels = merge_topk(torch.cat([found[i][0], sims], 1), torch.cat([found[i][1], labels], 1), kmax)
-            found[i] = (sims, labels)
+            this_shard = local_neighbours(bank, shard["labels"], q, kmax, budget_bytes)
+            found[i] = this_shard if found[i] is None else keep_best(found[i], this_shard, kmax)
     if len(totals) != 1:
         raise ValueError(f"{folder}: the bank files come from different evaluations (bank sizes {sorted(totals)})")
     total = totals.pop()

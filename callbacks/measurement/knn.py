@@ -227,9 +227,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         if self._checked_for == str(trainer.state.fn):
             return
         self._checked_for = str(trainer.state.fn)
-        batch_size, _ = loader_settings(trainer, self.batch_size, self.num_workers)
-        bank = smoke_test_subset(trainer, datamodule_dataset(trainer, "bank_dataset", "KNNEvaluator"), batch_size)
-        queries = smoke_test_subset(trainer, datamodule_dataset(trainer, "val_dataset", "KNNEvaluator"), batch_size)
+        bank, queries = self.evaluated_sets(trainer)
         widths = feature_widths(pl_module, bank, self.blocks is not None)
         device = module_device(pl_module)
         _, world_size = rank_and_world_size()
@@ -241,6 +239,12 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         if int(all_reduce_sum(torch.tensor([0 if shortage is None else 1], device=device))):
             raise BankTooLarge(shortage or "KNNEvaluator: the bank does not fit on another rank; its error names "
                                            "the settings that fix it")
+
+    def evaluated_sets(self, trainer: Trainer) -> tuple[Any, Any]:
+        """``(bank, queries)`` as an evaluation reads them (the first batches under ``fast_dev_run``)."""
+        batch_size, _ = loader_settings(trainer, self.batch_size, self.num_workers)
+        return tuple(smoke_test_subset(trainer, datamodule_dataset(trainer, name, "KNNEvaluator"), batch_size)
+                     for name in ("bank_dataset", "val_dataset"))
 
     def scoring_bytes(self, bank_rows: int) -> int:
         """The scoring's work memory: ``chunk_size`` queries' similarities when it is set."""
@@ -297,7 +301,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
                                with_blocks=with_blocks, gather=False, storage=self.storage)
         queries = shared.features(trainer, pl_module, "val_dataset", "KNNEvaluator", batch_size, num_workers,
                                   with_blocks=with_blocks)
-        bank_total = int(all_reduce_sum(torch.tensor([len(bank.labels)], device=bank.labels.device)))
+        bank_total = len(self.evaluated_sets(trainer)[0])  # every rank's rows together
         if self.save_features:
             self.write_features(trainer, bank, queries, bank_total, num_classes)
         tops = (1, 5) if num_classes > 5 else (1,)

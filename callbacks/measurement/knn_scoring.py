@@ -42,6 +42,12 @@ def merge_topk(sims: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.
     return best, labels.gather(1, where)
 
 
+def keep_best(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor],
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best ``k`` neighbours of two ``(similarities, labels)`` sets of the same queries."""
+    return merge_topk(torch.cat([first[0], second[0]], 1), torch.cat([first[1], second[1]], 1), k)
+
+
 def local_neighbours(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, k: int,
                      budget_bytes: int = DEFAULT_SCORING_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """``(similarities, labels)``, each ``Q x k``: the ``k`` most similar rows of ``bank`` to every
@@ -64,8 +70,8 @@ def local_neighbours(bank: torch.Tensor, bank_labels: torch.Tensor, queries: tor
             if start == 0:
                 top_sims[q:q + rows, :take], top_labels[q:q + rows, :take] = sims, part_labels[where]
             else:  # a later chunk of a bank read in parts: keep the best k of both
-                top_sims[q:q + rows], top_labels[q:q + rows] = merge_topk(
-                    torch.cat([top_sims[q:q + rows], sims], 1), torch.cat([top_labels[q:q + rows], part_labels[where]], 1), k)
+                top_sims[q:q + rows], top_labels[q:q + rows] = keep_best(
+                    (top_sims[q:q + rows], top_labels[q:q + rows]), (sims, part_labels[where]), k)
     return top_sims, top_labels
 
 
@@ -94,7 +100,7 @@ def vote(sims: torch.Tensor, labels: torch.Tensor, num_classes: int, k: int, tem
     """Class scores ``Q x C``: the first ``k`` neighbours vote with weights ``exp(s / T)``, added
     in sorted order (padding never votes)."""
     sims, labels = sims[:, :k], labels[:, :k]
-    weights = torch.where(torch.isfinite(sims), (sims / temperature).exp(), torch.zeros_like(sims))
+    weights = (sims / temperature).exp()  # padding, at -inf, weighs exp(-inf) = 0
     scores = torch.zeros(len(sims), num_classes, device=sims.device)
     return scores.scatter_add_(1, labels, weights)
 
