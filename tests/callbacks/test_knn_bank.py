@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 
 import pytest
 import torch
@@ -106,7 +107,10 @@ def test_each_pass_shows_a_bar_in_the_rich_display_and_logs_its_duration(tmp_pat
                            enable_progress_bar=True, num_sanity_val_steps=0)
     with caplog.at_level(logging.INFO):
         trainer.fit(TinyNet(), datamodule=TinyData())
-    assert "KNNEvaluator: bank_dataset" in screen.getvalue()
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()).replace("\r", "\n")
+    # the pass's task advanced batch by batch to its end: 48 bank images and 21 queries in batches of 8
+    assert re.search(r"KNNEvaluator: bank_dataset \S+ 6/6 ", drawn), drawn[-2000:]
+    assert re.search(r"KNNEvaluator: val_dataset \S+ 3/3 ", drawn)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KNNEvaluator: ")]
     assert lines[0].startswith("KNNEvaluator: bank_dataset, 48 images in ") and lines[0].endswith(" s")
     assert lines[1].startswith("KNNEvaluator: val_dataset, 21 images in ")
@@ -130,3 +134,21 @@ def test_the_documented_error_line_is_the_one_a_run_prints(monkeypatch):
                                   50_000, torch.device("cuda", 0), 256 * 2 ** 20)
     page = (Path(__file__).resolve().parents[2] / "docs" / "multi-gpu.md").read_text()
     assert f"shortcutlab: error: {line}\n" in page
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_bank_read_in_parts_finds_the_neighbours_numpy_finds(dtype):
+    """A bank in another dtype or on another device is brought to the queries a few rows at a
+    time (here 5 rows a copy): the neighbours of the parts, merged, are those of the whole bank
+    (float64 numpy on the stored values)."""
+    import numpy as np
+
+    from callbacks.measurement.knn_scoring import local_neighbours, normalized_queries
+
+    g = torch.Generator().manual_seed(3)
+    bank = torch.nn.functional.normalize(torch.randn(37, 6, generator=g), dim=1).to(dtype)
+    labels, queries = torch.arange(37), normalized_queries(torch.randn(9, 6, generator=g), torch.device("cpu"))
+    sims, found = local_neighbours(bank, labels, queries, 7, budget_bytes=2 * 5 * 6 * 4)
+    expected = np.argsort(-(queries.double().numpy() @ bank.double().numpy().T), axis=1, kind="stable")[:, :7]
+    assert found.tolist() == expected.tolist()
+    torch.testing.assert_close(sims.double(), (queries.double() @ bank.double().T).gather(1, found), rtol=0, atol=1e-6)
