@@ -5,6 +5,7 @@
     shortcutlab sweep ... / shortcutlab report runs/<experiment>
     shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents / sort-imagenet-val
     shortcutlab score-bank FOLDER --k 10 20 100 200         # a saved kNN bank at other settings
+    shortcutlab export CHECKPOINT FOLDER                    # the network in timm's hub layout
 
 Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the others each have a
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
@@ -75,6 +76,8 @@ COMMANDS = {
     "score-bank": ("commands.score_bank", "score a kNN bank saved by KNNEvaluator(save_features=...) at other k, "
                                           "temperatures or blocks, without embedding the training set again"),
     "features": ("commands.features", "the patch-feature picture of a checkpoint (top-3 principal components as RGB)"),
+    "export": ("commands.export", "a trained network (MAE encoder or whole MAE, ResNet, U-ViT) as a folder in timm's hub "
+                                  "layout: config.json, model.safetensors, model card"),
     "convert-mae": ("commands.convert_mae", "import the authors', official or timm MAE weights; export to timm"),
     "feature-reuse": ("commands.feature_reuse", "the spiral feature-reuse study (ResidualDroppath paper, Fig. 3)"),
     "probe-diffusion": ("commands.probe_diffusion", "linear probe / kNN of a diffusion model's blocks per noise level"),

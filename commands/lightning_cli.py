@@ -40,6 +40,7 @@ from commands import _catalogue as catalogue
 from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    fill_network_from_data, linked_settings_given, network_by_name)
+from commands._run_config import RunConfig
 from commands._resume_logs import continue_logger_versions, merge_kept_metrics
 from commands._ckpt_resolution import check_ckpt_path, resolve_auto_ckpt_path, resolve_folder_ckpt_path
 from commands.cli_errors import BadInput, duplicate_callback_message, explain_parse_error, root_message
@@ -265,7 +266,7 @@ def main(args: Optional[list[str]] = None, parser_kwargs: Optional[dict[str, Any
     return ShortcutLabCLI(
         LightningModule, LightningDataModule,
         subclass_mode_model=True, subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=RunConfig, save_config_kwargs={"overwrite": True},
         parser_kwargs=parser_kwargs,
         args=args,
     )

@@ -8,7 +8,7 @@ A block's mark is an HTML comment on the line before its fence:
 - ``<!-- tested: tests/test_x.py ... -->``: the named test files exist and name the page
   (they read the block, or run its commands); ``tests/test_docs.py`` means this file runs the
   block itself (below);
-- ``<!-- not run here: needs a GPU | a dataset | a cluster | downloaded weights ... -->``.
+- ``<!-- not run here: needs a GPU | a dataset | a cluster | downloaded weights | a Hugging Face account ... -->``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUNNABLE = {"bash", "sh", "shell", "console", "python", "py"}
 MARK = re.compile(r"^\s*<!--\s*(tested|not run here):\s*(.*?)\s*-->\s*$")
-NEEDS = re.compile(r"needs (a GPU|a dataset|a cluster|downloaded weights)")
+NEEDS = re.compile(r"needs (a GPU|a dataset|a cluster|downloaded weights|a Hugging Face account)")
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 BUDGET = {
     "fit": ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_HELPERS = ("checkpointing", "_compat", "evaluation", "_generation", "pictures", "recipe",
+MODULE_HELPERS = ("checkpointing", "_compat", "evaluation", "_generation", "pictures", "recipe", "run_outputs",
                   "exit_statuses")
 CALLBACK_BASES = ("_utils", "schedule", "settings_key", "cost")
 # layer -> the layers it may import (besides itself and third-party packages)

@@ -41,7 +41,9 @@ from callbacks.measurement.shared_features import SharedEvaluation
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing import migration
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from lightning_mods.pictures.grids import log_picture, run_dir
+from lightning_mods.pictures.grids import log_picture
+from lightning_mods.run_outputs.run_folder import run_dir
+from lightning_mods.run_outputs.to_loggers import send_table
 from lightning_mods.evaluation.over_depth import DepthRows, write_pending
 from lightning_mods.evaluation.feature_contract import require_blocks
 from callbacks.settings_key import SettingsKeyed, check_name
@@ -293,7 +295,8 @@ class EffectiveRank(SettingsKeyed, ScheduledEvaluation):
             return
         # validate: Lightning does not restore the fit's history, the file holds this evaluation
         evaluated = [h for h in self.history if h.get("profile")] if fitting else [entry]
-        write_profiles(run_dir(trainer) / self.profile_file, evaluated)
+        path = write_profiles(run_dir(trainer) / self.profile_file, evaluated)
+        send_table(trainer, path, trainer.global_step, run_dir(trainer))
         if self.draw_profile:
             fig = draw_rank_profile([(h["epoch"], h["profile"]) for h in evaluated],
                                     f"effective rank over depth ({self.source} spectrum)")

@@ -17,7 +17,7 @@ import json
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from lightning_mods.pictures.grids import run_dir
+from lightning_mods.run_outputs.run_folder import run_dir
 from callbacks.cost import ONCE
 
 FIT_END_FILE = "fit_end.json"

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mods.pictures._embedding_map import EMBEDDING_MAP_POINTS, write_embedding_map
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
+from lightning_mods.run_outputs.run_folder import shared_run_dir
 from callbacks.cost import ONCE
 
 
@@ -59,7 +60,7 @@ def merge_in_dataset_order(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Saves the predict epoch's outputs to ``path`` (default ``<log_dir>/predictions.pt``).
+    """Saves the predict epoch's outputs to ``path`` (default ``<run folder>/predictions.pt``).
 
     Args:
         path: output file (``.pt``, a dict of tensors for ``torch.load(..., weights_only=True)``);
@@ -83,14 +84,13 @@ class PredictionWriter(BasePredictionWriter):
         self.map_written: Optional[Path] = None
 
     def output_path(self, trainer: Trainer) -> Path:
-        return Path(self.path) if self.path is not None else Path(trainer.log_dir or trainer.default_root_dir) \
-            / "predictions.pt"
+        return Path(self.path) if self.path is not None else shared_run_dir(trainer) / "predictions.pt"
 
     def write_on_epoch_end(self, trainer: Trainer, pl_module: LightningModule, predictions: Sequence[Any],
                            batch_indices: Sequence[Any]) -> None:
         if len(batch_indices) > 1:
             raise ValueError(f"PredictionWriter: predict with one dataloader (got {len(batch_indices)})")
-        path = self.output_path(trainer)  # log_dir is a collective call: every rank asks
+        path = self.output_path(trainer)  # the run folder is broadcast: every rank asks
         indices = batch_indices[0] if batch_indices else []
         part = concatenate_predictions(predictions, indices)
         if trainer.world_size == 1:

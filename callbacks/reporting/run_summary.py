@@ -1,8 +1,9 @@
-"""The table a run ends with (the quickstart): final evaluation metrics, where the
-checkpoints are and where the pictures are. Printed by global rank 0 at the end of ``fit`` and
-written next to the logs as JSON. TensorBoard's hyper-parameter view gets the same final
-metrics as its columns (in place of Lightning's placeholder ``hp_metric`` of -1), so runs can be
-compared there."""
+"""The table a run ends with (the quickstart): final evaluation metrics, the run's folder, where
+the checkpoints are and where the pictures are. Printed by global rank 0 at the end of ``fit``,
+written to the run's folder as ``summary.json`` and sent to every logger in its own form
+(:mod:`lightning_mods.run_outputs.to_loggers`): TensorBoard's hyper-parameter view gets the final
+metrics as its columns (in place of Lightning's placeholder ``hp_metric`` of -1), W&B its run
+summary, MLflow metrics at the last step and the file."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_mods._compat import lightning_private
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from lightning_mods.pictures.grids import picture_dir, run_dir
+from lightning_mods.run_outputs.run_folder import picture_dir, run_dir
+from lightning_mods.run_outputs.to_loggers import send_summary
 from callbacks.cost import ONCE
 
 DEFAULT_METRICS = (metric_names.KNN_TOP1, metric_names.ONLINE_PROBE_VAL_TOP1, metric_names.EFFECTIVE_RANK,
@@ -93,7 +95,7 @@ class RunSummary(Callback):
         self.summary: dict[str, Any] = {}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":  # the final metrics take the placeholder's place (log_headline_metrics)
+        if stage == "fit":  # the final metrics take the placeholder's place (send_summary)
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     lightning_private.without_hp_metric_placeholder(logger)
@@ -102,21 +104,13 @@ class RunSummary(Callback):
         self.summary = collect_summary(trainer, self.metrics)
         if not trainer.is_global_zero:
             return
-        self.log_headline_metrics(trainer, pl_module)
+        path = None
         if self.summary_file:
             path = Path(self.summary["log_dir"]) / self.summary_file
             write_text_atomically(path, json.dumps(self.summary, indent=2) + "\n")
-        self.print_table()
-
-    def log_headline_metrics(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The run's settings with its final metrics, for TensorBoard's hyper-parameter view."""
-        final = {name: value for name, value in self.summary["metrics"].items() if value is not None}
-        if not final:
-            return
         settings = {**dict(getattr(trainer.datamodule, "hparams", None) or {}), **dict(pl_module.hparams)}
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.log_hyperparams(settings, metrics=final, step=trainer.global_step)
+        send_summary(trainer, self.summary, settings, path, Path(self.summary["log_dir"]))
+        self.print_table()
 
     def print_table(self) -> None:
         """The rich table of :attr:`summary` on the terminal."""
@@ -134,7 +128,8 @@ class RunSummary(Callback):
         for name, value in self.summary["metrics"].items():
             table.add_row(name, format_value(name, value))
         table.add_row("epochs / steps", f"{self.summary['epochs']} / {self.summary['steps']}")
-        for label, key in (("best checkpoint", "best_checkpoint"), ("last checkpoint", "last_checkpoint"),
+        for label, key in (("run folder", "log_dir"), ("best checkpoint", "best_checkpoint"),
+                           ("last checkpoint", "last_checkpoint"),
                            ("pictures", "pictures")):
             table.add_row(label, self.summary[key] or "-", style="dim" if not self.summary[key] else None)
         console.print(table)

@@ -152,7 +152,9 @@ def encoder_filter_fn(state_dict: Mapping[str, Any], model: nn.Module) -> dict[s
 
 # --- one-line refusals ------------------------------------------------------------------------------
 def _block_count(names: Any, prefix: str) -> int:
-    return len({int(m.group(1)) for k in names if (m := re.match(rf"^{re.escape(prefix)}(\d+)\.", k))})
+    """Blocks the file's weights name (the shortcut weights a loader filled in from the network aside)."""
+    return len({int(m.group(1)) for k in names
+                if not k.endswith(SHORTCUT_KEY) and (m := re.match(rf"^{re.escape(prefix)}(\d+)\.", k))})
 
 
 def _geometry_hints(state: Mapping[str, torch.Tensor], prefix: str) -> list[str]:

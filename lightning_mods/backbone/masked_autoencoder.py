@@ -87,6 +87,8 @@ class MaskedAutoencoderViT(nn.Module):
     :attr:`settings` holds every argument as plain data (what a checkpoint records to rebuild it).
     """
 
+    num_classes = 0  # no classifier, as timm's factory and hub layout read it (its registry cfg says 0)
+
     def __init__(self, image_size: int = 224, in_chans: int = 3, patch_size: int = 16, embed_dim: int = 768,
                  depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  shortcut: Optional[ShortcutSchedule] = None, zero_init_branches: Optional[bool] = None,

@@ -26,6 +26,7 @@ from torch import nn
 
 from .patches import unpatchify
 from .residual import apply_shortcut_schedule
+from .resnet import resolve_layer
 from .shortcut import ShortcutSchedule
 from .vit import DecayedBlock, zero_init_residual_branches
 
@@ -76,9 +77,7 @@ class UViT(nn.Module):
 
     def __init__(
         self,
-        img_size: int = 32,
-        patch_size: int = 2,
-        in_chans: int = 3,
+        img_size: int = 32, patch_size: int = 2, in_chans: int = 3,
         embed_dim: int = 512,
         depth: int = 12,
         num_heads: int = 8,
@@ -94,6 +93,7 @@ class UViT(nn.Module):
     ) -> None:
         super().__init__()
         check_geometry(img_size, patch_size, in_chans, embed_dim, depth, num_heads, num_classes)
+        norm_layer, act_layer = resolve_layer(norm_layer), resolve_layer(act_layer)  # dotted paths: :attr:`settings`
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         self.num_features = self.embed_dim = embed_dim
         self.num_classes = num_classes

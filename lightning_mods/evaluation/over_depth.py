@@ -33,7 +33,9 @@ from torch import nn
 
 from lightning_mods.evaluation import metric_names
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
-from lightning_mods.pictures.grids import log_picture, run_dir
+from lightning_mods.pictures.grids import log_picture
+from lightning_mods.run_outputs.run_folder import run_dir
+from lightning_mods.run_outputs.to_loggers import send_table
 
 DEPTH_FILE = "eval_per_block.csv"
 KEY_COLUMNS = ("epoch", "step", "block")
@@ -168,6 +170,7 @@ def write_over_depth(trainer: Any, title: str = "evaluation over depth") -> Opti
     if not rows:
         return None
     path = write_table(run_dir(trainer) / DEPTH_FILE, rows)
+    send_table(trainer, path, trainer.global_step, run_dir(trainer))
     if accuracy_columns(rows) or any(metric_names.FEATURE_NORM in row for row in rows):
         log_picture(trainer, "eval/over_depth", draw_over_depth(rows, title))
     return path

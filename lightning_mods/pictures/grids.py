@@ -1,5 +1,6 @@
-"""Pictures of a run: written as PNG under ``<log_dir>/pictures`` and sent to the logger
-when it takes images (TensorBoard's ``add_image``). Only global rank 0 writes."""
+"""Pictures of a run: written as PNG under ``<run folder>/pictures`` and sent to every logger
+that shows images (TensorBoard, W&B, MLflow: :mod:`lightning_mods.run_outputs.to_loggers`).
+Only global rank 0 writes."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,9 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 from lightning.pytorch import Trainer
+
+from lightning_mods.run_outputs.run_folder import picture_dir, run_dir
+from lightning_mods.run_outputs.to_loggers import send_image
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -18,27 +22,6 @@ except ImportError:  # pragma: no cover
     Figure = None  # type: ignore[assignment,misc]
 
 Picture = Union[np.ndarray, "Figure"]
-
-
-def run_dir(trainer: Trainer) -> Path:
-    """The run's log directory, as ``trainer.log_dir`` gives it, without its broadcast.
-
-    ``trainer.log_dir`` is a collective under DDP (every rank must call it); this is safe to
-    call from rank 0 alone, which is the only rank that writes pictures.
-    """
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    if trainer.loggers:
-        logger = trainer.loggers[0]
-        root = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
-    else:
-        root = None
-    return Path(root or trainer.default_root_dir)
-
-
-def picture_dir(trainer: Trainer) -> Path:
-    """``<log_dir>/pictures`` of this run (the logger's version folder when there is one)."""
-    return run_dir(trainer) / "pictures"
 
 
 def figure_to_array(fig: "Figure", dpi: int = 100) -> np.ndarray:
@@ -76,7 +59,7 @@ def save_png(image: np.ndarray, path: Union[str, os.PathLike]) -> Path:
 
 
 def log_picture(trainer: Trainer, tag: str, picture: Picture, step: int | None = None) -> Path | None:
-    """Save ``picture`` as ``<log_dir>/pictures/<tag>_step<step>.png`` and log it as an image.
+    """Save ``picture`` as ``<run folder>/pictures/<tag>_step<step>.png`` and send it to every logger.
 
     Returns the file written on rank 0, ``None`` on other ranks.
     """
@@ -89,10 +72,7 @@ def log_picture(trainer: Trainer, tag: str, picture: Picture, step: int | None =
     step = trainer.global_step if step is None else step
     safe_tag = tag.replace("/", "_")
     path = save_png(image, picture_dir(trainer) / f"{safe_tag}_step{step:07d}.png")
-    for logger in trainer.loggers:
-        experiment = getattr(logger, "experiment", None)
-        if hasattr(experiment, "add_image"):
-            experiment.add_image(tag, image, global_step=step, dataformats="HWC")
+    send_image(trainer, tag, image, step, run_dir(trainer))
     return path
 
 
