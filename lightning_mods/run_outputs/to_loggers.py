@@ -10,7 +10,8 @@ logger        pictures               tables                      final summary
 TensorBoard   images (``add_image``) the files                   hyper-parameters with the final
                                                                  metrics as columns (``hparams``)
 CSV           the files              the files                   the files
-W&B           images (``log_image``) tables (``log_table``)      the run summary; config as files
+W&B           images (``log_image``) tables (``log_table``)      the run summary; the run's files
+                                                                 hold ``shortcutlab/config.yaml``
 MLflow        images (``log_image``) tables (``log_table``, one   metrics at the last step,
               by key and step        JSON a step) and the CSVs   ``summary.json`` and ``config.yaml``
 ============  =====================  ==========================  ==================================
@@ -24,6 +25,7 @@ import csv
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -129,8 +131,12 @@ def _mlflow_table(logger: Any, path: Path, columns: list[str], data: list[list[A
 def send_file(trainer: Any, path: Path, run_folder: Path) -> None:
     """A file of the run's folder (``config.yaml``) to the loggers that keep files."""
     for kind, logger in _loggers(trainer, run_folder):
-        if kind == "wandb":
-            logger.experiment.save(str(path), base_path=str(path.parent), policy="now")
+        if kind == "wandb":  # a copy in the run's files, apart from W&B's own config.yaml there
+            files = Path(logger.experiment.dir)
+            copy = files / "shortcutlab" / path.name
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy)
+            logger.experiment.save(str(copy), base_path=str(files), policy="now")
         elif kind == "mlflow":
             logger.experiment.log_artifact(logger.run_id, str(path))
 

@@ -1,11 +1,17 @@
 """``shortcutlab export``: each family's network in timm's hub layout, rebuilt by
 ``timm.create_model("local-dir:...")`` with outputs equal to the run's own network (read back
 independently from the checkpoint), the folder being exactly what timm's ``save_for_hf`` (the
-writer ``push_to_hf_hub`` uploads) writes of that network; refusals in one line. docs/sharing.md's
-blocks run in tests/test_docs.py; these tests check what they claim."""
+writer ``push_to_hf_hub`` uploads) writes of that network; refusals in one line; docs/sharing.md's
+export line and its Python block."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import re
+import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -139,3 +145,24 @@ def test_bad_input_is_one_line_and_exit_2(case, checkpoints, tmp_path, capsys):
     assert stop.value.code == 2 and error.startswith("shortcutlab export: error: ") and error.count("\n") == 1, error
     assert (folder / "mine.txt").read_text() == "keep" and not (tmp_path / "new").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_the_pages_export_line_and_python_block_run(checkpoints, tmp_path, monkeypatch):
+    """docs/sharing.md: its export line on the MAE checkpoint placed where the page's fit writes it,
+    then its Python block as written, in that folder."""
+    page = (REPO / "docs" / "sharing.md").read_text()
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", page, flags=re.S)
+    [line] = [line for lang, code in blocks if lang == "bash" for line in code.splitlines() if " export " in line]
+    words = shlex.split(line)
+    assert words[:2] == [".venv/bin/shortcutlab", "export"]
+    placed = tmp_path / words[2]
+    placed.parent.mkdir(parents=True)
+    shutil.copyfile(checkpoints["MAE"], placed)
+    monkeypatch.chdir(tmp_path)
+    export_command.main(words[2:])
+    [code] = [code for lang, code in blocks if lang == "python" and "local-dir:" in code]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/sharing.md", "exec"), {})
+    assert printed.getvalue().strip().endswith("torch.Size([2, 32])")
+    assert os.path.isfile(tmp_path / words[3] / "model.safetensors")

@@ -94,7 +94,8 @@ def wandb_run(save_dir: Path) -> dict[str, Any]:
         if entry.get("_type") == "table-file":
             table = json.loads((files / entry["path"]).read_text())
             tables[key] = (table["columns"], table["data"])
-    return {"numbers": numbers, "images": images, "tables": tables, "run_id": log.stem[len("run-"):]}
+    return {"numbers": numbers, "images": images, "tables": tables, "run_id": log.stem[len("run-"):],
+            "files": {p.relative_to(files).as_posix(): p.read_bytes() for p in files.rglob("*.yaml")}}
 
 
 # --- MLflow ------------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ def test_every_logger_shows_the_tables_and_the_final_numbers(family_run):
     assert run["tables"] == {name: table for name, table in tables.items()}
     assert {k: run["numbers"][k] for k in final} == pytest.approx(final, rel=1e-6)
     assert run["numbers"]["run_folder"] == str(folder) and run["numbers"]["steps"] == summary["steps"]
+    assert run["files"]["shortcutlab/config.yaml"] == (folder / "config.yaml").read_bytes()
 
     ml = mlflow_run(f"sqlite:///{root / 'mlflow.db'}", family)
     assert ml["csv"] == {f"{name}.csv": (folder / f"{name}.csv").read_bytes() for name in tables}
