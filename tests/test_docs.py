@@ -20,6 +20,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -212,3 +213,52 @@ def test_the_history_check_sees_history():
     assert not HISTORY.search("classes run 0-4 and 5-9 along the rows")
     assert HISTORY.search("from commit `9d5f394`") and HISTORY.search("at `e8ee379`")
     assert not HISTORY.search("a rank of 9.513596534729004")
+
+
+def yaml_blocks() -> list[tuple[Path, dict]]:
+    return [(page, block) for page in PAGES for block in code_blocks(page) if block["lang"] in ("yaml", "yml")]
+
+
+def leaves(value, path=()):  # noqa: ANN001, ANN201
+    """``(path, value)`` of every leaf of a YAML tree; a class path by its class name (a config may
+    give a short import path, the resolved config writes the defining module's)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from leaves(item, (*path, key))
+    elif path and path[-1] == "class_path":
+        yield path, str(value).rpartition(".")[2]
+    else:
+        yield path, value
+
+
+def resolved_leaf(config: dict, path: tuple):  # noqa: ANN001, ANN201
+    """The resolved config's value at a block's ``path``, through the ``init_args`` levels the block
+    leaves out (LightningCLI takes ``model: {network: ...}`` for ``model: {init_args: {network: ...}}``)."""
+    node = config
+    for key in path:
+        if isinstance(node, dict) and key not in node and "init_args" in node:
+            node = node["init_args"]
+        node = node[key]
+    return str(node).rpartition(".")[2] if path[-1] == "class_path" else node
+
+
+@pytest.mark.parametrize("page, block", yaml_blocks(), ids=[f"{page_name(p)}:{b['line']}" for p, b in yaml_blocks()])
+def test_every_yaml_block_parses_with_the_config_it_belongs_to(page, block, tmp_path, monkeypatch):
+    """A YAML block is a piece of a config: its mark names the config files it goes with
+    (``composed with configs/...``), and LightningCLI composes them and keeps every value of the
+    block (or its mark names the test that runs it)."""
+    from composed_configs import resolved_config
+
+    assert block["mark"] and block["mark"][0] == "tested", f"{page_name(page)}:{block['line']}: YAML block without a mark"
+    text = block["mark"][1]
+    configs = re.findall(r"configs/[\w/.-]+\.yaml", text.split("composed with", 1)[1]) if "composed with" in text else []
+    if not configs:
+        assert re.search(r"tests/[\w/]+\.py", text) and "tests/test_docs.py" not in text, text
+        return
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # a page's own classes (docs/extending.md)
+    (tmp_path / "block.yaml").write_text(block["code"])
+    parsed = yaml.safe_load(block["code"])
+    resolved = resolved_config([*(f"--config={ROOT / c}" for c in configs), f"--config={tmp_path / 'block.yaml'}"])
+    assert resolved, f"{page_name(page)}:{block['line']}: LightningCLI refused the block composed with {configs}"
+    for path, value in leaves(parsed):
+        assert resolved_leaf(resolved, path) == value, (page_name(page), path)
