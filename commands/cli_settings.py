@@ -4,7 +4,6 @@ datamodule, the top-level cadence knobs, the ``--ckpt_path`` help, and the predi
 ``predict``."""
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Optional
 
@@ -188,8 +187,11 @@ def apply_cadences(callbacks: list, evaluation_every: Optional[int], checkpoint_
     for callback in callbacks:
         if not hasattr(callback, "get") or callback.get("init_args") is None:
             continue
-        module, _, name = str(callback.get("class_path", "")).rpartition(".")
-        cls, init = getattr(importlib.import_module(module), name, None) if module else None, callback["init_args"]
+        try:
+            cls = import_path(str(callback.get("class_path", "")))
+        except (AttributeError, ValueError):
+            cls = None
+        init = callback["init_args"]
         if not isinstance(cls, type):
             continue
         if evaluation_every is not None and issubclass(cls, ScheduledEvaluation):

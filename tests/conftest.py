@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import folders
+from helpers import folders
 
 sys.path[:0] = [p for p in folders.PATHS if p not in sys.path]  # test modules import each other by name
 

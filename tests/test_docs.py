@@ -169,9 +169,9 @@ def session(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 def test_the_blocks_this_file_runs_run(page, tmp_path):
     """The page's blocks marked ``tests/test_docs.py``, in order, in one folder (a later block
     may read what an earlier one wrote, as on the page). ``.venv/bin/shortcutlab`` runs through a
-    warm fork of the CLI (tests/fork_server.py: the same ``console_main``, arguments, folder,
+    warm fork of the CLI (tests/helpers/fork_server.py: the same ``console_main``, arguments, folder,
     environment and streams, without importing torch and Lightning anew for each command)."""
-    from fork_server import ForkServer
+    from helpers.fork_server import ForkServer
 
     folder, env = session(tmp_path)
     with ForkServer(env) as warm:
@@ -247,7 +247,7 @@ def test_every_yaml_block_parses_with_the_config_it_belongs_to(page, block, tmp_
     """A YAML block is a piece of a config: its mark names the config files it goes with
     (``composed with configs/...``), and LightningCLI composes them and keeps every value of the
     block (or its mark names the test that runs it)."""
-    from composed_configs import resolved_config
+    from helpers.composed_configs import resolved_config
 
     assert block["mark"] and block["mark"][0] == "tested", f"{page_name(page)}:{block['line']}: YAML block without a mark"
     text = block["mark"][1]

@@ -29,9 +29,9 @@ WARM: list[str] = []  # the fork server's command line while this module's tests
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cli():
-    """``shortcutlab`` through a warm fork of the CLI (tests/fork_server.py): each command still
+    """``shortcutlab`` through a warm fork of the CLI (tests/helpers/fork_server.py): each command still
     runs in a process of its own, with only the user's folder on ``PYTHONPATH``."""
-    from fork_server import ForkServer
+    from helpers.fork_server import ForkServer
 
     with ForkServer({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}) as warm:
         WARM[:] = warm.command().split()

@@ -15,7 +15,7 @@ from lightning_mods.backbone.patches import patchify
 from lightning_mods.classifier import ImageClassifier
 from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
-from diffusion_modules import diffusion_module
+from helpers.diffusion_modules import diffusion_module
 
 MAE = dict(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16,
            decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False, zero_init_branches=False)

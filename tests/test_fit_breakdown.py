@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from line_module import Line
+from helpers.line_module import Line
 
 from benchmarks.fit_breakdown import Breakdown, CallbackClock, Case, Throughput, rows
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
-from composed_configs import resolved_config
+from helpers.composed_configs import resolved_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 

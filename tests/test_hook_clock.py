@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import hook_clock
 from benchmarks.hook_clock import HookClock
-from line_module import Line
+from helpers.line_module import Line
 
 
 class Probe(Callback):

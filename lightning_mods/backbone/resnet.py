@@ -8,13 +8,13 @@ The blocks subclass timm's ``BasicBlock`` and ``Bottleneck`` and the networks su
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 
+from ._imports import import_path
 from .residual import DecayedResidual, apply_shortcut_schedule
 from .shortcut import ShortcutSchedule
 
@@ -98,9 +98,8 @@ def resolve_layer(value: Any) -> Any:
     """A dotted class path (``"torch.nn.ReLU"``, as LightningCLI writes a class default into a
     saved config) becomes the class; timm names (``"relu"``) and classes pass through."""
     if isinstance(value, str) and "." in value:
-        module_name, _, name = value.rpartition(".")
         try:
-            return getattr(importlib.import_module(module_name), name)
+            return import_path(value)
         except (ImportError, AttributeError):
             raise ValueError(f"layer class path {value!r} cannot be imported") from None
     return value

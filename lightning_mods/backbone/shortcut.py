@@ -29,10 +29,11 @@ checkpoint rebuilds that class, with those arguments, or says in one line why it
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from typing import Any, Literal
+
+from ._imports import import_path
 
 Kind = Literal["none", "linear", "cosine", "constant", "learnable", "scaled_branch", "scaled_sum"]
 Branches = Literal["both", "attn", "mlp"]
@@ -243,13 +244,12 @@ def transformer_sublayer_types(num_blocks: int) -> list[SubLayerType]:
 def schedule_class_at(class_path: str) -> type[ShortcutSchedule]:
     """The :class:`ShortcutSchedule` subclass a checkpoint or config names, or a one-line
     ValueError: never the built-in schedule in its place (that would be another network)."""
-    module_name, _, name = str(class_path).rpartition(".")
     try:
-        found = getattr(importlib.import_module(module_name), name) if module_name else None
+        found = import_path(class_path)
     except ImportError as err:
         raise ValueError(f"shortcut: cannot import {class_path!r}, the schedule the checkpoint was written with "
                          f"({err}); put its module on PYTHONPATH") from None
-    except AttributeError:
+    except (AttributeError, ValueError):
         found = None
     if not (isinstance(found, type) and issubclass(found, ShortcutSchedule)):
         raise ValueError(f"shortcut: {class_path!r} is not a ShortcutSchedule class")

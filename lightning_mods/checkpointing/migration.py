@@ -8,7 +8,7 @@ fit's checkpoint IO (:class:`~lightning_mods.checkpointing.checkpoint_io.AtomicC
 reliability callbacks install) and the recipes' ``on_load_checkpoint`` and ``load_from_checkpoint``
 (:mod:`lightning_mods.checkpointing.earlier_releases`) on the one Lightning reads. The steps that
 need what the checkpoint meets (a network built, a callback list) or concern one part's state are
-called by their owners, also when a plain ``Trainer`` resumes: :func:`fill_shortcut_weights`,
+called by their owners, also when a plain ``Trainer`` resumes: :func:`older_checkpoint_shortcut_weights`,
 :func:`rekey_callback_state`, :func:`effective_rank_history` and :func:`datamodule_state`.
 
 At each step's ``dropped_in`` release the step goes (a test fails until it has), and checkpoints of
@@ -141,7 +141,8 @@ def effective_rank_history(history: list[dict[str, Any]]) -> list[dict[str, Any]
             if "profile" in entry else dict(entry) for entry in history]
 
 
-def fill_shortcut_weights(state: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+def older_checkpoint_shortcut_weights(state: dict[str, torch.Tensor], module: nn.Module
+                                      ) -> dict[str, torch.Tensor]:
     """:data:`SHORTCUT_WEIGHTS`: ``state`` with ``module``'s shortcut entries where it has none
     (``module`` built from the checkpoint's own settings, so they are the ones that network had)."""
     if any(k.endswith(SHORTCUT_KEY) for k in state):

@@ -12,7 +12,6 @@ Files are read with ``torch.load(weights_only=True)``: a checkpoint never runs c
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import pickle
@@ -27,6 +26,7 @@ import yaml
 from jsonargparse import ArgumentParser, Namespace
 from torch import nn
 
+from lightning_mods.backbone._imports import import_path  # noqa: F401 (the one importer; commands import it here)
 from lightning_mods.backbone.residual import SHORTCUT_KEY, DecayedResidual
 from lightning_mods._compat import lightning_private
 from lightning_mods.checkpointing import migration
@@ -139,12 +139,6 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], path: str | os.
         raise ValueError(f"checkpoint: {os.fspath(path)!r} does not fit the {type(module).__name__}: {mismatch}; "
                          "build it with the settings of the run that wrote the checkpoint")
     module.load_state_dict(state, strict=True)
-
-
-def import_path(path: str) -> Any:
-    """The object ``module.name`` names (ImportError, AttributeError or ValueError when none)."""
-    module_name, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module_name), name)
 
 
 def constructor_parameters(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
@@ -362,7 +356,7 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
         # the given settings, the checkpoint's weights: its shortcut entries would undo a given schedule
         state = {**{k: v for k, v in state.items() if not k.endswith(SHORTCUT_KEY)}, **own_entries}
     else:
-        state = migration.fill_shortcut_weights(state, module)
+        state = migration.older_checkpoint_shortcut_weights(state, module)
     load_into(module, state, path)
     return module, _dump(parser, cfg)
 

@@ -9,7 +9,7 @@ from lightning_mods.backbone.residual import residual_blocks, shortcut_alphas, t
 from lightning_mods.backbone.resnet import DecayedResNet, ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedBlock, DecayedVisionTransformer
-from reference_stems import reference_cifar_stem
+from helpers.reference_stems import reference_cifar_stem
 
 VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=4, num_classes=5)
 

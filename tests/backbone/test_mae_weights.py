@@ -1,7 +1,7 @@
 """docs/checkpoints.md ("timm by name"): both MAE repositories' files load through timm
 (``checkpoint_filter_fn`` and ``pretrained=True, pretrained_cfg_overlay=dict(file=...)``) into
 the registered MAE, and their encoder half into ``vit_*_decayed``, computing what the repositories' own code computes (the
-references of tests/mae_references.py); a file that does not fill the network is refused in one
+references of tests/helpers/mae_references.py); a file that does not fill the network is refused in one
 line naming the argument that would match, and an exported encoder rebuilds from the call its
 export prints."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from commands.convert_mae import main as convert_main
 from lightning_mods.backbone.mae_weights import checkpoint_filter_fn
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 from lightning_mods.mae import MaskedAutoencoder
-from mae_references import AuthorsMAE, OfficialMAE, randomise_
+from helpers.mae_references import AuthorsMAE, OfficialMAE, randomise_
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = ROOT / "tests" / "data" / "written_by_0_1_0" / "last.ckpt"

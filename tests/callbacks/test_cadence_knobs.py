@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
 from commands.lightning_cli import ShortcutLabCLI
-from composed_configs import command_args
+from helpers.composed_configs import command_args
 
 
 def built_callbacks(args: list[str]) -> list:

@@ -8,7 +8,7 @@ runs ``validate`` in the test process on the weights the DDP run ended with.
 """
 from __future__ import annotations
 
-import folders
+from helpers import folders
 
 import json
 import os

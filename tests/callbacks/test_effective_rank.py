@@ -12,7 +12,7 @@ from callbacks.measurement.effective_rank import (EffectiveRank, effective_rank,
                                                   singular_values)
 from callbacks.measurement.knn import KNNEvaluator
 from lightning_mods.evaluation.over_depth import DEPTH_FILE
-from tiny_runs import HandBuiltBlocks, TinyData, fit_blocks, metric, rows_by_block, tiny_trainer
+from helpers.tiny_runs import HandBuiltBlocks, TinyData, fit_blocks, metric, rows_by_block, tiny_trainer
 
 
 # --- effective rank against numpy ----------------------------------------------------------

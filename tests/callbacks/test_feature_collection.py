@@ -15,7 +15,7 @@ from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks._utils.feature_collection import collect_features, isolated_eval
 from lightning_mods.evaluation._eval_mode import submodules
 from callbacks.measurement.knn import KNNEvaluator
-from tiny_runs import Passthrough, TinyData, TinyNet, metric, tiny_trainer
+from helpers.tiny_runs import Passthrough, TinyData, TinyNet, metric, tiny_trainer
 
 
 # --- feature collection leaves the module untouched ---------------------------------------

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.reliability.fit_end_record import FIT_END_FILE, FitEndRecord
 from commands._run_metrics import FIT_END_FILE as REPORT_READS
-from line_module import Line
+from helpers.line_module import Line
 
 
 def trainer(tmp_path, max_epochs: int = 2) -> L.Trainer:

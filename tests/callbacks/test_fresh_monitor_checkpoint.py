@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.reliability.fresh_monitor_checkpoint import FreshMonitorCheckpoint
-from line_module import Line
+from helpers.line_module import Line
 
 
 class ScoreEverySecondEpoch(Callback):

@@ -17,7 +17,7 @@ from commands import lightning_cli as cli
 from callbacks.measurement.fid import GenerationMetrics, reference_fingerprint
 from datamodules.digits import Digits
 from lightning_mods.diffusion import DiffusionModule
-from tiny_feature_extractor import register_tiny_extractor
+from helpers.tiny_feature_extractor import register_tiny_extractor
 from lightning_mods.backbone.uvit import UViT
 
 TINY_EXTRACTOR = register_tiny_extractor()

@@ -12,7 +12,7 @@ import torch
 from callbacks.measurement.knn import KNNEvaluator, knn_classify, knn_predict
 from callbacks.measurement.knn_scoring import topk_correct
 from lightning_mods.evaluation.over_depth import DEPTH_FILE
-from tiny_runs import PNG_SIGNATURE, TinyData, fit_blocks, rows_by_block
+from helpers.tiny_runs import PNG_SIGNATURE, TinyData, fit_blocks, rows_by_block
 
 
 # --- kNN on hand-built points -------------------------------------------------------------

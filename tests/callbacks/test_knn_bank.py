@@ -17,7 +17,7 @@ from callbacks.measurement.knn import KNNEvaluator
 from callbacks.measurement.knn_bank import BankTooLarge, bank_bytes, shard_rows
 from callbacks.measurement.shared_features import SharedEvaluation
 from commands import lightning_cli as cli
-from tiny_runs import TinyData, TinyNet, tiny_trainer
+from helpers.tiny_runs import TinyData, TinyNet, tiny_trainer
 
 
 class RecordedBank(KNNEvaluator):

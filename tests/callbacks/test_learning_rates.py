@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from callbacks.reporting.learning_rate import LearningRates
 from commands.cli_settings import DEFAULT_CALLBACKS
-from line_module import Line
+from helpers.line_module import Line
 
 
 class Scheduled(Line):

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
 from callbacks.measurement.online_probe import OnlineLinearProbe
-from tiny_runs import TinyData, TinyNet, fit_tiny, tiny_trainer
+from helpers.tiny_runs import TinyData, TinyNet, fit_tiny, tiny_trainer
 
 
 def test_callbacks_do_not_change_pretraining(tmp_path):

@@ -8,7 +8,7 @@ probe and must end with the same weights, probe head and logged values.
 """
 from __future__ import annotations
 
-import folders
+from helpers import folders
 
 import json
 import os

@@ -4,7 +4,7 @@ and the evaluation callbacks log NaN (with a warning) on non-finite features ins
 crashing."""
 from __future__ import annotations
 
-import folders
+from helpers import folders
 
 import json
 import math

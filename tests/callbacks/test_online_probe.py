@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from callbacks.measurement.online_probe import OnlineLinearProbe
 from lightning_mods.evaluation.over_depth import DEPTH_FILE
-from tiny_runs import Passthrough, TinyData, fit_blocks, metric, rows_by_block, tiny_trainer
+from helpers.tiny_runs import Passthrough, TinyData, fit_blocks, metric, rows_by_block, tiny_trainer
 
 
 def test_online_probe_learns_separable_data(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from line_module import Line
+from helpers.line_module import Line
 
 from benchmarks.op_counts import (CONFIGS, FORWARD, OPS_PER_STEP_GOAL, REPO, CallbackOpCount, counted_fit_arguments,
                                   per_step)
@@ -59,7 +59,7 @@ def test_the_counted_configs_carry_every_per_step_callback():
     configs counted above, as the CLI reads their callback lists."""
     from callbacks.cost import PER_STEP
     from commands import _catalogue as catalogue
-    from composed_configs import declared_callbacks
+    from helpers.composed_configs import declared_callbacks
     from lightning_mods.checkpointing.rebuild import import_path
 
     per_step = {import_path(found.class_path) for found in catalogue.find("callback") if found.cost == PER_STEP}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from callbacks.measurement.patch_features import PatchFeaturePicture
 from test_feature_pictures import MIN_TILE, png_size
-from tiny_runs import fit_blocks
+from helpers.tiny_runs import fit_blocks
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 

@@ -19,7 +19,7 @@ from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.resnet import ResNet18Cifar
 from lightning_mods.backbone.shortcut import ShortcutSchedule
-from composed_configs import command_args
+from helpers.composed_configs import command_args
 from test_cli import DIGITS, TINY_MAE, run_fit
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 from lightning_mods.backbone.uvit import UViT

@@ -3,7 +3,7 @@ subprocess writes a resumable ``last.ckpt`` and exits with 143 / 130; resuming f
 the uninterrupted fit's weights and optimiser state bit for bit."""
 from __future__ import annotations
 
-import folders
+from helpers import folders
 
 import os
 import signal
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from commands import lightning_cli as cli
-from composed_configs import ROWS, SINGLE_FILES, declared_callbacks
+from helpers.composed_configs import ROWS, SINGLE_FILES, declared_callbacks
 from test_cli import DIGITS, TINY_MAE
 from test_exact_resume import assert_identical
 
@@ -35,7 +35,7 @@ def interrupted_fit(root: Path, signum: int) -> tuple[subprocess.CompletedProces
     ready = root / "ready"
     env = {**os.environ, "PYTHONPATH": folders.PYTHONPATH}
     command = [str(Path(sys.executable).parent / "shortcutlab"), *fit_args(root),
-               "--trainer.callbacks+=signal_helpers.WaitForSignal", f"--trainer.callbacks.step={STOP_STEP}",
+               "--trainer.callbacks+=helpers.signal_helpers.WaitForSignal", f"--trainer.callbacks.step={STOP_STEP}",
                f"--trainer.callbacks.ready_file={ready}"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -98,7 +98,7 @@ def test_a_signal_during_validation_saves_the_training_weights_not_the_ema_ones_
     from torch.utils.data import DataLoader, TensorDataset
 
     from callbacks.reliability.preemption import PreemptionCheckpoint
-    from line_module import Line
+    from helpers.line_module import Line
 
     seen: dict[str, torch.Tensor] = {}
 
@@ -135,7 +135,7 @@ def test_a_signal_during_validate_writes_no_checkpoint(tmp_path, capsys):
     from torch.utils.data import DataLoader, TensorDataset
 
     from callbacks.reliability.preemption import PreemptionCheckpoint
-    from line_module import Line
+    from helpers.line_module import Line
 
     class StoppedInValidation(Line):
         def validation_step(self, batch, batch_idx):

@@ -32,7 +32,7 @@ def test_the_checkpoint_knob_sets_every_checkpoint_but_the_resume_point():
 
 def test_it_rewrites_latest_ckpt_at_each_epoch(tmp_path):
     import torch
-    from line_module import Line
+    from helpers.line_module import Line
 
     trainer = Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[EpochResumePoint(dirpath=tmp_path)])

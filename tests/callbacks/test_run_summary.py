@@ -18,7 +18,7 @@ from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
 from callbacks.measurement.online_probe import OnlineLinearProbe
 from callbacks.reporting.run_summary import RunSummary, format_value
-from tiny_runs import TinyData, TinyNet, metric, tiny_trainer
+from helpers.tiny_runs import TinyData, TinyNet, metric, tiny_trainer
 
 
 def test_run_summary_shows_accuracies_as_the_logged_fractions():

@@ -8,7 +8,7 @@ from lightning.pytorch import Callback, seed_everything
 
 from callbacks.measurement.effective_rank import EffectiveRank, read_profiles
 from callbacks.measurement.knn import KNNEvaluator
-from tiny_runs import TinyData, TinyNet, metric, tiny_trainer
+from helpers.tiny_runs import TinyData, TinyNet, metric, tiny_trainer
 
 
 def test_evaluation_schedule_and_picture(tmp_path):

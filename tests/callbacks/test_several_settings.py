@@ -16,7 +16,7 @@ from callbacks.measurement.knn import KNNEvaluator, knn_predict_ks
 from callbacks.measurement.online_probe import OnlineLinearProbe
 from commands import lightning_cli as cli
 from lightning_mods.evaluation import metric_names
-from tiny_runs import Passthrough, TinyData, TinyNet, tiny_trainer
+from helpers.tiny_runs import Passthrough, TinyData, TinyNet, tiny_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ is scored again by ``shortcutlab score-bank`` at other settings with the accurac
 settings gives."""
 from __future__ import annotations
 
-import folders
+from helpers import folders
 
 import json
 import os
@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from callbacks.measurement.knn import KNNEvaluator
-from tiny_runs import Passthrough, TinyData
+from helpers.tiny_runs import Passthrough, TinyData
 
 # the launched processes import this module: what only the test process needs is imported there
 

@@ -1,6 +1,6 @@
 """Checkpoint interchange (commands/convert_mae.py): small checkpoints in the three foreign
 layouts (key names and shapes of the authors' and He et al.'s repositories, via the references of
-tests/mae_references.py, and of timm's VisionTransformer) are converted and must compute what
+tests/helpers/mae_references.py, and of timm's VisionTransformer) are converted and must compute what
 the foreign model computes; export-timm loads strictly into timm and round-trips."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from commands import lightning_cli as cli
 from commands.convert_mae import main as convert_main
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
-from mae_references import AuthorsMAE, OfficialMAE, randomise_
+from helpers.mae_references import AuthorsMAE, OfficialMAE, randomise_
 
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = dict(img_size=16, patch_size=4, in_chans=3, embed_dim=32, num_heads=4, decoder_embed_dim=16,

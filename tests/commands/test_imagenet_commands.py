@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import folders
+from helpers import folders
 from benchmarks.data_pipeline import write_jpeg_folder
 from commands import report, _supervised_run as supervised_run, sweep
 

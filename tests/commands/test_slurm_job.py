@@ -18,9 +18,9 @@ import pytest
 import torch
 import yaml
 
-import folders
+from helpers import folders
 
-from composed_configs import resolved_config
+from helpers.composed_configs import resolved_config
 from datamodules import imagenet
 
 ROOT = Path(__file__).resolve().parents[2]

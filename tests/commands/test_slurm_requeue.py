@@ -7,7 +7,7 @@ task exits 138; the same command as the requeued job (``SLURM_RESTART_COUNT=1``)
 itself and ends with the uninterrupted run's weights, optimiser state, logged metrics and step."""
 from __future__ import annotations
 
-import folders
+from helpers import folders
 
 import csv
 import os
@@ -136,7 +136,7 @@ def stop_requeue_and_resume(tmp_path: Path, tasks: int, at: str, step: int, sign
     requeued job. Returns the requeued job's final state and the step the first job stopped at."""
     run = tmp_path / "requeued"
     ready = tmp_path / "ready"
-    procs = srun(run, tmp_path, tasks, extra=("--trainer.callbacks+=signal_helpers.WaitForSignal",
+    procs = srun(run, tmp_path, tasks, extra=("--trainer.callbacks+=helpers.signal_helpers.WaitForSignal",
                                               f"--trainer.callbacks.step={step}", f"--trainer.callbacks.at={at}",
                                               f"--trainer.callbacks.ready_file={ready}",
                                               f"--trainer.callbacks.ranks={signalled}"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commands import lightning_cli as cli
-from composed_configs import (CONFIG_DIR, REPO, ROWS, SINGLE_FILES, SWEPT, command_args, declared_section,
+from helpers.composed_configs import (CONFIG_DIR, REPO, ROWS, SINGLE_FILES, SWEPT, command_args, declared_section,
                               is_diffusion, narrow_args, representatives, sizes)
 
 RUNS = list(ROWS) + SINGLE_FILES

@@ -3,8 +3,8 @@ runs ``fit`` for one step and ``validate`` from the checkpoint it wrote, FID inc
 
 The compositions' own models and callbacks are used as resolved by LightningCLI; only what cannot exist here is
 pointed elsewhere: data roots (files generated in the real formats by tests/conftest.py),
-the VAE and its latents (tests/latent_fixtures.py), the Inception extractor (a registered
-tiny one, tests/tiny_feature_extractor.py), and the sizes of sampling and FID runs.
+the VAE and its latents (tests/helpers/latent_fixtures.py), the Inception extractor (a registered
+tiny one, tests/helpers/tiny_feature_extractor.py), and the sizes of sampling and FID runs.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 import yaml
 
 from commands import lightning_cli as cli
-from composed_configs import (CONFIG_DIR, ROWS, SINGLE_FILES, command_args, is_diffusion, representatives,
+from helpers.composed_configs import (CONFIG_DIR, ROWS, SINGLE_FILES, command_args, is_diffusion, representatives,
                               narrow_settings, resolved_config, sizes)
-from latent_fixtures import make_tiny_latents
-from tiny_feature_extractor import register_tiny_extractor
+from helpers.latent_fixtures import make_tiny_latents
+from helpers.tiny_feature_extractor import register_tiny_extractor
 
 DIFFUSION_RUNS = [n for n in list(ROWS) + SINGLE_FILES if is_diffusion(n)]
 # the U-ViT-Mid rows on VAE latents run from tests/configs/test_latent_diffusion_configs.py: a

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from composed_configs import sizes
+from helpers.composed_configs import sizes
 from test_diffusion_configs import LATENT_RUNS, fit_one_step_then_validate, tiny_latents  # noqa: F401 (a fixture)
 
 

@@ -11,7 +11,7 @@ from datamodules.latents import Latents
 from lightning_mods.diffusion import DiffusionModule
 from commands.encode_latents import to_vae_input
 
-from latent_fixtures import TINY_VAE_SCALE as SCALE, make_tiny_latents
+from helpers.latent_fixtures import TINY_VAE_SCALE as SCALE, make_tiny_latents
 from lightning_mods.backbone.uvit import UViT
 
 

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from line_module import Line
+from helpers.line_module import Line
 
 from lightning_mods.checkpointing import atomic_files, checkpoint_io
 from lightning_mods.checkpointing.atomic_files import DiskWriteError

@@ -15,7 +15,7 @@ from lightning_mods.backbone.residual import timm_state_dict
 from lightning_mods.backbone.resnet import ResNet18Cifar, ResNet50, ResNet50d
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.vit import DecayedVisionTransformer
-from reference_stems import reference_cifar_stem
+from helpers.reference_stems import reference_cifar_stem
 
 NONE = ShortcutSchedule("none")
 

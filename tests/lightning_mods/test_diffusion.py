@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from commands import lightning_cli as cli
 from lightning_mods._generation.guidance import drop_labels, guided_noise
-from diffusion_modules import diffusion_module
+from helpers.diffusion_modules import diffusion_module
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"
 TINY = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,

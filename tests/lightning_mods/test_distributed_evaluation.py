@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-import folders
+from helpers import folders
 from test_callbacks_ddp import free_port, run_to_end
 
 SCRIPT = textwrap.dedent('''

@@ -9,7 +9,7 @@ from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY, register_featur
 
 from lightning_mods._generation.fidelity_metrics import (GeneratedImages, UInt8Images, extractor_provides, generation_metrics,
                                 to_uint8_rgb)
-from tiny_feature_extractor import IsOnlyExtractor, register_tiny_extractor
+from helpers.tiny_feature_extractor import IsOnlyExtractor, register_tiny_extractor
 
 TINY_EXTRACTOR = register_tiny_extractor()
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_diffusion_quick.yaml"

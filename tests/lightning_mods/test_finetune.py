@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import folders
+from helpers import folders
 from commands import lightning_cli as cli
 from lightning_mods.backbone.residual import shortcut_alphas
 from lightning_mods.checkpointing.rebuild import load_run

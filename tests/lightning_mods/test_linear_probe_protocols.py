@@ -10,7 +10,7 @@ import pytest
 import torch
 from timm.optim import Lars
 
-import folders
+from helpers import folders
 from commands import lightning_cli as cli
 
 MAE_CKPT = folders.TESTS / "data" / "written_by_0_1_0" / "last.ckpt"

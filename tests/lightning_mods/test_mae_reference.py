@@ -1,6 +1,6 @@
 """Our MAE is the decay paper's model (``unet_skips=True``) and He et al.'s (``unet_skips=False``,
 alpha_min 1) parameter for parameter: same weights and masking noise give the same loss,
-prediction, features and gradients as the independent references of ``tests/mae_references.py``
+prediction, features and gradients as the independent references of ``tests/helpers/mae_references.py``
 (timm ``Block``s and the published description), to float32 rounding. Plus MAE's
 initialisation statistics and the ``int(L * (1 - ratio))`` visible count."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.backbone.shortcut import ShortcutSchedule
-from mae_references import AuthorsMAE, OfficialMAE, randomise_
+from helpers.mae_references import AuthorsMAE, OfficialMAE, randomise_
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 GEOMETRY = dict(image_size=16, in_chans=3, patch_size=4, embed_dim=32, num_heads=4, decoder_embed_dim=16,

@@ -10,7 +10,7 @@ from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.recipe.optim import (global_batch_size, param_groups_weight_decay, per_device_batch_size, scaled_lr,
                                   warmup_cosine)
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
-from diffusion_modules import diffusion_module
+from helpers.diffusion_modules import diffusion_module
 
 
 def fake_trainer(batch=32, world_size=4, accumulate=2, total_steps=1000, max_epochs=10):

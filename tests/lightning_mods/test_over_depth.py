@@ -18,7 +18,7 @@ from datamodules.digits import Digits
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.evaluation.over_depth import DEPTH_FILE, check_blocks, resolve_blocks
-from tiny_runs import rows_by_block
+from helpers.tiny_runs import rows_by_block
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusion_modules import diffusion_module
+from helpers.diffusion_modules import diffusion_module
 
 TINY = dict(image_size=4, in_chans=1, patch_size=2, embed_dim=16, depth=2, num_heads=2, pixel_mean=[0.5],
             pixel_std=[0.5], zero_init_branches=False, noise_process="vp_sde", sampler="euler_maruyama",

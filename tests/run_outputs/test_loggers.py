@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from commands import lightning_cli as cli
-from logger_stores import mlflow_run, png_pixels, tensorboard_run, wandb_run
+from helpers.logger_stores import mlflow_run, png_pixels, tensorboard_run, wandb_run
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

@@ -3,8 +3,8 @@ imports the CLI (torch, Lightning, every model and callback: some 7 s) once, the
 per command that runs ``cli.console_main`` with the command's arguments, folder, environment and
 standard streams, exactly as the console script would, and answers its exit status.
 
-    python tests/fork_server.py serve SOCKET            # the server (ForkServer starts it)
-    python tests/fork_server.py SOCKET shortcutlab ...  # one command through it (the client)
+    python tests/helpers/fork_server.py serve SOCKET            # the server (ForkServer starts it)
+    python tests/helpers/fork_server.py SOCKET shortcutlab ...  # one command through it (the client)
 
 Each command runs in a fresh fork of the same warm process, so nothing one command does reaches
 the next. Commands run one at a time (the user guide's blocks run in order).

@@ -11,7 +11,7 @@ import yaml
 
 from commands import lightning_cli as cli
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 REPO = CONFIG_DIR.parent
 ROWS = yaml.safe_load((CONFIG_DIR / "compositions.yaml").read_text())
 SINGLE_FILES = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name != "compositions.yaml")
