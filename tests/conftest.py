@@ -20,6 +20,8 @@ from PIL import Image
 from helpers import folders
 
 sys.path[:0] = [p for p in folders.PATHS if p not in sys.path]  # test modules import each other by name
+# the processes the tests start import no wandb (helpers/without_wandb/wandb.py says why); this process does
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), folders.WITHOUT_WANDB]))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, and for their subprocesses
     os.environ.setdefault("OMP_NUM_THREADS", "1")

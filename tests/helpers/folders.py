@@ -14,4 +14,5 @@ REPO = TESTS.parent
 FOLDERS = [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]
 PATHS = [str(p) for p in FOLDERS]
 # the processes the tests start import no wandb (helpers/without_wandb/wandb.py says why)
-PYTHONPATH = os.pathsep.join([str(REPO), *PATHS, str(TESTS / "helpers" / "without_wandb")])
+WITHOUT_WANDB = str(TESTS / "helpers" / "without_wandb")
+PYTHONPATH = os.pathsep.join([str(REPO), *PATHS, WITHOUT_WANDB])
