@@ -46,6 +46,7 @@ from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
+from lightning_mods.backbone._hub_args import VIT_WIDTHS
 from lightning_mods.backbone.mae_weights import checkpoint_filter_fn
 from lightning_mods.backbone.residual import shortcut_alphas, timm_state_dict
 from lightning_mods.backbone.shortcut import ShortcutSchedule
@@ -241,14 +242,10 @@ def export_timm(src: str, allow_decayed: bool = False) -> dict[str, torch.Tensor
     return timm_encoder(model).state_dict()
 
 
-VIT_NAMES = {192: "vit_tiny_patch16_224_decayed", 384: "vit_small_patch16_224_decayed",
-             768: "vit_base_patch16_224_decayed", 1024: "vit_large_patch16_224_decayed"}
-
-
 def encoder_rebuild_call(model: MaskedAutoencoder, path: str) -> str:
     """The ``timm.create_model`` call that rebuilds the exported encoder: every argument it needs."""
     hp = model.network.settings
-    name = VIT_NAMES.get(hp["embed_dim"], "vit_base_patch16_224_decayed")
+    name = VIT_WIDTHS.get(hp["embed_dim"], "vit_base_patch16_224_decayed")
     shortcut = f"shortcut={model.network.shortcut.as_dict()!r}"
     return (f"timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file={path!r}), "
             f"img_size={hp['image_size']}, patch_size={hp['patch_size']}, in_chans={hp['in_chans']}, "

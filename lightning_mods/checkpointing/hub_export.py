@@ -143,9 +143,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, folder: str | os.PathLike, 
         raise ValueError(f"export: {folder} exists and is not empty; pass --overwrite to replace it")
     ckpt = load_checkpoint(checkpoint)
     try:
-        module, datamodule = load_run(checkpoint)
+        module, datamodule = load_run(checkpoint, ckpt=ckpt)
     except ValueError:  # the data cannot be rebuilt here (its files): export without its settings
-        module, datamodule = load_run(checkpoint, with_data=False)
+        module, datamodule = load_run(checkpoint, with_data=False, ckpt=ckpt)
     export = choose_network(module, dict(ckpt.get("hyper_parameters") or {}), part)
     data_settings(export, datamodule)
     model = rebuilt(export)

@@ -372,7 +372,8 @@ def datamodule_settings(ckpt: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_model_override: bool = False,
-             data: Optional[dict[str, Any]] = None, with_data: bool = True) -> tuple[nn.Module, Optional[Any]]:
+             data: Optional[dict[str, Any]] = None, with_data: bool = True,
+             ckpt: Optional[dict[str, Any]] = None) -> tuple[nn.Module, Optional[Any]]:
     """The run that wrote the checkpoint at ``path``: ``(module, datamodule)``.
 
     - ``module``: the network that wrote it, weights loaded strictly (:func:`module_from_checkpoint`;
@@ -380,8 +381,10 @@ def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_model_
     - ``datamodule``: the run's datamodule rebuilt from the settings the checkpoint holds, with
       ``data`` (settings by name, e.g. ``{"data_dir": "/data/cifar"}``) on top; not set up. None
       when ``with_data`` is false or the checkpoint names no datamodule (written outside the CLI).
+
+    ``ckpt``: the checkpoint at ``path`` when the caller has read it already.
     """
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path) if ckpt is None else ckpt
     module, _ = module_from_checkpoint(path, model, allow_model_override, name="model", ckpt=ckpt)
     written = datamodule_settings(ckpt) if with_data else None
     if written is None:
