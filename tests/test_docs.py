@@ -166,16 +166,13 @@ def session(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b["mark"] and "tests/test_docs.py" in b["mark"][1]
                                                           for b in code_blocks(p) if b["lang"] in RUNNABLE)],
                          ids=page_name)
-def test_the_blocks_this_file_runs_run(page, tmp_path):
+def test_the_blocks_this_file_runs_run(page, tmp_path, warm_shortcutlab):
     """The page's blocks marked ``tests/test_docs.py``, in order, in one folder (a later block
     may read what an earlier one wrote, as on the page). ``.venv/bin/shortcutlab`` runs through a
     warm fork of the CLI (tests/helpers/fork_server.py: the same ``console_main``, arguments, folder,
     environment and streams, without importing torch and Lightning anew for each command)."""
-    from helpers.fork_server import ForkServer
-
     folder, env = session(tmp_path)
-    with ForkServer(env) as warm:
-        run_blocks(page, folder, env, warm.command())
+    run_blocks(page, folder, env, " ".join(warm_shortcutlab))
 
 
 def run_blocks(page: Path, folder: Path, env: dict[str, str], shortcutlab: str) -> None:

@@ -133,14 +133,16 @@ def run_to_end(cmd: list[str], env: dict, timeout: float) -> str:
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one_process(tmp_path):
+def test_ddp_two_processes_match_one_process(tmp_path, warm_shortcutlab):
+    from helpers.fork_server import torchrun_workers
+
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT.format(tests=folders.PATHS))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path)]
-    run_to_end(cmd, env, timeout=180)
+    run_to_end(torchrun_workers(cmd, warm_shortcutlab), env, timeout=180)  # workers: warm forks (fork_server.py)
 
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["world_size"] == 2

@@ -56,30 +56,34 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def launch(script: Path, out: Path, nnodes: int, nproc: int, node_rank: int, port: int) -> subprocess.Popen:
+def launch(warm: list[str], script: Path, out: Path, nnodes: int, nproc: int, node_rank: int,
+           port: int) -> subprocess.Popen:
+    """One node's torchrun; its workers are warm forks (tests/helpers/fork_server.py)."""
+    from helpers.fork_server import torchrun_workers
+
     out.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
            str(script), str(out)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(torchrun_workers(cmd, warm), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
+def test_two_nodes_equal_one_node_with_two_processes(tmp_path, warm_shortcutlab):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT.format(tests=folders.PATHS))
     multi_port, single_port = free_port(), free_port()
     # the two-node run first, the reference after it: three launchers at once sometimes raced for ports
-    procs = {"node 0": launch(script, tmp_path / "multi", 2, 1, 0, multi_port),
-             "node 1": launch(script, tmp_path / "multi", 2, 1, 1, multi_port)}
+    procs = {"node 0": launch(warm_shortcutlab, script, tmp_path / "multi", 2, 1, 0, multi_port),
+             "node 1": launch(warm_shortcutlab, script, tmp_path / "multi", 2, 1, 1, multi_port)}
     outputs = {}
     try:
         for name, proc in procs.items():
             outputs[name], _ = proc.communicate(timeout=240)
-        procs["single node"] = launch(script, tmp_path / "single", 1, 2, 0, single_port)
+        procs["single node"] = launch(warm_shortcutlab, script, tmp_path / "single", 1, 2, 0, single_port)
         outputs["single node"], _ = procs["single node"].communicate(timeout=240)
     except subprocess.TimeoutExpired:
         for proc in procs.values():

@@ -239,12 +239,13 @@ sys.exit(code)
 
 
 @pytest.mark.slow
-def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path):
+def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path, warm_shortcutlab):
     """Rank 1's weights go NaN before step 4: both ranks stop at the step-6 checkpoint's read
     with status 3 and a line naming step 4; only the finite step-3 checkpoint is on disk."""
     import subprocess
     import sys
 
+    from helpers.fork_server import torchrun_workers
     from test_callbacks_ddp import REPO, TESTS, free_port
 
     script = tmp_path / "diverge.py"
@@ -253,7 +254,7 @@ def test_two_process_ddp_stops_every_rank_at_the_step_one_rank_diverged(tmp_path
                CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    proc = subprocess.run(torchrun_workers(cmd, warm_shortcutlab), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
                           start_new_session=True)
     codes = [json.loads((tmp_path / f"rank{r}.json").read_text())["code"] for r in range(2)]
     assert codes == [exit_statuses.DIVERGED] * 2, proc.stderr[-4000:]

@@ -1,5 +1,5 @@
 """Pre-emption: a real SIGTERM / SIGINT sent to a ``shortcutlab fit``
-subprocess writes a resumable ``last.ckpt`` and exits with 143 / 130; resuming from it reaches
+subprocess (a warm fork of the CLI, tests/helpers/fork_server.py) writes a resumable ``last.ckpt`` and exits with 143 / 130; resuming from it reaches
 the uninterrupted fit's weights and optimiser state bit for bit."""
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ def fit_args(root: Path) -> list[str]:
             f"--trainer.default_root_dir={root}"]
 
 
-def interrupted_fit(root: Path, signum: int) -> tuple[subprocess.CompletedProcess, Path]:
+def interrupted_fit(shortcutlab: list[str], root: Path, signum: int) -> tuple[subprocess.CompletedProcess, Path]:
     ready = root / "ready"
     env = {**os.environ, "PYTHONPATH": folders.PYTHONPATH}
-    command = [str(Path(sys.executable).parent / "shortcutlab"), *fit_args(root),
+    command = [*shortcutlab, *fit_args(root),
                "--trainer.callbacks+=helpers.signal_helpers.WaitForSignal", f"--trainer.callbacks.step={STOP_STEP}",
                f"--trainer.callbacks.ready_file={ready}"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -55,8 +55,8 @@ def final_state(out: cli.ShortcutLabCLI) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_signal_writes_a_resumable_checkpoint_and_exits_128_plus_signal(signum, status, tmp_path):
-    result, checkpoint = interrupted_fit(tmp_path / "interrupted", signum)
+def test_signal_writes_a_resumable_checkpoint_and_exits_128_plus_signal(signum, status, tmp_path, warm_shortcutlab):
+    result, checkpoint = interrupted_fit(warm_shortcutlab, tmp_path / "interrupted", signum)
     assert result.returncode == status, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("shortcutlab:")]
     assert len(lines) == 1 and f"stopped by {signal.Signals(signum).name} at step {STOP_STEP};" in lines[0], lines

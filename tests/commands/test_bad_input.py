@@ -147,14 +147,14 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, subcommand, run_
     assert not (bad_files["pickled-code"].parent / "pwned").exists()
 
 
-def shortcutlab(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def shortcutlab(command: list[str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``command ARGS`` as a user runs it (``command``: the warm CLI's, tests/helpers/fork_server.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("SHORTCUTLAB_TRACEBACK", None)
-    return subprocess.run([str(Path(sys.executable).with_name("shortcutlab")), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_corrupt_image_found_by_a_loader_worker_is_one_line_and_leaves_no_log(tmp_path, run_folder):
+def test_corrupt_image_found_by_a_loader_worker_is_one_line_and_leaves_no_log(tmp_path, run_folder, warm_shortcutlab):
     """The image is only opened inside the DataLoader worker, after Lightning has created the
     run's log folder: the error still arrives as one line (after any warnings Lightning gave),
     the new folder is removed, and Lightning's info lines went to stdout."""
@@ -162,7 +162,7 @@ def test_corrupt_image_found_by_a_loader_worker_is_one_line_and_leaves_no_log(tm
     bad = written["val"][0][0]
     bad.write_bytes(b"")
     before = snapshot(run_folder)
-    out = shortcutlab("fit", "--seed_everything=0", *TINY_MAE, "--data=datamodules.imagenet.ImageNet",
+    out = shortcutlab(warm_shortcutlab, "fit", "--seed_everything=0", *TINY_MAE, "--data=datamodules.imagenet.ImageNet",
                       f"--data.init_args.data_dir={tmp_path / 'imagenet'}", "--data.init_args.num_classes=2",
                       "--data.init_args.image_size=16", "--data.init_args.batch_size=2",
                       "--data.init_args.num_workers=1", "--trainer.max_epochs=1", "--trainer.accelerator=cpu",

@@ -74,9 +74,9 @@ def test_its_srun_line_is_16_ddp_tasks_with_the_paper_s_global_batch(monkeypatch
 
 
 @pytest.mark.slow
-def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path):
+def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path, warm_shortcutlab):
     """The script's srun line as SLURM starts it on a 2-node x 1-task allocation (the 2 x 8 job's
-    shape, one task per node here): each task gets SLURM's environment for its node and rank,
+    shape, one task per node here; ``shortcutlab`` a warm fork of the CLI): each task gets SLURM's environment for its node and rank,
     Lightning forms one DDP group of 2 over gloo from it, and the run writes its checkpoint under
     the script's fixed folder. On stand-in ImageNet-100 (a generated two-class tree), one step of
     a narrow MAE on 32-pixel crops in fp32."""
@@ -100,7 +100,7 @@ def test_the_job_runs_under_simulated_slurm_on_two_nodes(tmp_path):
                    SLURM_JOB_NAME="mae_in100_vit_b16", SLURM_NTASKS="2", SLURM_PROCID=str(rank),
                    SLURM_LOCALID="0", SLURM_NODEID=str(rank), SLURM_NODELIST="localhost",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **allocation)
-        tasks.append(subprocess.Popen([sys.executable, "-m", "cli", *words[1:], *budget], cwd=user, env=env,
+        tasks.append(subprocess.Popen([*warm_shortcutlab, *words[1:], *budget], cwd=user, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [task.communicate(timeout=300)[0] for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], outs[0][-3000:] + outs[1][-3000:]

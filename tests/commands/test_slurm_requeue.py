@@ -1,10 +1,12 @@
 """A requeued SLURM job resumes exactly: docs/reliability.md's sbatch script run with the
-environment ``srun`` gives each task and a stand-in ``scontrol`` that records its calls, with
-one task and with the script's two tasks (DDP over gloo). SIGUSR1 stops every task after the same
-step (whether it reached every task or one), inside a training step, a validation or a checkpoint
-save; the exact ``last.ckpt`` is written, the job is requeued once with the right id and every
-task exits 138; the same command as the requeued job (``SLURM_RESTART_COUNT=1``) resumes by
-itself and ends with the uninterrupted run's weights, optimiser state, logged metrics and step."""
+environment ``srun`` gives each task and a stand-in ``scontrol`` that records its calls, with one
+task and with the script's two tasks (DDP over gloo). SIGUSR1 stops every task after the same step (whether it reached every task or
+one), inside a training step, a validation or a checkpoint save; the exact ``last.ckpt`` is
+written, the job is requeued once with the right id and every task exits 138; the same command as
+the requeued job (``SLURM_RESTART_COUNT=1``) resumes by itself and ends with the uninterrupted
+run's weights, optimiser state, logged metrics and step. Each task is a warm fork of the CLI
+(tests/helpers/fork_server.py), which passes the signals on as the task's own process would get them.
+(One process without SLURM: tests/callbacks/test_preemption.py.)"""
 from __future__ import annotations
 
 from helpers import folders
@@ -55,14 +57,15 @@ def script_tasks() -> int:
     return int(re.search(r"--ntasks-per-node=(\d+)", line).group(1))
 
 
-def srun_command(root: Path, env: dict[str, str]) -> list[str]:
-    """The script's ``srun`` line as one task runs it (its ``$SLURM_*`` words expanded from ``env``)."""
+def srun_command(root: Path, env: dict[str, str], shortcutlab: list[str]) -> list[str]:
+    """The script's ``srun`` line as one task runs it (its ``$SLURM_*`` words expanded from ``env``),
+    ``.venv/bin/shortcutlab`` as ``shortcutlab`` (the warm CLI's command)."""
     (line,) = [line for line in readme_script() if line.startswith("srun ")]
     words = [re.sub(r"\$(\w+)", lambda m: env[m.group(1)], w) for w in shlex.split(line)[1:]]
     assert words[0] == ".venv/bin/shortcutlab"
     words = [w if not w.startswith("--trainer.default_root_dir=") else f"--trainer.default_root_dir={root}"
              for w in words[1:]]
-    return [sys.executable, "-m", "cli", *words, *BUDGET, f"--trainer.logger.init_args.save_dir={root}"]
+    return [*shortcutlab, *words, *BUDGET, f"--trainer.logger.init_args.save_dir={root}"]
 
 
 def slurm_environment(tmp_path: Path, restart: int = 0, tasks: int = 1, task: int = 0, port: int = 0,
@@ -87,13 +90,14 @@ def slurm_environment(tmp_path: Path, restart: int = 0, tasks: int = 1, task: in
     return env
 
 
-def srun(root: Path, tmp_path: Path, tasks: int, restart: int = 0, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+def srun(shortcutlab: list[str], root: Path, tmp_path: Path, tasks: int, restart: int = 0,
+         extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     """Start the job step: one process per task, as ``srun`` would."""
     port = free_port()
     procs = []
     for task in range(tasks):
         env = slurm_environment(tmp_path, restart, tasks, task, port)
-        procs.append(subprocess.Popen([*srun_command(root, env), *extra], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([*srun_command(root, env, shortcutlab), *extra], cwd=ROOT, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     (tmp_path / "tasks.pids").write_text(" ".join(str(proc.pid) for proc in procs))
     return procs
@@ -117,26 +121,30 @@ def final_state(root: Path) -> dict:
             "metrics": rows}
 
 
-_uninterrupted: dict[int, dict] = {}
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, warm_shortcutlab: list[str]):
+    """The run never stopped, by number of tasks (each run once per module)."""
+    runs: dict[int, dict] = {}
+
+    def run(tasks: int) -> dict:
+        if tasks not in runs:
+            base = tmp_path_factory.mktemp(f"uninterrupted{tasks}")
+            for status, err in finish(srun(warm_shortcutlab, base / "run", base, tasks)):
+                assert status == 0, err[-3000:]
+            runs[tasks] = final_state(base / "run")
+            assert runs[tasks]["step"] == STEPS
+        return runs[tasks]
+
+    return run
 
 
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tasks: int) -> dict:
-    """The run never stopped (once per module and task count)."""
-    if tasks not in _uninterrupted:
-        base = tmp_path_factory.mktemp(f"uninterrupted{tasks}")
-        for status, err in finish(srun(base / "run", base, tasks)):
-            assert status == 0, err[-3000:]
-        _uninterrupted[tasks] = final_state(base / "run")
-        assert _uninterrupted[tasks]["step"] == STEPS
-    return _uninterrupted[tasks]
-
-
-def stop_requeue_and_resume(tmp_path: Path, tasks: int, at: str, step: int, signalled: list[int]) -> tuple[dict, int]:
+def stop_requeue_and_resume(shortcutlab: list[str], tmp_path: Path, tasks: int, at: str, step: int,
+                            signalled: list[int]) -> tuple[dict, int]:
     """SIGUSR1 to the tasks ``signalled`` while they wait at ``at`` of step ``step``; then the
     requeued job. Returns the requeued job's final state and the step the first job stopped at."""
     run = tmp_path / "requeued"
     ready = tmp_path / "ready"
-    procs = srun(run, tmp_path, tasks, extra=("--trainer.callbacks+=helpers.signal_helpers.WaitForSignal",
+    procs = srun(shortcutlab, run, tmp_path, tasks, extra=("--trainer.callbacks+=helpers.signal_helpers.WaitForSignal",
                                               f"--trainer.callbacks.step={step}", f"--trainer.callbacks.at={at}",
                                               f"--trainer.callbacks.ready_file={ready}",
                                               f"--trainer.callbacks.ranks={signalled}"))
@@ -161,7 +169,7 @@ def stop_requeue_and_resume(tmp_path: Path, tasks: int, at: str, step: int, sign
     assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"  # once, with the job's id
     assert not list(run.rglob("hpc_ckpt*"))  # Lightning's mid-step save is off
     # the requeued job: the same command, SLURM_RESTART_COUNT=1, no --ckpt_path
-    done = finish(srun(run, tmp_path, tasks, restart=1))
+    done = finish(srun(shortcutlab, run, tmp_path, tasks, restart=1))
     for status, err in done:
         assert status == 0, err[-3000:]
     said = [line for _, err in done for line in err.splitlines() if line.startswith("shortcutlab:")]
@@ -186,10 +194,10 @@ def test_the_readme_script_asks_for_the_signal_requeue_and_appended_logs():
     # a signal inside a training step: test_two_tasks (and, one process without SLURM,
     # tests/callbacks/test_preemption.py); in a validation: test_two_tasks
 ])
-def test_one_task(tmp_path, tmp_path_factory, at, step, stop_step):
-    resumed, stopped_at = stop_requeue_and_resume(tmp_path, 1, at, step, [0])
+def test_one_task(tmp_path, uninterrupted, warm_shortcutlab, at, step, stop_step):
+    resumed, stopped_at = stop_requeue_and_resume(warm_shortcutlab, tmp_path, 1, at, step, [0])
     assert stopped_at == stop_step
-    assert_identical(resumed, uninterrupted(tmp_path_factory, 1), "requeued run")
+    assert_identical(resumed, uninterrupted(1), "requeued run")
 
 
 @pytest.mark.slow
@@ -199,10 +207,10 @@ def test_one_task(tmp_path, tmp_path_factory, at, step, stop_step):
     ("train_step", 1, [1], 2),     # a signal to one task only stops every task after the same step
     ("validation", 4, [1], 4),     # the validation finishes, every task stops at the epoch's end
 ])
-def test_two_tasks(tmp_path, tmp_path_factory, at, step, signalled, stop_step):
-    resumed, stopped_at = stop_requeue_and_resume(tmp_path, script_tasks(), at, step, signalled)
+def test_two_tasks(tmp_path, uninterrupted, warm_shortcutlab, at, step, signalled, stop_step):
+    resumed, stopped_at = stop_requeue_and_resume(warm_shortcutlab, tmp_path, script_tasks(), at, step, signalled)
     assert stopped_at == stop_step
-    assert_identical(resumed, uninterrupted(tmp_path_factory, 2), "requeued run")
+    assert_identical(resumed, uninterrupted(script_tasks()), "requeued run")
 
 
 def test_an_array_task_is_requeued_as_job_underscore_task(tmp_path, monkeypatch):

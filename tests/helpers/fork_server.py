@@ -1,29 +1,38 @@
-"""A warm ``shortcutlab`` for the tests that run the user guide's command lines: one server process
-imports the CLI (torch, Lightning, every model and callback: some 7 s) once, then forks a child
-per command that runs ``cli.console_main`` with the command's arguments, folder, environment and
-standard streams, exactly as the console script would, and answers its exit status.
+"""A warm ``shortcutlab`` for the tests that run command lines: one server process imports the
+CLI (torch, Lightning, every model and callback: some 8 s on a 2-core CPU) once, then forks a
+child per command that runs ``cli.console_main`` with the command's arguments, folder,
+environment and standard streams, exactly as the console script would.
 
     python tests/helpers/fork_server.py serve SOCKET            # the server (ForkServer starts it)
     python tests/helpers/fork_server.py SOCKET shortcutlab ...  # one command through it (the client)
+    python tests/helpers/fork_server.py SOCKET python SCRIPT ...  # a script, as ``python SCRIPT ...``
 
-Each command runs in a fresh fork of the same warm process, so nothing one command does reaches
-the next. Commands run one at a time (the user guide's blocks run in order).
+The client stands for the command: it passes on the signals a test or a stand-in ``scontrol``
+sends it (SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP) to the command's process and ends with its
+exit status, or by its signal. Each command runs in a fresh fork of the same warm process, so
+nothing one command does reaches the next; several run at once (the tasks of one SLURM job step).
+What a fresh interpreter alone shows (import-time output, the installed console script, a package
+that shadows the CLI's own) is tested with real processes.
 """
 from __future__ import annotations
 
 import json
 import os
+import runpy
+import selectors
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
 
 IDLE_EXIT_S = 900
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 def _run_child(request: dict, fds: list[int]) -> None:
@@ -43,7 +52,12 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
     code = 0
     try:
-        cli.console_main()  # reads sys.argv, as the console script does
+        if request["argv"][0] == "python":  # python SCRIPT ARGS: a torchrun worker (torchrun_workers)
+            sys.argv = request["argv"][1:]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        else:
+            cli.console_main()  # reads sys.argv, as the console script does
     except SystemExit as stop:
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
@@ -64,44 +78,83 @@ def serve(path: str) -> None:
     _catalogue.import_all()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
-    server.listen()
-    server.settimeout(IDLE_EXIT_S)  # left behind by a killed test: it goes by itself
+    server.listen(16)
+    waiting = selectors.DefaultSelector()
+    waiting.register(server, selectors.EVENT_READ)
+    running: dict[int, socket.socket] = {}  # child pid -> its client's connection
     print("ready", flush=True)
-    while True:
-        try:
+    idle_since = time.monotonic()
+    while running or time.monotonic() - idle_since < IDLE_EXIT_S:  # left behind by a killed test: it goes by itself
+        if waiting.select(timeout=0.05):
             connection, _ = server.accept()
-        except TimeoutError:
-            return
-        connection.settimeout(None)
-        message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
-        while not message.endswith(b"\n"):
-            message += connection.recv(1 << 16)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        child = os.fork()
-        if child == 0:
-            server.close()
+            message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+            while not message.endswith(b"\n"):
+                message += connection.recv(1 << 16)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            child = os.fork()
+            if child == 0:
+                server.close()
+                for other in (connection, *running.values()):
+                    other.close()
+                _run_child(json.loads(message), fds)
+            for fd in fds:
+                os.close(fd)
+            connection.sendall(f"pid {child}\n".encode())
+            running[child] = connection
+        while running:
+            child, status = os.waitpid(-1, os.WNOHANG)
+            if child == 0:
+                break
+            connection = running.pop(child)
+            try:
+                connection.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass  # its client was killed
             connection.close()
-            _run_child(json.loads(message), fds)
-        for fd in fds:
-            os.close(fd)
-        _, status = os.waitpid(child, 0)
-        connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-        connection.close()
+            idle_since = time.monotonic()
+
+
+def _lines(connection: socket.socket):
+    """The server's answers, one line at a time."""
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            chunk = connection.recv(64)
+            if not chunk:
+                return
+            pending += chunk
+        line, _, pending = pending.partition(b"\n")
+        yield line.decode()
 
 
 def client(path: str, argv: list[str]) -> int:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(path)
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}) + "\n"
+    for signum in FORWARDED:  # held until the command's pid is known, then passed on
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signum])
     socket.send_fds(connection, [request.encode()], [0, 1, 2])
-    answer = b""
-    while not answer.endswith(b"\n"):
-        chunk = connection.recv(64)
-        if not chunk:
-            return 1  # the server went away
-        answer += chunk
-    return int(answer)
+    answers = _lines(connection)
+    pid = int(next(answers, "pid 0").split()[1])
+    if not pid:
+        return 1  # the server went away
+    for signum in FORWARDED:
+        signal.signal(signum, lambda received, _frame: os.kill(pid, received))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    code = next(answers, "exit 1").split()[1]
+    code = int(code)
+    if code < 0:  # ended by a signal: end the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def torchrun_workers(command: list[str], shortcutlab: list[str]) -> list[str]:
+    """A ``torch.distributed.run`` command line whose workers are warm forks running its script
+    (``--no-python`` and this client before the script; ``shortcutlab``: :meth:`ForkServer.argv`)."""
+    at = next(i for i, word in enumerate(command) if word.endswith(".py"))
+    return [*command[:at], "--no-python", *shortcutlab[:-1], "python", *command[at:]]
 
 
 class ForkServer:
@@ -131,8 +184,11 @@ class ForkServer:
         self.log.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def argv(self) -> list[str]:
+        return [sys.executable, __file__, self.path, "shortcutlab"]
+
     def command(self) -> str:
-        return f"{sys.executable} {__file__} {self.path} shortcutlab"
+        return " ".join(self.argv())
 
 
 if __name__ == "__main__":

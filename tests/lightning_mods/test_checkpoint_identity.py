@@ -262,15 +262,15 @@ def test_ckpt_path_written_outside_the_cli_is_checked_against_the_config_too(tmp
     assert torch.equal(features(out.model.cpu().eval(), "mae"), features(writer, "mae"))
 
 
-def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path):
+def test_console_command_exits_2_on_a_checkpoint_of_another_class(tmp_path, warm_shortcutlab):
+    """Through a process of its own (the warm CLI's, tests/helpers/fork_server.py): status 2, one line."""
     import os
 
     path = tmp_path / "classifier.ckpt"
     write_checkpoint(path, FAMILIES["classifier"], 0.6)
-    exe = Path(sys.executable).with_name("shortcutlab")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([str(exe), "fit", *TINY_MAE, *DIGITS, f"--ckpt_path={path}",
+    out = subprocess.run([*warm_shortcutlab, "fit", *TINY_MAE, *DIGITS, f"--ckpt_path={path}",
                           f"--trainer.default_root_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 2, out.stderr[-2000:]

@@ -107,20 +107,21 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def run_fit(*args: str) -> subprocess.CompletedProcess:
+def run_fit(shortcutlab: list[str], *args: str) -> subprocess.CompletedProcess:
+    """``shortcutlab fit`` in a process of its own (``shortcutlab``: the warm CLI's command)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", "import cli; cli.console_main()", "fit", *TINY, *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    return subprocess.run([*shortcutlab, "fit", *TINY, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600)
 
 
 @pytest.mark.slow
-def test_a_filling_disk_ends_the_fit_in_one_line_with_every_checkpoint_whole(tmp_path, small_tmpfs):
-    probe = run_fit("--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path / 'size'}")
+def test_a_filling_disk_ends_the_fit_in_one_line_with_every_checkpoint_whole(tmp_path, small_tmpfs, warm_shortcutlab):
+    probe = run_fit(warm_shortcutlab, "--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path / 'size'}")
     assert probe.returncode == 0, probe.stderr[-2000:]
     size = next((tmp_path / "size").rglob("last.ckpt")).stat().st_size
     # room for two checkpoints and a half: the epoch-0 files fit, the third write of epoch 1 does not
     disk = small_tmpfs(int(2.5 * size) + 64 * 1024)
-    done = run_fit("--trainer.max_epochs=30", f"--trainer.default_root_dir={disk}")
+    done = run_fit(warm_shortcutlab, "--trainer.max_epochs=30", f"--trainer.default_root_dir={disk}")
     assert done.returncode == exit_statuses.DISK_ERROR, (done.stdout[-2000:], done.stderr[-3000:])
     line = done.stderr.strip().splitlines()[-1]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -116,26 +116,30 @@ def test_sample_indices_are_the_dataset_indices_a_distributed_sampler_hands_out(
     assert [module.sample_indices(3, 0).tolist(), module.sample_indices(3, 1).tolist()] == [[0, 1, 2], [3, 4, 5]]
 
 
-def run(tmp_path, world: int) -> dict:
+def run(tmp_path, world: int, warm: list[str]) -> dict:
+    """The script in one process, or under torchrun; warm forks of the CLI's process
+    (tests/helpers/fork_server.py) run it."""
+    from helpers.fork_server import torchrun_workers
+
     script = tmp_path / "evaluate.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=folders.PYTHONPATH, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, str(script), str(tmp_path), "1"] if world == 1 else \
+    cmd = [*warm[:-1], "python", str(script), str(tmp_path), "1"] if world == 1 else torchrun_workers(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
-         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), str(world)]
+         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), str(tmp_path), str(world)], warm)
     run_to_end(cmd, env, timeout=240)
     return json.loads((tmp_path / f"world{world}.json").read_text())
 
 
 @pytest.mark.slow
-def test_two_processes_report_the_one_process_metrics(tmp_path):
+def test_two_processes_report_the_one_process_metrics(tmp_path, warm_shortcutlab):
     """37 samples over 2 ranks: one repeated sample left out (three ranks' strides and repeats:
     the index test above)."""
-    one = run(tmp_path, 1)
+    one = run(tmp_path, 1, warm_shortcutlab)
     assert one["mae"]["images counted"] == one["diffusion"]["images counted"] == 37
     assert set(one["probe blocks"]) == {"1", "2"}
     for world in (2,):
-        many = run(tmp_path, world)
+        many = run(tmp_path, world, warm_shortcutlab)
         for name in ("classifier", "probe", "spiral", "mae", "diffusion"):
             assert set(many[name]) == set(one[name]), name
             for metric, value in one[name].items():
