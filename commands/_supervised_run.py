@@ -88,6 +88,8 @@ def run_once(args: Sequence[str], log: Path, grace: float = STOP_GRACE_SECONDS) 
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if not copier.is_alive():
+                process.stdout.close()
     if received:
         raise Stopped(received[0], status)
     return status, time.perf_counter() - start

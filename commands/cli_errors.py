@@ -8,8 +8,10 @@ import re
 import typing
 from typing import Optional
 
+import torch
+
 from commands import _catalogue as catalogue
-from lightning_mods.checkpointing.rebuild import import_path, init_parameters
+from lightning_mods.checkpointing.rebuild import canonical_class_path, import_path, init_parameters
 
 
 class BadInput(ValueError):
@@ -90,6 +92,9 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
             known = sorted(init_parameters(class_path) or [])
             close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
             hint = f"; did you mean '{prefix}.{close[0]}'?" if close else ""
+            if new := renamed_setting(class_path, match.group(1)):
+                hint = (f"; it is {prefix}.{new} since release 0.3 (a saved config: "
+                        "lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
             if not hint and "network" in known and network_takes(class_path, match.group(1)):  # the network's setting
                 hint = (f"; a setting of its network is {prefix}.network.init_args.{match.group(1)} (a config of "
                         "release 0.1: lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
@@ -97,12 +102,26 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
         return f"{bad}: unknown key{_did_you_mean(bad, [o[2:] for o in option_names])}"
     elif match := _UNRECOGNISED.match(innermost):
         option = match.group(1).split("=")[0]
+        first, _, rest = option.removeprefix("--").partition(".")
+        if class_path and (new := renamed_setting(class_path, first)):  # --model.backbone.X of a recipe
+            prefix = ".".join(keys)
+            return (f"{prefix}.{first}: unknown key of {class_path}; it is {prefix}.{new} since release 0.3 "
+                    f"(--model.{new}{'.' + rest if rest else ''})")
         return f"unknown option '{option}'{_did_you_mean(option, option_names)}"
     elif (match := _NOT_A_CLASS.match(innermost)) and field in ("", *catalogue.KINDS):
         return unknown_class_message(match.group(1), field)
     else:
         reason = innermost[0].lower() + innermost[1:] if innermost[:1].isupper() and field else innermost
     return f"{field}: {reason}" if field else reason
+
+
+def renamed_setting(recipe_path: str, key: str) -> Optional[str]:
+    """The name a recipe's setting ``key`` has had since the network got one name in every
+    training recipe (the classifier's ``backbone``: ``network``); None for any other key."""
+    from lightning_mods.checkpointing.migration import RENAMED_NETWORKS
+
+    renamed = RENAMED_NETWORKS.get(canonical_class_path(recipe_path))
+    return renamed.settings.get(key) if renamed else None
 
 
 def network_takes(recipe_path: str, key: str) -> bool:
@@ -113,7 +132,7 @@ def network_takes(recipe_path: str, key: str) -> bool:
     except (ImportError, AttributeError, NameError, TypeError, ValueError):
         return False
     kinds = [kind for kind in (typing.get_args(network) or (network,)) if isinstance(kind, type)
-             and kind not in (str, object)]
+             and kind not in (str, object, torch.nn.Module)]  # any module: nothing known of its settings
     for kind in kinds:
         params = init_parameters(f"{kind.__module__}.{kind.__qualname__}")
         if params is None or key in params:

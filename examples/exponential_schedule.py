@@ -9,10 +9,10 @@ With this file's folder on ``PYTHONPATH``, any family takes it from YAML or the 
     shortcutlab fit --config configs/digits_mae.yaml \\
         --model.network.shortcut=exponential_schedule.ExponentialSchedule --model.network.shortcut.rate=0.05
 
-    # the ResNet classifier (its data config first): model.init_args.backbone.init_args.shortcut
+    # the ResNet classifier (its data config first): model.init_args.network.init_args.shortcut
     # in YAML, or
     shortcutlab fit --config configs/data/digits.yaml --config configs/digits_resnet/base.yaml \\
-        --model.backbone.shortcut=exponential_schedule.ExponentialSchedule
+        --model.network.shortcut=exponential_schedule.ExponentialSchedule
 """
 from __future__ import annotations
 

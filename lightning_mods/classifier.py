@@ -1,22 +1,22 @@
-"""Supervised image classifier over the shortcut-aware backbones (the decay paper's appendix B.2 and the ResidualDroppath paper;
+"""Supervised image classifier over the shortcut-aware networks (the decay paper's appendix B.2 and the ResidualDroppath paper;
 "Residual Connections Harm Generative Representation Learning", appendix; "ResidualDroppath",
 section 4).
 
-The backbone is any timm-style network configured on its own (``class_path``/``init_args``,
+Its ``network`` is any timm-style network configured on its own (``class_path``/``init_args``,
 e.g. :class:`~lightning_mods.backbone.resnet.ResNet50` with a
 :class:`~lightning_mods.backbone.shortcut.ShortcutSchedule`). The classifier adapts it to the data the
 CLI links in: a head of another size is replaced with timm's ``reset_classifier(num_classes)``
 and a first convolution that expects another number of channels is rebuilt for ``in_chans``.
-A backbone built with the right ``num_classes``/``in_chans`` is used as it is.
+A network built with the right ``num_classes``/``in_chans`` is used as it is.
 
-Why adapt an instance rather than take a backbone factory: the backbone stays an ordinary
+Why adapt an instance rather than take a network factory: the network stays an ordinary
 ``nn.Module`` in the config (``class_path``/``init_args``, every timm argument visible to
 ``--help``), and the CLI's ``num_classes``/``in_chans`` links need no knowledge of it.
 
 Recipe defaults are timm's ``train.py`` defaults (the ResidualDroppath paper trains with
 them): SGD with Nesterov momentum 0.9, lr 0.1 per 256 samples of global batch, weight decay
 2e-5 without decay on norms and biases, 5 warm-up epochs then cosine to 0 (per optimiser step
-here, per epoch in timm), label smoothing 0.1. The stochastic-depth baseline is the backbone's own
+here, per epoch in timm), label smoothing 0.1. The stochastic-depth baseline is the network's own
 ``drop_path_rate`` (timm's DropPath with 1/keep rescaling, linear over depth).
 
 SyncBatchNorm is the trainer's job: ``trainer.sync_batchnorm: true`` converts every BatchNorm
@@ -64,7 +64,7 @@ def set_input_channels_(model: nn.Module, in_chans: int) -> nn.Module:
     """
     name = first_conv_name(model)
     if name is None:
-        raise ValueError(f"backbone has no Conv2d to adapt to in_chans={in_chans}: {type(model).__name__}")
+        raise ValueError(f"network has no Conv2d to adapt to in_chans={in_chans}: {type(model).__name__}")
     conv = model.get_submodule(name)
     if conv.in_channels == in_chans:
         return model
@@ -79,12 +79,12 @@ def set_input_channels_(model: nn.Module, in_chans: int) -> nn.Module:
 
 
 class ImageClassifier(ClassificationSteps, LightningModule):
-    """Cross-entropy classifier of a timm-style backbone with top-1/top-5 accuracy.
+    """Cross-entropy classifier of a timm-style network with top-1/top-5 accuracy.
 
     Args:
-        backbone: a timm-API network (``forward_features``, ``forward_head``,
+        network: a timm-API network (``forward_features``, ``forward_head``,
             ``reset_classifier``), e.g. ``lightning_mods.backbone.resnet.ResNet50``.
-        num_classes, in_chans: linked from the datamodule by the CLI; the backbone's head and
+        num_classes, in_chans: linked from the datamodule by the CLI; the network's head and
             first convolution are adapted to them.
         optimizer: ``sgd`` (``momentum``; Nesterov by default, as timm's ``sgd``) or ``adamw``
             (``betas``).
@@ -98,7 +98,7 @@ class ImageClassifier(ClassificationSteps, LightningModule):
 
     def __init__(
         self,
-        backbone: nn.Module,
+        network: nn.Module,
         num_classes: int = 1000,
         in_chans: int = 3,
         optimizer: Literal["sgd", "adamw"] = "sgd",
@@ -112,9 +112,9 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         label_smoothing: float = 0.1,
     ) -> None:
         super().__init__()
-        missing = [name for name in _TIMM_API if not hasattr(backbone, name)]
+        missing = [name for name in _TIMM_API if not hasattr(network, name)]
         if missing:
-            raise ValueError(f"backbone must have timm's classifier API; {type(backbone).__name__} lacks "
+            raise ValueError(f"network must have timm's classifier API; {type(network).__name__} lacks "
                              f"{', '.join(missing)}")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
@@ -127,48 +127,48 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         if base_lr <= 0 or weight_decay < 0 or warmup_epochs < 0:
             raise ValueError(f"base_lr must be > 0, weight_decay and warmup_epochs >= 0; got {base_lr}, "
                              f"{weight_decay}, {warmup_epochs}")
-        self._save_hyperparameters_without_modules(backbone)
+        self._save_hyperparameters_without_modules(network)
 
-        if backbone.num_classes != num_classes:
-            backbone.reset_classifier(num_classes)
-        self.backbone = set_input_channels_(backbone, in_chans)
-        self.num_features = int(backbone.num_features)
+        if network.num_classes != num_classes:
+            network.reset_classifier(num_classes)
+        self.network = set_input_channels_(network, in_chans)
+        self.num_features = int(network.num_features)
         self.init_accuracies(num_classes)
 
-    def _save_hyperparameters_without_modules(self, backbone: nn.Module) -> None:
-        # Under LightningCLI the saved hyperparameters are the parsed config, so ``backbone`` is
+    def _save_hyperparameters_without_modules(self, network: nn.Module) -> None:
+        # Under LightningCLI the saved hyperparameters are the parsed config, so ``network`` is
         # its class_path/init_args (plain data, ``load_from_checkpoint`` rebuilds it). Built in
         # Python, it is the module itself: keep only its class path, never a pickled module.
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*'backbone' is an instance of `nn.Module`")
+            warnings.filterwarnings("ignore", message=r".*'network' is an instance of `nn.Module`")
             self.save_hyperparameters()
-        if isinstance(self.hparams.get("backbone"), nn.Module):
-            class_path = f"{type(backbone).__module__}.{type(backbone).__qualname__}"
-            self.hparams["backbone"] = class_path
-            self._hparams_initial["backbone"] = class_path
+        if isinstance(self.hparams.get("network"), nn.Module):
+            class_path = f"{type(network).__module__}.{type(network).__qualname__}"
+            self.hparams["network"] = class_path
+            self._hparams_initial["network"] = class_path
 
     # --- forward ---------------------------------------------------------------------------
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Logits ``B x num_classes`` (timm's ``forward``: features, then the head)."""
-        return self.forward_head(self.backbone.forward_features(images))
+        return self.forward_head(self.network.forward_features(images))
 
     def forward_head(self, feature_map: torch.Tensor) -> torch.Tensor:
-        """Extension point: the head, logits ``B x num_classes`` from the backbone's
-        ``forward_features`` output. Default: the backbone's own (timm's pooling and classifier
+        """Extension point: the head, logits ``B x num_classes`` from the network's
+        ``forward_features`` output. Default: the network's own (timm's pooling and classifier
         layer, sized by ``reset_classifier(num_classes)``)."""
-        return self.backbone.forward_head(feature_map)
+        return self.network.forward_head(feature_map)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Evaluation features ``B x D``: the pooled input of the classifier layer."""
-        return self.backbone.forward_head(self.backbone.forward_features(images), pre_logits=True)
+        return self.network.forward_head(self.network.forward_features(images), pre_logits=True)
 
     def forward_intermediates(self, images: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
         """``(forward_features, pooled output of the residual blocks indices picks)`` in depth
-        order, ``B x C_k`` each, from one pass of the backbone (timm's call;
+        order, ``B x C_k`` each, from one pass of the network (timm's call;
         :mod:`lightning_mods.evaluation.feature_contract`)."""
         outputs = self._block_outputs(images)
         blocks = [pool_block_output(outputs[i][0]) for i in take_indices(len(outputs) - 1, indices)]
-        return blocks if intermediates_only else (self.backbone.forward_head(outputs[-1][1], pre_logits=True), blocks)
+        return blocks if intermediates_only else (self.network.forward_head(outputs[-1][1], pre_logits=True), blocks)
 
     def forward_patch_features(self, images: torch.Tensor, block: int = -1) -> torch.Tensor:
         """Spatial features of residual block ``block`` (Python index; -1 the last), ``B x H x W x C``:
@@ -176,8 +176,8 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         out = self._block_outputs(images)[:-1][block][0]
         if out.ndim == 4:
             return out.permute(0, 2, 3, 1)
-        tokens = out[:, getattr(self.backbone, "num_prefix_tokens", 0):]
-        grid = getattr(getattr(self.backbone, "patch_embed", None), "grid_size", None)
+        tokens = out[:, getattr(self.network, "num_prefix_tokens", 0):]
+        grid = getattr(getattr(self.network, "patch_embed", None), "grid_size", None)
         height, width = grid if grid is not None else (int(tokens.shape[1] ** 0.5),) * 2
         return tokens.reshape(tokens.shape[0], height, width, tokens.shape[-1])
 
@@ -185,9 +185,9 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         """Every residual block's output in depth order, then ``(None, forward_features output)``."""
         outputs: list = []
         handles = [blk.register_forward_hook(lambda _m, _i, out: outputs.append((out, None)))
-                   for blk in residual_blocks(self.backbone)]
+                   for blk in residual_blocks(self.network)]
         try:
-            final = self.backbone.forward_features(images)
+            final = self.network.forward_features(images)
         finally:
             for handle in handles:
                 handle.remove()
@@ -203,9 +203,9 @@ class ImageClassifier(ClassificationSteps, LightningModule):
         """``embeddings`` (``forward_features``), ``logits`` and ``labels``, for
         ``callbacks.reporting.prediction_writer``."""
         images, labels = batch[0], batch[1]
-        features = self.backbone.forward_features(images)
-        return {"embeddings": self.backbone.forward_head(features, pre_logits=True),
-                "logits": self.backbone.forward_head(features), "labels": labels}
+        features = self.network.forward_features(images)
+        return {"embeddings": self.network.forward_head(features, pre_logits=True),
+                "logits": self.network.forward_head(features), "labels": labels}
 
     # --- optimisation ----------------------------------------------------------------------
     def configure_optimizers(self):

@@ -76,8 +76,8 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
             official and timm MAE weights too: ``python -m commands.convert_mae import``), or the
             pre-training's folder: the final checkpoint of its finished fit
             (:mod:`lightning_mods.checkpointing._finished_run`).
-        encoder: without a checkpoint, the MAE to build (``class_path``/``init_args``); with one,
-            settings checked against it (``allow_encoder_override`` builds them on purpose).
+        network: without a checkpoint, the MAE to build (``class_path``/``init_args``); with one,
+            settings checked against it (``allow_network_override`` builds them on purpose).
         num_classes: linked from the datamodule by the CLI.
         drop_path_rate: stochastic depth, rising linearly over the blocks.
         head_init_std: std of the head's truncated-normal initialisation.
@@ -92,15 +92,15 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
         global_pool: ``avg`` (the patch tokens, then a LayerNorm) or ``token`` (the cls token).
     """
 
-    def __init__(self, checkpoint: Optional[str] = None, encoder: Optional[dict] = None, num_classes: int = 1000,
+    def __init__(self, checkpoint: Optional[str] = None, network: Optional[dict] = None, num_classes: int = 1000,
                  drop_path_rate: float = 0.1, head_init_std: float = 2e-5, base_lr: float = 5e-4,
                  weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.999), layer_decay: float = 0.65,
                  warmup_epochs: float = 5.0, min_lr: float = 1e-6, mixup: float = 0.8, cutmix: float = 1.0,
                  mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, label_smoothing: float = 0.1,
-                 global_pool: Literal["avg", "token"] = "avg", allow_encoder_override: bool = False) -> None:
+                 global_pool: Literal["avg", "token"] = "avg", allow_network_override: bool = False) -> None:
         super().__init__()
         checkpoint = chosen_checkpoint(checkpoint, "FineTuneClassifier")
-        self.save_hyperparameters(ignore=["encoder"])
+        self.save_hyperparameters(ignore=["network"])
         if "checkpoint" in self.hparams:  # LightningCLI records its config's value, the folder: the file instead
             self.hparams["checkpoint"] = self._hparams_initial["checkpoint"] = checkpoint  # (hparams.yaml too)
         if not 0.0 < layer_decay <= 1.0:
@@ -110,19 +110,19 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                              f"mixup_prob in [0, 1], got {mixup}, {cutmix}, {label_smoothing}, {drop_path_rate}, "
                              f"{mixup_prob}")
         if checkpoint is not None:
-            mae, config = load_network(checkpoint, encoder, allow_encoder_override, name="encoder")
-        elif isinstance(encoder, dict) and encoder.get("class_path"):
-            mae, config = build_module(encoder)
+            mae, config = load_network(checkpoint, network, allow_network_override, name="network")
+        elif isinstance(network, dict) and network.get("class_path"):
+            mae, config = build_module(network)
             mae, config = network_of(mae), network_config(mae, config)
         else:
             raise ValueError("FineTuneClassifier: give checkpoint (a MaskedAutoencoder .ckpt of `shortcutlab fit`), "
-                             "or an encoder to build (class_path and init_args)")
+                             "or a network to build (class_path and init_args)")
         if not isinstance(mae, MaskedAutoencoderViT):
-            raise ValueError(f"FineTuneClassifier: {checkpoint or 'encoder'} is a {config.get('class_path')}, not a "
+            raise ValueError(f"FineTuneClassifier: {checkpoint or 'network'} is a {config.get('class_path')}, not a "
                              f"{MAE_CLASS}: fine-tuning starts from a pre-trained MAE")
-        self.hparams["encoder"] = config  # plain data: the checkpoint says which network it fine-tuned
-        self.model = fine_tuning_network(mae, num_classes, drop_path_rate, head_init_std, global_pool)
-        self.num_features = int(self.model.num_features)
+        self.hparams["network"] = config  # plain data: the checkpoint says which network it fine-tuned
+        self.network = fine_tuning_network(mae, num_classes, drop_path_rate, head_init_std, global_pool)
+        self.num_features = int(self.network.num_features)
         self.init_accuracies(num_classes)
         mixing = mixup > 0 or cutmix > 0
         self.mixup = Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, prob=mixup_prob, switch_prob=mixup_switch_prob,
@@ -131,14 +131,14 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
             LabelSmoothingCrossEntropy(label_smoothing) if label_smoothing > 0 else nn.CrossEntropyLoss())
 
     def setup(self, stage: str) -> None:
-        check_input_geometry(self.model, getattr(self.trainer, "datamodule", None), "FineTuneClassifier")
+        check_input_geometry(self.network, getattr(self.trainer, "datamodule", None), "FineTuneClassifier")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
+        return self.network(images)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
         """Evaluation features ``B x D``: the pooled, normalised input of the head."""
-        return self.model.forward_head(self.model.forward_features(images), pre_logits=True)
+        return self.network.forward_head(self.network.forward_features(images), pre_logits=True)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
@@ -155,8 +155,8 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
     def parameter_groups(self, peak_lr: float) -> list[dict]:
         """timm's ``param_groups_layer_decay`` of the network (MAE's ``param_groups_lrd``): each
         group's ``lr`` is its ``lr_scale`` times ``peak_lr``."""
-        groups = param_groups_layer_decay(self.model, self.hparams.weight_decay,
-                                          no_weight_decay_list=list(self.model.no_weight_decay()),
+        groups = param_groups_layer_decay(self.network, self.hparams.weight_decay,
+                                          no_weight_decay_list=list(self.network.no_weight_decay()),
                                           layer_decay=self.hparams.layer_decay)
         for group in groups:
             group["lr"] = peak_lr * group["lr_scale"]

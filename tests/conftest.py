@@ -170,6 +170,13 @@ def make_class_list(path: str | os.PathLike, classes: list[str]) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _the_command_line_of_a_cli_called_from_python(monkeypatch):
+    """``cli.main(args)`` as a user's script calls it: LightningCLI warns when it gets ``args`` while
+    ``sys.argv`` holds arguments too (here pytest's own)."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
 @pytest.fixture(scope="session")
 def warm_shortcutlab() -> list[str]:
     """The command line of ``shortcutlab`` through a warm fork of the CLI (helpers/fork_server.py),

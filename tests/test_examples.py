@@ -80,7 +80,7 @@ def test_exponential_schedule_through_mae_and_resnet_yaml_and_linear_probe(tmp_p
                        "init_args": {"rate": 0.2, "alpha_min": 0.6, "branches": "both"}}
     # the ResNet classifier, the schedule chosen in a YAML file of the user's
     (folder / "exp_resnet.yaml").write_text(
-        "model:\n  init_args:\n    backbone:\n      init_args:\n        shortcut:\n"
+        "model:\n  init_args:\n    network:\n      init_args:\n        shortcut:\n"
         "          class_path: exponential_schedule.ExponentialSchedule\n"
         "          init_args: {rate: 0.1, alpha_min: 0.0}\n")
     fit = shortcutlab(folder, "fit", f"--config={ROOT / 'configs/data/digits.yaml'}",
@@ -95,7 +95,7 @@ def test_exponential_schedule_through_mae_and_resnet_yaml_and_linear_probe(tmp_p
     for ckpt, rate, alpha_min in ((mae_ckpt, 0.2, 0.6), (resnet_ckpt, 0.1, 0.0)):
         probe = LinearProbe(checkpoint=str(ckpt), num_classes=10)
         assert type(probe.backbone.shortcut if hasattr(probe.backbone, "shortcut") else
-                    probe.backbone.backbone.shortcut).__name__ == "ExponentialSchedule"
+                    probe.backbone.network.shortcut).__name__ == "ExponentialSchedule"
         alphas = shortcut_alphas(probe.backbone)
         np.testing.assert_allclose(alphas, expected_exponential_alphas(rate, alpha_min, len(alphas)), rtol=0, atol=1e-15)
         assert len(set(alphas)) > 2  # the schedule really decays here
@@ -169,7 +169,8 @@ def test_branch_norm_ratio_callback_logs_one_value_per_block(tmp_path, monkeypat
     import csv
 
     (metrics,) = (folder / "run").rglob("metrics.csv")
-    rows = [r for r in csv.DictReader(metrics.open()) if r.get("branch_ratio/block1")]
+    with metrics.open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("branch_ratio/block1")]
     assert len(rows) == 1 and float(rows[0]["branch_ratio/block1"]) > 0 and float(rows[0]["branch_ratio/block2"]) > 0
     assert "branch_ratio/block3" not in rows[0]  # the encoder's two blocks; the decoder does not run
     # the value, by hand from the blocks' own branch functions (no hook), on a tiny MAE
@@ -208,7 +209,7 @@ def test_deit_style_vit_classifier_from_yaml_alone(tmp_path):
     from lightning_mods.linear_probe import LinearProbe
 
     probe = LinearProbe(checkpoint=str(ckpt), num_classes=10)
-    backbone = probe.backbone.backbone
+    backbone = probe.backbone.network
     assert type(backbone).__name__ == "DecayedVisionTransformer"
     assert (backbone.embed_dim, len(backbone.blocks), backbone.global_pool) == (192, 4, "token")
     alphas = shortcut_alphas(backbone)

@@ -178,7 +178,7 @@ class SquaredErrorLoss(ImageClassifier):
 
 class HalvedHead(ImageClassifier):
     def forward_head(self, feature_map):
-        return 0.5 * self.backbone.forward_head(feature_map)
+        return 0.5 * self.network.forward_head(feature_map)
 
 
 def classifier_twin(subclass):
@@ -203,5 +203,5 @@ def test_classifier_head_changes_the_logits_only():
     base, halved = classifier_twin(HalvedHead)
     x = images(4, 16)
     with torch.no_grad():
-        torch.testing.assert_close(halved(x), 0.5 * base.backbone(x), rtol=0, atol=0)
+        torch.testing.assert_close(halved(x), 0.5 * base.network(x), rtol=0, atol=0)
         torch.testing.assert_close(halved.forward_features(x), base.forward_features(x), rtol=0, atol=0)

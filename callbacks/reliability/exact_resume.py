@@ -167,8 +167,8 @@ def epoch_metric_sums(trainer: Trainer) -> dict[str, dict[str, Any]]:
     sums: dict[str, dict[str, Any]] = {}
     for key, result in lightning_private.epoch_results(trainer).items():
         meta = result.meta
-        if not meta.on_epoch or result.has_reset:
-            continue
+        if not meta.on_epoch or result.has_reset or key.startswith("on_train_epoch_end."):
+            continue  # (a value logged at the epoch's end is logged whole again at the resumed epoch's end)
         if result.is_tensor and (meta.is_mean_reduction or meta.is_sum_reduction):
             sums[key] = {"value": result.value.detach().cpu().clone(), "name": meta.name,
                          "sync_dist": bool(meta.sync.should)}

@@ -53,13 +53,12 @@ def choose_network(module: nn.Module, hparams: dict[str, Any], part: str) -> Exp
         return Export(network.encoder, *mae_encoder_args(network), what="the MAE's encoder")
     if part != "auto":
         raise ValueError(f"export: --part {part} is for an MAE; a {type(module).__name__} has one network to export")
+    if isinstance(network, nn.Module) and hasattr(network, "reset_classifier"):  # a classifier's timm network
+        recorded = hparams.get("network")
+        recorded = recorded.get("init_args") if isinstance(recorded, dict) else None
+        return Export(network, *registry_args(network, recorded), what=f"the classifier's {type(network).__name__}")
     if isinstance(network, nn.Module):
         return Export(network, *registry_args(network), what=f"the {type(network).__name__} of the diffusion model")
-    backbone = getattr(module, "backbone", None)
-    if isinstance(backbone, nn.Module):
-        recorded = hparams.get("backbone")
-        recorded = recorded.get("init_args") if isinstance(recorded, dict) else None
-        return Export(backbone, *registry_args(backbone, recorded), what=f"the classifier's {type(backbone).__name__}")
     raise ValueError(f"export: a {type(module).__name__} holds no network to export; exportable are {EXPORTABLE}")
 
 

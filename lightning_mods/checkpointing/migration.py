@@ -64,14 +64,42 @@ ENTROPY_PROFILE = Step(
 DATA_ORDER = Step(
     "data_order", "development builds before 0.1.0", "0.3.0",
     "a datamodule's train position without the data order it counts in (resumed unchecked)")
+CLASSIFIER_NETWORK_NAME = Step(
+    "classifier_network_name", "0.2.0", "0.4.0",
+    "ImageClassifier held the network it trains as 'backbone'; it is 'network', as in every training recipe")
+FINETUNE_NETWORK_NAME = Step(
+    "finetune_network_name", "0.2.0", "0.4.0",
+    "FineTuneClassifier took its MAE as 'encoder' (allow_encoder_override) and held the network it trains as "
+    "'model'; both are 'network' (allow_network_override)")
 STEPS = (MAE_NETWORK_MEMBER, DIFFUSION_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE,
-         DATA_ORDER)
+         DATA_ORDER, CLASSIFIER_NETWORK_NAME, FINETUNE_NETWORK_NAME)
+
+
+@dataclass(frozen=True)
+class RenamedNetwork:
+    """A training recipe whose network had another name: its settings' old names (old -> new), the
+    old prefix of its network's weights, and settings only that recipe has (to know a checkpoint
+    of it built in Python, which records no class path)."""
+
+    step: Step
+    settings: dict
+    weights: str
+    own: tuple[str, ...]
+
+
+RENAMED_NETWORKS = {
+    "lightning_mods.classifier.ImageClassifier": RenamedNetwork(
+        CLASSIFIER_NETWORK_NAME, {"backbone": "network"}, "backbone.", ("label_smoothing", "nesterov")),
+    "lightning_mods.finetune.FineTuneClassifier": RenamedNetwork(
+        FINETUNE_NETWORK_NAME, {"encoder": "network", "allow_encoder_override": "allow_network_override"}, "model.",
+        ("layer_decay", "mixup_switch_prob")),
+}
 
 
 def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     """Bring a Lightning checkpoint dictionary to this release's layout, in place; the names of the
     steps applied (none for a current checkpoint)."""
-    member = _network_member(checkpoint)
+    member = _network_member(checkpoint) or _renamed_network(checkpoint)
     applied = [member] if member else []
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
@@ -99,8 +127,12 @@ def split_settings(recipe: str, settings: dict[str, Any]) -> Optional[tuple[dict
 
 def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
     """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout: a
-    0.1 MAE's or diffusion model's network settings move under ``init_args.network``."""
+    0.1 MAE's or diffusion model's network settings move under ``init_args.network``; a 0.2
+    classifier's ``backbone`` and a fine-tuning's ``encoder`` are their ``network``."""
     init = dict(model.get("init_args") or {})
+    renamed = RENAMED_NETWORKS.get(str(model.get("class_path", "")))
+    if renamed and any(old in init for old in renamed.settings):
+        return {**model, "init_args": {renamed.settings.get(k, k): v for k, v in init.items()}}
     split = None if "network" in init else split_settings(str(model.get("class_path", "")), init)
     if split is None:
         return dict(model)
@@ -133,6 +165,30 @@ def _network_member(checkpoint: dict[str, Any]) -> Optional[str]:
         if isinstance(state, dict):
             checkpoint[field] = {(f"network.{k[len(old):]}" if k.startswith(old) else k): v for k, v in state.items()}
     return step.name
+
+
+def _renamed_network(checkpoint: dict[str, Any]) -> Optional[str]:
+    """:data:`CLASSIFIER_NETWORK_NAME`, :data:`FINETUNE_NETWORK_NAME`: the network's settings and
+    weights under their new names. The recipe is known by its recorded class path or, built in
+    Python (none recorded), by settings only it has."""
+    hparams = checkpoint.get("hyper_parameters")
+    if not isinstance(hparams, dict) or "network" in hparams:
+        return None
+    recorded = hparams.get("_class_path")
+    for recipe, renamed in RENAMED_NETWORKS.items():
+        if not any(old in hparams for old in renamed.settings) or not (
+                recorded == recipe or (recorded is None and all(k in hparams for k in renamed.own))):
+            continue
+        renamed_settings = {renamed.settings.get(k, k): v for k, v in hparams.items()}
+        hparams.clear()
+        hparams.update(renamed_settings)
+        for field in MODULE_STATES:
+            state = checkpoint.get(field)
+            if isinstance(state, dict):
+                checkpoint[field] = {(f"network.{k[len(renamed.weights):]}" if k.startswith(renamed.weights) else k): v
+                                     for k, v in state.items()}
+        return renamed.step.name
+    return None
 
 
 def effective_rank_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@ evaluation callback, ``--checkpoint_every_n_epochs`` every ModelCheckpoint but t
 ``latest`` one (the resume point); without them the config's cadences stay."""
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -13,8 +15,10 @@ from helpers.composed_configs import command_args
 
 
 def built_callbacks(args: list[str]) -> list:
-    cli = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                         run=False, args=[*args, "--trainer.logger=false"])
+    with warnings.catch_warnings():  # the paper configs' bf16-mixed, on this CPU (tests/commands/test_cli.py: the warning)
+        warnings.filterwarnings("ignore", r"trainer\.precision='bf16-mixed' on a CPU", UserWarning)
+        cli = ShortcutLabCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                             run=False, args=[*args, "--trainer.logger=false"])
     return cli.trainer.callbacks
 
 

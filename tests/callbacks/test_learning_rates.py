@@ -3,6 +3,8 @@ a logger runs on without them, where Lightning's LearningRateMonitor refuses to 
 from __future__ import annotations
 
 import csv
+import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def fit(tmp_path, callback, logger) -> Trainer:
 
 def test_each_step_s_rate_is_logged_and_a_run_without_a_logger_runs_on(tmp_path):
     trainer = fit(tmp_path, LearningRates(), CSVLogger(tmp_path))
-    rows = list(csv.DictReader(open(trainer.logger.log_dir + "/metrics.csv")))
+    rows = list(csv.DictReader(io.StringIO(Path(trainer.logger.log_dir, "metrics.csv").read_text())))
     assert [float(r["lr-SGD"]) for r in rows if r.get("lr-SGD")] == pytest.approx([0.5, 0.25, 0.5 / 3, 0.125])
     assert fit(tmp_path / "quiet", LearningRates(), False).global_step == 4
     with pytest.raises(MisconfigurationException, match="no logger"):  # what the default spares a run

@@ -76,7 +76,7 @@ def test_classifier_predict_writes_embeddings_and_logits(tmp_path):
     backbone = ResNet18Cifar(num_blocks=8, channels=[16, 32, 64, 128], num_classes=10, in_chans=1,
                              shortcut=ShortcutSchedule(kind="linear", alpha_min=0.6), act_layer="relu",
                              norm_layer="batchnorm2d")
-    backbone.load_state_dict({k.removeprefix("backbone."): v for k, v in checkpoint_weights(ckpt).items()})
+    backbone.load_state_dict({k.removeprefix("network."): v for k, v in checkpoint_weights(ckpt).items()})
     backbone.eval()
     with torch.no_grad():
         features = backbone.forward_features(images)

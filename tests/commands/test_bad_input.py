@@ -121,6 +121,17 @@ CASES = {  # name: (arguments, words the one line must hold)
                                       f"--config={ROOT / 'configs' / 'digits_resnet' / 'base.yaml'}",
                                       "--model.init_args.num_classes=5"],
                                      ["model.num_classes=5 disagrees with the data's num_classes (10; Digits)"]),
+    # a setting renamed when the network a training recipe trains got one name, network
+    "the classifier's backbone": ([f"--config={ROOT / 'configs' / 'data' / 'digits.yaml'}",
+                                   f"--config={ROOT / 'configs' / 'digits_resnet' / 'base.yaml'}",
+                                   "--model.backbone.shortcut.alpha_min=0.8"],
+                                  ["model.init_args.backbone: unknown key of lightning_mods.classifier.ImageClassifier; "
+                                   "it is model.init_args.network since release 0.3 (--model.network.shortcut.alpha_min)"]),
+    "fine-tuning's encoder override": ([f"--config={ROOT / 'configs' / 'finetune_digits.yaml'}",
+                                        "--model.init_args.allow_encoder_override=true"],
+                                       ["model.init_args.allow_encoder_override: unknown key of "
+                                        "lightning_mods.finetune.FineTuneClassifier; it is "
+                                        "model.init_args.allow_network_override since release 0.3"]),
     "missing pre-trained file": ([f"--config={ROOT / 'configs' / 'finetune_digits.yaml'}",
                                   "--model.init_args.checkpoint={missing}"], ["checkpoint: no file at '{missing}'"]),
 }

@@ -2,6 +2,8 @@
 LinearProbe on an MAE checkpoint, the console command, and one-line errors."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -265,7 +267,6 @@ def test_a_resumed_fit_logs_on_in_its_checkpoint_s_version_without_contradicting
     """One run, one curve: the resumed fit logs into version_0 (not version_1), metrics.csv keeps
     the rows logged before the checkpoint; Lightning's warnings that the dataloader is not
     resumable and that the checkpoint folder moved do not contradict an exact resume."""
-    import csv
 
     run_fit(tmp_path, "--trainer.limit_train_batches=4", "--trainer.callbacks+=ModelCheckpoint",
             "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1")
@@ -276,7 +277,7 @@ def test_a_resumed_fit_logs_on_in_its_checkpoint_s_version_without_contradicting
             f"--trainer.logger.init_args.save_dir={tmp_path}", f"--ckpt_path={first}"]
     cli.main(args)
     assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
-    rows = list(csv.DictReader((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text())))
     assert {row["epoch"] for row in rows} == {"0", "1"}
     assert not (tmp_path / "lightning_logs" / "version_0" / "metrics.before_resume.csv").exists()
     said = [str(w.message) for w in recwarn]

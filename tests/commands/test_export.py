@@ -55,10 +55,8 @@ def export(checkpoint: Path, folder: Path, *extra: str) -> None:
 
 def run_network(checkpoint: Path, part: str) -> torch.nn.Module:
     """The network the run trained, rebuilt from its checkpoint as shortcutlab rebuilds it."""
-    module = load_run(checkpoint, with_data=False)[0].eval()
-    if hasattr(module, "backbone"):
-        return module.backbone
-    return module.network.encoder if part == "encoder" else module.network
+    network = load_run(checkpoint, with_data=False)[0].eval().network
+    return network.encoder if part == "encoder" and hasattr(network, "encoder") else network
 
 
 CASES = [("MAE", "encoder"), ("MAE", "whole"), ("classifier", "auto"), ("diffusion", "auto")]

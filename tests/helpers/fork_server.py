@@ -181,6 +181,7 @@ class ForkServer:
     def __exit__(self, *exc: object) -> None:
         self.process.kill()
         self.process.wait()
+        self.process.stdout.close()
         self.log.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 

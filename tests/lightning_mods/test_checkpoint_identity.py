@@ -103,7 +103,7 @@ MAE = {"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"netw
 FAMILIES = {
     "mae": MAE,
     "classifier": {"class_path": "lightning_mods.classifier.ImageClassifier",
-                   "init_args": {"num_classes": 10, "in_chans": 1, "backbone": {
+                   "init_args": {"num_classes": 10, "in_chans": 1, "network": {
                        "class_path": "lightning_mods.backbone.resnet.ResNet18Cifar",
                        "init_args": {"channels": [4, 4, 8, 8], "zero_init_branches": False}}}},
     "diffusion": {"class_path": "lightning_mods.diffusion.DiffusionModule",
@@ -118,7 +118,7 @@ def with_shortcut(config: dict, alpha_min: float) -> dict:
     shortcut = {"class_path": "lightning_mods.backbone.shortcut.ShortcutSchedule",
                 "init_args": {"kind": "linear", "alpha_min": alpha_min}}
     init = dict(config["init_args"])
-    held = "backbone" if "backbone" in init else "network" if "network" in init else None
+    held = "network" if "network" in init else None
     if held:  # the network the recipe holds
         init[held] = {**init[held], "init_args": {**init[held]["init_args"], "shortcut": shortcut}}
     else:

@@ -31,7 +31,7 @@ def randomise_batchnorm_(model: nn.Module) -> None:
                 m.weight.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
 
 
-def without_prefix(state: dict, prefix: str = "backbone.") -> dict:
+def without_prefix(state: dict, prefix: str = "network.") -> dict:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
@@ -69,15 +69,15 @@ def test_backbone_already_matching_is_used_as_is():
     backbone = ResNet18Cifar(num_classes=10, in_chans=1, channels=(8, 8, 8, 8))
     head, stem = backbone.fc, backbone.conv1
     model = ImageClassifier(backbone, num_classes=10, in_chans=1)
-    assert model.backbone.fc is head and model.backbone.conv1 is stem
+    assert model.network.fc is head and model.network.conv1 is stem
 
 
 def test_head_and_stem_are_adapted():
     model = ImageClassifier(ResNet50d(), num_classes=3, in_chans=1)
-    assert model.backbone.fc.out_features == 3
-    assert model.backbone.conv1[0].in_channels == 1
-    assert model.backbone.conv1[0].out_channels == 32 and model.backbone.conv1[0].stride == (2, 2)
-    plain = ImageClassifier(ResNet50(), num_classes=3, in_chans=1).backbone.conv1
+    assert model.network.fc.out_features == 3
+    assert model.network.conv1[0].in_channels == 1
+    assert model.network.conv1[0].out_channels == 32 and model.network.conv1[0].stride == (2, 2)
+    plain = ImageClassifier(ResNet50(), num_classes=3, in_chans=1).network.conv1
     assert plain.weight.shape == (64, 1, 7, 7) and plain.stride == (2, 2) and plain.padding == (3, 3)
     # Kaiming normal, fan-out, ReLU gain (timm's ResNet init): std sqrt(2 / (64 * 7 * 7))
     assert plain.weight.std().item() == pytest.approx(math.sqrt(2 / (64 * 49)), rel=0.1)
@@ -96,15 +96,15 @@ def test_features_are_the_pooled_input_of_the_head_and_blocks_are_pooled_per_blo
     with torch.no_grad():
         feats = model.forward_features(images)
         assert feats.shape == (3, 32)
-        torch.testing.assert_close(model.backbone.fc(feats), model(images))
+        torch.testing.assert_close(model.network.fc(feats), model(images))
         blocks = model.forward_intermediates(images, intermediates_only=True)
         assert [b.shape for b in blocks] == [(3, c) for c in (8, 8, 16, 16, 16, 16, 32, 32)]
         # the last block's output is the backbone's last feature map
-        torch.testing.assert_close(blocks[-1], model.backbone.forward_features(images).mean(dim=(2, 3)))
+        torch.testing.assert_close(blocks[-1], model.network.forward_features(images).mean(dim=(2, 3)))
         # an earlier block by hand: stem, then layer1 block 0
-        stem = model.backbone.maxpool(model.backbone.act1(model.backbone.bn1(model.backbone.conv1(images))))
-        torch.testing.assert_close(blocks[0], model.backbone.layer1[0](stem).mean(dim=(2, 3)))
-    assert all(not blk._forward_hooks for blk in model.backbone.modules())
+        stem = model.network.maxpool(model.network.act1(model.network.bn1(model.network.conv1(images))))
+        torch.testing.assert_close(blocks[0], model.network.layer1[0](stem).mean(dim=(2, 3)))
+    assert all(not blk._forward_hooks for blk in model.network.modules())
 
 
 def test_label_smoothed_training_loss_matches_the_formula():
@@ -181,18 +181,18 @@ def test_top1_is_the_fraction_of_samples_right_not_the_mean_of_class_recalls():
 
 def test_hparams_hold_no_module_and_checkpoints_load_weights_only(tmp_path):
     model = small_classifier()
-    assert model.hparams["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
-    assert model.hparams_initial["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
+    assert model.hparams["network"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
+    assert model.hparams_initial["network"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
     trainer, _ = fit_a_few_steps(tmp_path, model, epochs=1)
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
-    assert ckpt["hyper_parameters"]["backbone"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
+    assert ckpt["hyper_parameters"]["network"] == "lightning_mods.backbone.resnet.ResNet18Cifar"
 
 
 def test_droppath_baseline_is_the_backbones_stochastic_depth():
     model = ImageClassifier(ResNet18Cifar(drop_path_rate=0.1, channels=(8, 8, 8, 8)), num_classes=10, in_chans=3)
-    rates = [blk.drop_path.drop_prob for blk in model.backbone.modules() if getattr(blk, "drop_path", None)]
+    rates = [blk.drop_path.drop_prob for blk in model.network.modules() if getattr(blk, "drop_path", None)]
     assert rates == pytest.approx([0.1 * i / 7 for i in range(1, 8)])  # timm: linear over the 8 blocks
 
 
@@ -219,14 +219,14 @@ def test_a_vit_backbone_works_too():
     torch.manual_seed(0)
     vit = DecayedVisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2)
     model = ImageClassifier(vit, num_classes=4, in_chans=1).eval()
-    assert model.backbone.patch_embed.proj.in_channels == 1 and model.backbone.head.out_features == 4
+    assert model.network.patch_embed.proj.in_channels == 1 and model.network.head.out_features == 4
     images = torch.randn(2, 1, 16, 16)
     with torch.no_grad():
         assert model(images).shape == (2, 4)
         assert model.forward_features(images).shape == (2, 16)
-        tokens = model.backbone.forward_features(images)
+        tokens = model.network.forward_features(images)
         blocks = model.forward_intermediates(images, intermediates_only=True)
     assert len(blocks) == 2 and blocks[-1].shape == (2, 16)
-    torch.testing.assert_close(blocks[-1], model.backbone.blocks[-1](model.backbone.blocks[0](
-        model.backbone.norm_pre(model.backbone._pos_embed(model.backbone.patch_embed(images))))).mean(dim=1))
+    torch.testing.assert_close(blocks[-1], model.network.blocks[-1](model.network.blocks[0](
+        model.network.norm_pre(model.network._pos_embed(model.network.patch_embed(images))))).mean(dim=1))
     assert tokens.shape[1] == 5  # cls + 4 patches

@@ -231,6 +231,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
     assert len(killed) == 1
     os.kill(writer.pid, signal.SIGKILL)
     writer.wait()
+    writer.stdout.close()
     host = socket.gethostname()
     live = tmp_path / f".epoch1.ckpt.{host}-{os.getpid()}.abcdefgh.tmp"  # this process: alive
     unknown_old = tmp_path / ".last.ckpt.k2j4h5g6.tmp"  # written before writers were named

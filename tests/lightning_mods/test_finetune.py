@@ -44,11 +44,11 @@ def maes_rule(names_and_ndims: list[tuple[str, int]], depth: int, layer_decay: f
 
 
 def test_vit_b_groups_carry_maes_layer_decay_and_weight_decay_flags():
-    module = FineTuneClassifier(encoder=VIT_B, num_classes=100)
+    module = FineTuneClassifier(network=VIT_B, num_classes=100)
     groups = module.parameter_groups(peak_lr=1.0)
-    names = {id(p): n for n, p in module.model.named_parameters()}
+    names = {id(p): n for n, p in module.network.named_parameters()}
     got = {names[id(p)]: (group["lr_scale"], group["weight_decay"]) for group in groups for p in group["params"]}
-    params = [(n, p.ndim) for n, p in module.model.named_parameters() if p.requires_grad]
+    params = [(n, p.ndim) for n, p in module.network.named_parameters() if p.requires_grad]
     want = maes_rule(params, 12, 0.65, 0.05)
     assert set(got) == set(want)
     for name, (scale, decay) in want.items():
@@ -61,13 +61,13 @@ def test_vit_b_groups_carry_maes_layer_decay_and_weight_decay_flags():
 def test_the_network_is_the_encoder_with_a_new_head():
     mae, _ = load_run(MAE_CKPT, with_data=False)  # a checkpoint of release 0.1.0, upgraded as it is read
     module = FineTuneClassifier(checkpoint=str(MAE_CKPT), num_classes=10)
-    net = module.model
+    net = module.network
     assert shortcut_alphas(net) == shortcut_alphas(mae.network.encoder) and min(shortcut_alphas(net)) < 1.0  # decayed
     encoder = mae.network.encoder.state_dict()
     for name, value in net.state_dict().items():
         if not name.startswith(("head.", "fc_norm.")):
             assert torch.equal(value, encoder[name]), name
-    assert net.head.weight.std() < 1e-4 and float(net.head.bias.abs().max()) == 0.0
+    assert net.head.weight.detach().std() < 1e-4 and float(net.head.bias.detach().abs().max()) == 0.0
     assert net.global_pool == "avg" and isinstance(net.norm, torch.nn.Identity)
 
 
@@ -117,13 +117,13 @@ def test_the_cls_token_pool_keeps_the_encoders_final_norm():
     encoder = {"class_path": "lightning_mods.mae.MaskedAutoencoder",
                "init_args": {"network": {"class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT", "init_args": network}}}
     torch.manual_seed(0)
-    token = FineTuneClassifier(encoder=encoder, num_classes=3, global_pool="token")
+    token = FineTuneClassifier(network=encoder, num_classes=3, global_pool="token")
     torch.manual_seed(0)
     mae = MaskedAutoencoder(MaskedAutoencoderViT(**network))
     with torch.no_grad():
         mae.network.encoder.norm.weight.add_(0.5)  # a norm unlike a fresh one
     net = fine_tuning_network(mae, 3, 0.0, 2e-5, "token")
     assert torch.equal(net.norm.weight, mae.network.encoder.norm.weight)
-    assert isinstance(token.model.fc_norm, torch.nn.Identity)
+    assert isinstance(token.network.fc_norm, torch.nn.Identity)
     avg = fine_tuning_network(mae, 3, 0.0, 2e-5, "avg")
     assert isinstance(avg.norm, torch.nn.Identity) and torch.equal(avg.fc_norm.weight, torch.ones(16))

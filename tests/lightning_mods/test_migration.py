@@ -26,7 +26,8 @@ def test_no_step_outlives_the_release_that_drops_it():
     version = configparser.ConfigParser()
     version.read(ROOT / "setup.cfg")
     assert migration.steps_due(version["metadata"]["version"]) == []
-    assert migration.steps_due("0.3.0") == list(migration.STEPS)
+    assert migration.steps_due("0.3.0") == [step for step in migration.STEPS if step.dropped_in == "0.3.0"]
+    assert migration.steps_due("0.4.0") == list(migration.STEPS)
     assert all(step.written_by and step.what for step in migration.STEPS)
 
 
@@ -52,3 +53,54 @@ def test_a_release_0_1_0_checkpoint_needs_no_upgrade_and_a_train_position_withou
     assert migration.datamodule_state({"train_position": {"epoch": 1, "batches": 0}})["data_order"] is None
     kept = {"seed": 0, "batch_size": 8, "world_size": 1, "num_samples": 16}
     assert migration.datamodule_state({"train_position": None, "data_order": kept})["data_order"] == kept
+
+
+def release_0_2_layout(checkpoint: dict, old_names: dict[str, str], old_prefix: str) -> dict:
+    """A checkpoint as 0.2 wrote it, by hand: the settings under their 0.2 names, the network's
+    weights under the 0.2 prefix."""
+    return {**checkpoint,
+            "hyper_parameters": {old_names.get(k, k): v for k, v in checkpoint["hyper_parameters"].items()},
+            "state_dict": {(old_prefix + k.removeprefix("network.") if k.startswith("network.") else k): v
+                           for k, v in checkpoint["state_dict"].items()}}
+
+
+def test_a_release_0_2_classifier_and_fine_tuning_load_as_the_networks_they_wrote(tmp_path):
+    """The classifier's ``backbone`` and the fine-tuning's ``encoder``/``model`` of release 0.2
+    are read as ``network``: the rebuilt network has every weight of the one that wrote the file."""
+    from lightning_mods.checkpointing.rebuild import module_from_checkpoint
+    from lightning_mods.finetune import FineTuneClassifier
+    from test_checkpoint_identity import FAMILIES, MAE, features, write_checkpoint
+
+    classifier = write_checkpoint(tmp_path / "now.ckpt", FAMILIES["classifier"], 0.6)
+    mae = write_checkpoint(tmp_path / "mae.ckpt", MAE, 0.6)
+    torch.manual_seed(0)
+    fine_tuning = FineTuneClassifier(checkpoint=str(tmp_path / "mae.ckpt"), num_classes=10, mixup=0, cutmix=0)
+    fine_tuning.hparams["_class_path"] = "lightning_mods.finetune.FineTuneClassifier"  # as the CLI records it
+    torch.save({"state_dict": fine_tuning.state_dict(), "hyper_parameters": dict(fine_tuning.hparams),
+                "pytorch-lightning_version": "2.6.0"}, tmp_path / "ft_now.ckpt")
+    cases = [(classifier, "now.ckpt", {"network": "backbone"}, "backbone.", "classifier_network_name"),
+             (fine_tuning, "ft_now.ckpt", {"network": "encoder", "allow_network_override": "allow_encoder_override"},
+              "model.", "finetune_network_name")]
+    for writer, name, old_names, old_prefix, step in cases:
+        old = release_0_2_layout(torch.load(tmp_path / name, weights_only=True), old_names, old_prefix)
+        assert not any(k.startswith("network.") for k in old["state_dict"]) and "network" not in old["hyper_parameters"]
+        assert migration.upgrade(dict(old, hyper_parameters=dict(old["hyper_parameters"]))) == [step]
+        torch.save(old, tmp_path / f"old_{name}")
+        rebuilt, _ = module_from_checkpoint(tmp_path / f"old_{name}")
+        written = writer.state_dict()
+        assert set(rebuilt.state_dict()) == set(written)
+        for key, value in rebuilt.state_dict().items():
+            assert torch.equal(value, written[key]), (name, key)
+        assert torch.equal(features(rebuilt.eval(), "classifier" if "ft" not in name else "mae"),
+                           features(writer.eval(), "classifier" if "ft" not in name else "mae"))
+
+
+def test_a_saved_config_of_release_0_2_reads_as_this_release_s():
+    old = {"class_path": "lightning_mods.classifier.ImageClassifier",
+           "init_args": {"backbone": {"class_path": "lightning_mods.backbone.resnet.ResNet18Cifar"}, "num_classes": 10}}
+    assert migration.upgrade_model_config(old) == {
+        "class_path": "lightning_mods.classifier.ImageClassifier",
+        "init_args": {"network": {"class_path": "lightning_mods.backbone.resnet.ResNet18Cifar"}, "num_classes": 10}}
+    tuned = {"class_path": "lightning_mods.finetune.FineTuneClassifier",
+             "init_args": {"checkpoint": "mae.ckpt", "allow_encoder_override": True}}
+    assert migration.upgrade_model_config(tuned)["init_args"] == {"checkpoint": "mae.ckpt", "allow_network_override": True}
