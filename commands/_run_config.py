@@ -26,6 +26,6 @@ class RunConfig(SaveConfigCallback):
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         folder = run_dir(trainer)
-        text = self.parser.dump(self.config, skip_none=False)
+        text = self.parser.dump(self.config, skip_unset=False)
         path = write_text_atomically(folder / self.config_filename, text)
         send_file(trainer, path, folder)

@@ -169,7 +169,7 @@ class ShortcutLabCLI(LightningCLI):
             return
         ckpt = getattr(self, "_checked_ckpt", None) or check_ckpt_path(ckpt_path)
         self._checked_ckpt = None
-        given = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False))
+        given = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_unset=False))
         given = (given.get(subcommand) or {}).get("model") or {}
         # a checkpoint written outside the CLI (Trainer.fit in Python) names no class: the
         # config's class is taken, and its settings and then its weights must still agree

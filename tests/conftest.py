@@ -170,11 +170,13 @@ def make_class_list(path: str | os.PathLike, classes: list[str]) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _the_command_line_of_a_cli_called_from_python(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def _the_command_line_of_a_cli_called_from_python():
     """``cli.main(args)`` as a user's script calls it: LightningCLI warns when it gets ``args`` while
     ``sys.argv`` holds arguments too (here pytest's own)."""
-    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", sys.argv[:1])
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -295,7 +295,7 @@ def unimportable_class(value: Any) -> Optional[tuple[str, str]]:
 
 
 def _dump(parser: ArgumentParser, cfg: Namespace) -> dict[str, Any]:
-    return yaml.safe_load(parser.dump(cfg, skip_none=False))["module"]
+    return yaml.safe_load(parser.dump(cfg, skip_unset=False))["module"]
 
 
 def _instantiate(parser: ArgumentParser, cfg: Namespace) -> nn.Module:
