@@ -245,3 +245,22 @@ def test_what_no_config_or_page_names_is_private():
             continue
         unnamed.append(module)
     assert unnamed == []
+
+
+def test_the_suite_runs_with_warnings_as_errors_and_each_tolerated_warning_has_its_reason():
+    """setup.cfg: ``error`` first, then every ignored warning once, each group under a comment saying why."""
+    text = (ROOT / "setup.cfg").read_text()
+    block = text[text.index("filterwarnings =\n") + len("filterwarnings =\n"):]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("    "):
+            break
+        lines.append(line.strip())
+    assert lines[0] == "error"
+    filters = [line for line in lines if not line.startswith("#")]
+    assert all(f.startswith("ignore:") for f in filters[1:]) and len(set(filters)) == len(filters)
+    assert len(filters) > 1
+    for before, line in zip(lines[1:], lines[2:]):
+        if line.startswith("ignore:") and not before.startswith("#"):
+            assert before.startswith("ignore:"), line  # the same reason as the line before it
+    assert lines[1].startswith("#")

@@ -251,7 +251,10 @@ def test_an_epoch_value_it_cannot_carry_is_named_with_its_reduction(monkeypatch)
 
     meta = SimpleNamespace(on_epoch=True, reduce_fx=torch.max, is_mean_reduction=False, is_sum_reduction=False,
                            metric_attribute=None)
-    results = {"on_train_epoch_end.probe/top1": SimpleNamespace(meta=meta, has_reset=False, is_tensor=True,
+    results = {"training_step.probe/top1": SimpleNamespace(meta=meta, has_reset=False, is_tensor=True,
+                                                           value=torch.tensor(1.0)),
+               # logged whole at an epoch's end: nothing to carry mid-epoch, no warning
+               "on_train_epoch_end.probe/top5": SimpleNamespace(meta=meta, has_reset=False, is_tensor=True,
                                                                 value=torch.tensor(1.0))}
     monkeypatch.setattr(exact_resume.lightning_private, "epoch_results", lambda trainer: results)
     trainer = SimpleNamespace(sanity_checking=False, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
@@ -259,5 +262,5 @@ def test_an_epoch_value_it_cannot_carry_is_named_with_its_reduction(monkeypatch)
     with pytest.warns(UserWarning) as said:
         assert exact_resume.epoch_metric_sums(trainer) == {}
     (line,) = [str(w.message) for w in said]
-    assert line == ("ExactResume: the epoch value of 'on_train_epoch_end.probe/top1' (reduced with max) will cover "
+    assert line == ("ExactResume: the epoch value of 'training_step.probe/top1' (reduced with max) will cover "
                     "only the batches after a resume from this mid-epoch checkpoint")
