@@ -155,16 +155,16 @@ def uvit_vs_plain(settings: Settings) -> list[Row]:
                     {"decayed none / plain": "<= 1.02", "decayed alpha 0.6 / plain": "<= 1.02"}, label)
 
 
-MAE_FULL = dict(image_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6, decoder_embed_dim=256,
+MAE_FULL = dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6, decoder_embed_dim=256,
                 decoder_depth=4, decoder_num_heads=8)
-MAE_QUICK = dict(image_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32,
+MAE_QUICK = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32,
                  decoder_depth=1, decoder_num_heads=2)
 
 
 def _mae_models(settings: Settings) -> tuple[dict, int, dict[str, nn.Module]]:
     cfg = settings.pick(MAE_FULL, MAE_QUICK)
     torch.manual_seed(0)
-    ref = ReferenceMAE(img_size=cfg["image_size"], patch_size=cfg["patch_size"], embed_dim=cfg["embed_dim"],
+    ref = ReferenceMAE(img_size=cfg["img_size"], patch_size=cfg["patch_size"], embed_dim=cfg["embed_dim"],
                        depth=cfg["depth"], num_heads=cfg["num_heads"], decoder_embed_dim=cfg["decoder_embed_dim"],
                        decoder_depth=cfg["decoder_depth"], decoder_num_heads=cfg["decoder_num_heads"])
     ours = {f"unet_skips={skips}": MaskedAutoencoder(MaskedAutoencoderViT(shortcut=DECAY, unet_skips=skips, **cfg), num_reconstructions=0)
@@ -189,12 +189,12 @@ def step_flops(model: nn.Module, loss_fn) -> int:
 
 def mae_vs_reference(settings: Settings) -> list[Row]:
     cfg, batch, models = _mae_models(settings)
-    images = torch.randn(batch, 3, cfg["image_size"], cfg["image_size"], device=settings.device)
+    images = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"], device=settings.device)
     loss_fn = lambda model: _mae_loss(model, images)  # noqa: E731
     for model in models.values():
         model.to(settings.device)
     flops = {name: step_flops(model, loss_fn) for name, model in models.items()}
-    label = (f"MAE ViT D{cfg['embed_dim']}/{cfg['patch_size']} {cfg['image_size']}px b{batch} (decoder "
+    label = (f"MAE ViT D{cfg['embed_dim']}/{cfg['patch_size']} {cfg['img_size']}px b{batch} (decoder "
              f"{cfg['decoder_embed_dim']}-d x "
              f"{cfg['decoder_depth']}) step incl. AdamW")
     rows = _compare("MAE train step vs He et al.'s MAE (timm Blocks)", settings, models["reference"],
@@ -219,14 +219,14 @@ def achieved_flops(settings: Settings) -> list[Row]:
     """Achieved FLOP/s of the MAE and classifier training steps over the matmul rate (MFU)."""
     cfg, batch, models = _mae_models(settings)
     mae = models["unet_skips=True"].to(settings.device)
-    images = torch.randn(batch, 3, cfg["image_size"], cfg["image_size"], device=settings.device)
+    images = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"], device=settings.device)
     vit_cfg = settings.pick(dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3),
                             dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2))
     vit_batch = settings.pick(64, 4)
     vit = DecayedVisionTransformer(shortcut=DECAY, num_classes=10, **vit_cfg).to(settings.device)
     x = torch.randn(vit_batch, 3, vit_cfg["img_size"], vit_cfg["img_size"], device=settings.device)
     y = torch.randint(0, 10, (vit_batch,), device=settings.device)
-    jobs = {f"MAE ViT D{cfg['embed_dim']}/{cfg['patch_size']} {cfg['image_size']}px b{batch} step": (mae, lambda m: _mae_loss(m, images)),
+    jobs = {f"MAE ViT D{cfg['embed_dim']}/{cfg['patch_size']} {cfg['img_size']}px b{batch} step": (mae, lambda m: _mae_loss(m, images)),
             f"decayed ViT D{vit_cfg['embed_dim']}/4 {vit_cfg['img_size']}px classifier step b{vit_batch}": (vit, classification_loss(x, y))}
     mm, mm_flops = matmul_rate(settings)
     variants = {"matmul": mm}
@@ -275,7 +275,7 @@ def cuda_peak_bytes(model: nn.Module, loss_fn, settings: Settings) -> int:
 
 def mae_memory(settings: Settings) -> list[Row]:
     cfg, batch, models = _mae_models(settings)
-    images = torch.randn(batch, 3, cfg["image_size"], cfg["image_size"], device=settings.device)
+    images = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"], device=settings.device)
     loss_fn = lambda model: _mae_loss(model, images)  # noqa: E731
     rows = []
     for name, model in models.items():

@@ -74,7 +74,7 @@ def quickstart_model(settings: Settings, **changes: object) -> MaskedAutoencoder
     recipe.update({k: v for k, v in changes.items() if k not in takes})
     if settings.quick:
         network.update(embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
-    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, **network), **recipe)
+    return MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, **network), **recipe)
 
 
 def quickstart_data(settings: Settings) -> Digits:

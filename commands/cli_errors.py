@@ -97,7 +97,7 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
                         "lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
             if not hint and "network" in known and network_takes(class_path, match.group(1)):  # the network's setting
                 hint = (f"; a setting of its network is {prefix}.network.init_args.{match.group(1)} (a config of "
-                        "release 0.1: lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
+                        "an earlier release: lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
             return f"{bad}: unknown key of {class_path}{hint}"
         return f"{bad}: unknown key{_did_you_mean(bad, [o[2:] for o in option_names])}"
     elif match := _UNRECOGNISED.match(innermost):
@@ -116,12 +116,12 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
 
 
 def renamed_setting(recipe_path: str, key: str) -> Optional[str]:
-    """The name a recipe's setting ``key`` has had since the network got one name in every
-    training recipe (the classifier's ``backbone``: ``network``); None for any other key."""
-    from lightning_mods.checkpointing.migration import RENAMED_NETWORKS
+    """The name a setting ``key`` of a recipe or network has had since release 0.3 (the classifier's
+    ``backbone``: ``network``; the MAE network's ``image_size``: ``img_size``); None for any other key."""
+    from lightning_mods.checkpointing.migration import RENAMED_NETWORKS, network_settings_renamed
 
     renamed = RENAMED_NETWORKS.get(canonical_class_path(recipe_path))
-    return renamed.settings.get(key) if renamed else None
+    return renamed.settings.get(key) if renamed else network_settings_renamed(canonical_class_path(recipe_path)).get(key)
 
 
 def network_takes(recipe_path: str, key: str) -> bool:

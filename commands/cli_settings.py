@@ -19,6 +19,8 @@ from callbacks.schedule import ScheduledEvaluation
 from lightning_mods.checkpointing.rebuild import canonical_class_path, constructor_parameters, import_path
 
 LINKED_FROM_DATA = ("image_size", "in_chans", "num_classes")
+# a network's name of a setting the data gives -> the data's (timm's img_size is the data's image_size)
+DATA_NAMES = {"img_size": "image_size"}
 # Every run carries these (--print_config shows them): a config or the command line adds to them
 # with `trainer.callbacks+`; a config's `trainer.callbacks:` replaces them, and then the CLI adds
 # back the two that make failures readable (REQUIRED), saying so
@@ -91,7 +93,7 @@ def linked_settings_given(model) -> dict[str, Any]:  # noqa: ANN001 (parsed clas
         return {}
     init = model.get("init_args") or {}
     given = {}
-    for key in (*LINKED_FROM_DATA, "img_size"):
+    for key in (*LINKED_FROM_DATA, *DATA_NAMES):
         value = init.get(key) if hasattr(init, "get") else None
         if key in defaults and value is not None and value != defaults[key].default:
             given[key] = value
@@ -117,7 +119,8 @@ def network_by_name(model) -> dict[str, Any]:  # noqa: ANN001 (parsed class_path
                          f"(e.g. {', '.join(timm.list_models('mae_*_decayed'))})")
     config = network_settings(timm.create_model(name, device="meta"))
     init["network"] = Namespace(class_path=config["class_path"], init_args=Namespace(**config["init_args"]))
-    return {f"network.{key}": config["init_args"][key] for key in LINKED_FROM_DATA if key in config["init_args"]}
+    return {f"network.{key}": config["init_args"][key] for key in (*LINKED_FROM_DATA, *DATA_NAMES)
+            if key in config["init_args"]}
 
 
 def fill_network_from_data(model, data) -> None:  # noqa: ANN001 (parsed class_path/init_args)

@@ -118,7 +118,7 @@ def infer_architecture(state: dict[str, torch.Tensor], layout: str, num_heads: O
     if grid * grid != num_patches or "cls_token" not in state:
         raise ValueError(f"source: pos_embed {tuple(state['pos_embed'].shape)} is not a cls token plus a square grid")
     arch: dict[str, Any] = dict(
-        image_size=grid * patch, in_chans=in_chans, patch_size=patch, embed_dim=embed_dim,
+        img_size=grid * patch, in_chans=in_chans, patch_size=patch, embed_dim=embed_dim,
         depth=_count(state, "blocks."), num_heads=_heads(embed_dim, num_heads, "--num-heads"),
         mlp_ratio=state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
         unet_skips=layout == "authors", encoder_final_norm="norm.weight" in state)
@@ -213,7 +213,7 @@ def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any
 def timm_encoder(model: MaskedAutoencoder) -> VisionTransformer:
     """A timm ``VisionTransformer`` (no head, token pooling) holding our encoder's weights."""
     hp = model.network.settings
-    vit = VisionTransformer(img_size=hp["image_size"], patch_size=hp["patch_size"], in_chans=hp["in_chans"],
+    vit = VisionTransformer(img_size=hp["img_size"], patch_size=hp["patch_size"], in_chans=hp["in_chans"],
                             embed_dim=hp["embed_dim"], depth=hp["depth"], num_heads=hp["num_heads"],
                             mlp_ratio=hp["mlp_ratio"], qkv_bias=True, num_classes=0, final_norm=hp["encoder_final_norm"])
     ours = timm_state_dict(model.network.encoder, force=True)  # decayed or not: export_timm asked the user
@@ -248,7 +248,7 @@ def encoder_rebuild_call(model: MaskedAutoencoder, path: str) -> str:
     name = VIT_WIDTHS.get(hp["embed_dim"], "vit_base_patch16_224_decayed")
     shortcut = f"shortcut={model.network.shortcut.as_dict()!r}"
     return (f"timm.create_model({name!r}, pretrained=True, pretrained_cfg_overlay=dict(file={path!r}), "
-            f"img_size={hp['image_size']}, patch_size={hp['patch_size']}, in_chans={hp['in_chans']}, "
+            f"img_size={hp['img_size']}, patch_size={hp['patch_size']}, in_chans={hp['in_chans']}, "
             f"embed_dim={hp['embed_dim']}, depth={hp['depth']}, num_heads={hp['num_heads']}, "
             f"mlp_ratio={hp['mlp_ratio']}, final_norm={bool(hp['encoder_final_norm'])}, {shortcut}, num_classes=0)")
 
@@ -306,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             save(ckpt, args.output)
             hp = ckpt["hyper_parameters"]["network"]["init_args"]
             print(f"wrote {args.output}: {ckpt['converted_from']['layout']} layout, ViT depth {hp['depth']} width "
-                  f"{hp['embed_dim']} patch {hp['patch_size']} image {hp['image_size']}, alpha_min "
+                  f"{hp['embed_dim']} patch {hp['patch_size']} image {hp['img_size']}, alpha_min "
                   f"{hp['shortcut']['alpha_min']}, {'U-Net skip' if hp['unet_skips'] else 'classic'} decoder"
                   + (" (new)" if ckpt["converted_from"]["new_decoder"] else ""))
         elif args.command == "export-encoder":

@@ -265,7 +265,7 @@ def train_on_spiral(depth: int, width: int, epochs: int, residual_droppath: bool
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     L.seed_everything(seed, verbose=False)
     data = Spiral(num_points=num_points, batch_size=batch_size, seed=seed)
-    model = SpiralClassifier(depth=depth, width=width, lr=lr)
+    model = SpiralClassifier(ResidualMLP(depth=depth, width=width), lr=lr)
     callbacks = [ResidualDroppath(drop_rate=drop_rate, seed=seed)] if residual_droppath else []
     if progress is not None:
         callbacks.append(EpochProgress(progress, f"train {depth} x {width} residual MLP"))
@@ -317,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Path]:
         progress.update(stages, advance=1, description=f"feature reuse, {description}: draw the pictures")
         points, labels = data.train_dataset.tensors
         show = torch.randperm(len(labels), generator=torch.Generator().manual_seed(args.seed))[:400]
-        paths = draw_pictures(model.net, args.out, variant, data.grid_size, args.max_nodes, args.similarity,
+        paths = draw_pictures(model.network, args.out, variant, data.grid_size, args.max_nodes, args.similarity,
                               points[show].numpy(), labels[show].numpy(), args.cell_pixels, description)
         progress.update(stages, advance=1, description=f"feature reuse, {description}: done")
     print(f"grid accuracy (nearest-arm labels): {metrics[metric_names.TEST_TOP1]:.4f}")

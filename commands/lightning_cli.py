@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import lightning_mods.exit_statuses as exit_statuses
 from commands import _catalogue as catalogue
-from commands.cli_settings import (CKPT_PATH_HELP, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
+from commands.cli_settings import (CKPT_PATH_HELP, DATA_NAMES, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    fill_network_from_data, linked_settings_given, network_by_name)
 from commands._run_config import RunConfig
@@ -182,7 +182,7 @@ class ShortcutLabCLI(LightningCLI):
         cls = import_path(canonical_class_path(written["class_path"]))
         free = set(getattr(cls, "inference_settings", ()))
         settings = {k: v for k, v in flat_settings(given).items()  # the data's values: checked once it is built
-                    if k.removeprefix("network.").split(".")[0] not in (*LINKED_FROM_DATA, "img_size")
+                    if k.removeprefix("network.").split(".")[0] not in (*LINKED_FROM_DATA, *DATA_NAMES)
                     and k.split(".")[0] not in free}
         conflicts = setting_conflicts(settings, flat_settings(written))
         if conflicts:
@@ -232,7 +232,7 @@ class ShortcutLabCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         for name, given in getattr(self, "_linked_settings", {}).items():
-            attribute = name.rpartition(".")[2].replace("img_size", "image_size")  # of network.img_size
+            attribute = DATA_NAMES.get(name.rpartition(".")[2], name.rpartition(".")[2])  # the data's name of it
             from_data = getattr(self.datamodule, attribute, None)
             if from_data is not None and given != from_data:  # the link would replace the setting silently
                 raise BadInput(f"model.{name}={given!r} disagrees with the data's {attribute} ({from_data!r}; "

@@ -49,7 +49,7 @@ def fine_tuning_network(mae: nn.Module, num_classes: int, drop_path_rate: float,
     mae = network_of(mae)
     hp = mae.settings
     network = DecayedVisionTransformer(
-        shortcut=mae.shortcut, zero_init_branches=False, img_size=hp["image_size"], patch_size=hp["patch_size"],
+        shortcut=mae.shortcut, zero_init_branches=False, img_size=hp["img_size"], patch_size=hp["patch_size"],
         in_chans=hp["in_chans"], embed_dim=hp["embed_dim"], depth=hp["depth"], num_heads=hp["num_heads"],
         mlp_ratio=hp["mlp_ratio"], qkv_bias=True, num_classes=num_classes, global_pool=global_pool,
         fc_norm=global_pool == "avg", drop_path_rate=drop_path_rate)

@@ -35,7 +35,7 @@ class MaskedAutoencoder(ReadsEarlierReleases, ExactEvaluation, LightningModule):
     Args:
         network: the :class:`~lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT` to
             train (its architecture, shortcut schedule, masking and loss): ``class_path``/``init_args``
-            in a config (``image_size`` and ``in_chans`` linked from the datamodule by the CLI),
+            in a config (``img_size`` and ``in_chans`` linked from the datamodule's ``image_size`` and ``in_chans``),
             a registered timm name, or a module.
         base_lr: learning rate per 256 samples of GLOBAL batch (peak = base_lr * batch / 256).
         weight_decay, betas: AdamW; no decay on 1-D parameters (norms, biases) and learnable
@@ -89,7 +89,7 @@ class MaskedAutoencoder(ReadsEarlierReleases, ExactEvaluation, LightningModule):
 
     def setup(self, stage: str) -> None:
         check_input_geometry(self.network, getattr(self.trainer, "datamodule", None), "MaskedAutoencoder",
-                             "give the network the data's image_size and in_chans, or data of the network's")
+                             "give the network the data's image size and channels, or data of the network's")
 
     def predict_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         """``embeddings`` (``forward_features``) and ``labels``, for ``callbacks.reporting.prediction_writer``."""

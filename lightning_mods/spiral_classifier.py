@@ -14,47 +14,54 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_mods.evaluation import metric_names
 from lightning_mods.recipe._classification_steps import top_k_accuracy
 from lightning_mods.backbone.residual_mlp import ResidualMLP
-from lightning_mods.backbone.shortcut import ShortcutSchedule
+from lightning_mods.checkpointing.network_settings import network_settings
 from lightning_mods.evaluation._distributed_eval import ExactEvaluation
 from lightning_mods.evaluation.feature_contract import Indices, take_indices
 
 
 class SpiralClassifier(ExactEvaluation, LightningModule):
-    """Trains :class:`ResidualMLP` on the spiral: cross-entropy, Adam (the ResidualDroppath paper: lr 0.1, batch 256).
+    """Trains a :class:`ResidualMLP` on the spiral: cross-entropy, Adam (the ResidualDroppath paper: lr 0.1, batch 256).
 
     Args:
-        depth, width, shortcut: the residual MLP (paper: depth 6 width 6, depth 32 width 32).
+        network: the residual MLP (paper: depth 6 width 6, depth 32 width 32; default: depth 6
+            width 6, standard shortcuts); a head of another size is replaced for ``num_classes``.
         num_classes: linked from the datamodule by the CLI (2 for the spiral).
         lr, betas: Adam (the paper: 0.1 and (0.9, 0.999)), constant learning rate.
     """
 
-    def __init__(self, depth: int = 6, width: int = 6, shortcut: Optional[ShortcutSchedule] = None,
-                 num_classes: int = 2, lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+    def __init__(self, network: Optional[ResidualMLP] = None, num_classes: int = 2, lr: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.999)) -> None:
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
-        shortcut = ShortcutSchedule.coerce(shortcut)
-        self.save_hyperparameters(ignore=["shortcut"])
-        self.hparams["shortcut"] = shortcut.as_dict()  # plain data: weights_only-safe checkpoints
-        self.net = ResidualMLP(depth, width, 2, num_classes, shortcut)
-        self.num_features = width
+        network = ResidualMLP(num_classes=num_classes) if network is None else network
+        if not isinstance(network, ResidualMLP):
+            raise ValueError(f"SpiralClassifier: network must be a ResidualMLP (or a subclass); "
+                             f"got {type(network).__name__}")
+        if network.num_classes != num_classes:
+            network.reset_classifier(num_classes)
+        self.network = network
+        self.save_hyperparameters(ignore=["network"])
+        # the resolved settings of the network (plain data), so a checkpoint rebuilds this very network
+        self.hparams["network"] = self._hparams_initial["network"] = network_settings(network)
+        self.num_features = network.width
         self.train_acc = top_k_accuracy(num_classes, 1)
         self.val_acc = top_k_accuracy(num_classes, 1)
         self.test_acc = top_k_accuracy(num_classes, 1)
         self.val_loss_mean, self.test_loss_mean = MeanMetric(), MeanMetric()
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
-        return self.net(points)
+        return self.network(points)
 
     def forward_features(self, points: torch.Tensor) -> torch.Tensor:
         """Output of the last residual layer, ``B x width``."""
-        return self.net.forward_features(points)
+        return self.network.forward_features(points)
 
     def forward_intermediates(self, points: torch.Tensor, indices: Indices = None, intermediates_only: bool = False):
         """``(forward_features, output of the residual layers indices picks)``, ``B x width`` each
         (already pooled: no spatial axes), from one pass (timm's call;
         :mod:`lightning_mods.evaluation.feature_contract`)."""
-        layers = self.net.forward_layers(points)[1:]
+        layers = self.network.forward_layers(points)[1:]
         blocks = [layers[i] for i in take_indices(len(layers), indices)]
         return blocks if intermediates_only else (layers[-1], blocks)
 

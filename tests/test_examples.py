@@ -180,7 +180,7 @@ def test_branch_norm_ratio_callback_logs_one_value_per_block(tmp_path, monkeypat
     from lightning_mods.mae import MaskedAutoencoder
 
     torch.manual_seed(0)
-    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False), num_reconstructions=0).eval()
+    model = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False), num_reconstructions=0).eval()
     x = torch.rand(5, 1, 16, 16, generator=torch.Generator().manual_seed(2))
     ratios = branch_to_output_ratios(model, x)
     with torch.no_grad():
@@ -226,15 +226,16 @@ def test_the_schedule_of_ones_own_in_the_diffusion_and_spiral_families(tmp_path,
 
     from lightning_mods.backbone import ShortcutSchedule
     from lightning_mods.diffusion import DiffusionModule
+    from lightning_mods.backbone.residual_mlp import ResidualMLP
     from lightning_mods.spiral_classifier import SpiralClassifier
 
     schedule = ExponentialSchedule(rate=0.3, alpha_min=0.1)
     diffusion = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4,
                                      shortcut=schedule, zero_init_branches=True),
                                 pixel_mean=[0.5], pixel_std=[0.5], num_sampling_steps=4)
-    spiral = SpiralClassifier(depth=4, width=6, shortcut=schedule)
+    spiral = SpiralClassifier(ResidualMLP(depth=4, width=6, shortcut=schedule))
     for module, saved in ((diffusion, diffusion.hparams["network"]["init_args"]["shortcut"]),
-                          (spiral, spiral.hparams["shortcut"])):
+                          (spiral, spiral.hparams["network"]["init_args"]["shortcut"])):
         assert saved == {"class_path": "exponential_schedule.ExponentialSchedule",
                          "init_args": {"rate": 0.3, "alpha_min": 0.1, "branches": "both"}}
         assert ShortcutSchedule.coerce(saved) == schedule

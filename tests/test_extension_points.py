@@ -17,7 +17,7 @@ from lightning_mods.diffusion import DiffusionModule
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 from helpers.diffusion_modules import diffusion_module
 
-MAE = dict(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16,
+MAE = dict(img_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16,
            decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False, zero_init_branches=False)
 DIFFUSION = dict(image_size=8, in_chans=1, patch_size=2, embed_dim=32, depth=2, num_heads=4, pixel_mean=[0.5],
                  pixel_std=[0.5], num_sampling_steps=4, zero_init_branches=False)

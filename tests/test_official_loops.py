@@ -31,7 +31,7 @@ def test_mae_loop_trains_on_an_image_folder_with_maes_augmentation(tmp_path):
     assert crop.scale == (0.2, 1.0) and crop.interpolation == transforms.InterpolationMode.BICUBIC
     assert loader.drop_last and loader.pin_memory
     torch.manual_seed(0)
-    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0)
     before = weights(model)
     counts = []
     for timed in (1, 3):

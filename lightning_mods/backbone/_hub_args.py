@@ -27,7 +27,7 @@ def mae_encoder_args(mae: MaskedAutoencoderViT) -> tuple[str, dict[str, Any]]:
     tokens unpooled (``global_pool=""``; the MAE's features are the mean over all of them)."""
     _exact(mae, MaskedAutoencoderViT)
     s = mae.settings
-    args = dict(img_size=s["image_size"], patch_size=s["patch_size"], in_chans=s["in_chans"],
+    args = dict(img_size=s["img_size"], patch_size=s["patch_size"], in_chans=s["in_chans"],
                 embed_dim=s["embed_dim"], depth=s["depth"], num_heads=s["num_heads"], mlp_ratio=s["mlp_ratio"],
                 qkv_bias=True, class_token=True, global_pool="", num_classes=0,
                 final_norm=bool(s["encoder_final_norm"]), shortcut=mae.shortcut.as_dict(), zero_init_branches=False)
@@ -41,7 +41,6 @@ def registry_args(network: nn.Module, recorded: Optional[dict[str, Any]] = None)
     ``settings`` of its own (the ResNets: a classifier's ``backbone`` ``init_args``)."""
     if type(network) is MaskedAutoencoderViT:
         args = dict(network.settings)
-        args["img_size"] = args.pop("image_size")
         big = args["img_size"] >= 224
         return ("mae_vit_base_patch16_decayed" if big else "mae_vit_tiny_patch4_32_decayed"), args
     if type(network) is UViT:

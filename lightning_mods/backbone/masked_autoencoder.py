@@ -53,7 +53,7 @@ def normalise_patches(target: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (target - mean) / (var + eps) ** 0.5
 
 
-def check_layout(image_size: int, patch_size: int, depth: int, mask_ratio: float, loss_on_all_patches: bool,
+def check_layout(img_size: int, patch_size: int, depth: int, mask_ratio: float, loss_on_all_patches: bool,
                  unet_skips: bool, encoder_final_norm: Optional[bool], feature_pool: str) -> None:
     """One-line errors for an MAE that cannot be built or cannot train."""
     if loss_on_all_patches and not 0.0 <= mask_ratio < 1.0:
@@ -61,8 +61,8 @@ def check_layout(image_size: int, patch_size: int, depth: int, mask_ratio: float
     if not loss_on_all_patches and not 0.0 < mask_ratio < 1.0:
         raise ValueError(f"mask_ratio must be in (0, 1) (the loss counts masked patches only: at 0 it is 0 at "
                          f"every step), got {mask_ratio}; for a plain autoencoder set loss_on_all_patches=true")
-    if image_size % patch_size:
-        raise ValueError(f"image_size ({image_size}) must be divisible by patch_size ({patch_size})")
+    if img_size % patch_size:
+        raise ValueError(f"img_size ({img_size}) must be divisible by patch_size ({patch_size})")
     check_depth(depth, "depth", " (encoder blocks)")
     if unet_skips and depth % 2:
         raise ValueError(f"depth must be even with unet_skips=True (skips leave blocks 1, 3, 5, ...; the last "
@@ -73,7 +73,7 @@ def check_layout(image_size: int, patch_size: int, depth: int, mask_ratio: float
                          "or unet_skips=false")
     if feature_pool not in ("mean", "cls"):
         raise ValueError(f"feature_pool must be 'mean' or 'cls', got {feature_pool!r}")
-    grid = image_size // patch_size
+    grid = img_size // patch_size
     num_kept(grid * grid, mask_ratio)  # one-line error when no patch stays visible
 
 
@@ -89,7 +89,7 @@ class MaskedAutoencoderViT(nn.Module):
 
     num_classes = 0  # no classifier, as timm's factory and hub layout read it (its registry cfg says 0)
 
-    def __init__(self, image_size: int = 224, in_chans: int = 3, patch_size: int = 16, embed_dim: int = 768,
+    def __init__(self, img_size: int = 224, in_chans: int = 3, patch_size: int = 16, embed_dim: int = 768,
                  depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
                  shortcut: Optional[ShortcutSchedule] = None, zero_init_branches: Optional[bool] = None,
                  encoder_final_norm: Optional[bool] = None, decoder_embed_dim: int = 512, decoder_depth: int = 8,
@@ -97,7 +97,7 @@ class MaskedAutoencoderViT(nn.Module):
                  mask_ratio: float = 0.75, loss_on_all_patches: bool = False,
                  feature_pool: Literal["mean", "cls"] = "mean") -> None:
         super().__init__()
-        check_layout(image_size, patch_size, depth, mask_ratio, loss_on_all_patches, unet_skips, encoder_final_norm,
+        check_layout(img_size, patch_size, depth, mask_ratio, loss_on_all_patches, unet_skips, encoder_final_norm,
                      feature_pool)
         self.shortcut = shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule())
         # zero starts: the authors' with skips; the decay paper needs them for any decayed encoder too (a
@@ -105,11 +105,11 @@ class MaskedAutoencoderViT(nn.Module):
         standard = all(w == (1.0, 1.0) for w in shortcut.weights(2 * depth, transformer_sublayer_types(depth)))
         self.zero_init_branches = bool(unet_skips or not standard if zero_init_branches is None else zero_init_branches)
         self.encoder_final_norm = (not unet_skips) if encoder_final_norm is None else bool(encoder_final_norm)
-        self.image_size, self.in_chans, self.patch_size = image_size, in_chans, patch_size
+        self.img_size, self.in_chans, self.patch_size = img_size, in_chans, patch_size
         self.unet_skips, self.norm_pix_loss, self.mask_ratio = unet_skips, norm_pix_loss, mask_ratio
         self.loss_on_all_patches, self.feature_pool = loss_on_all_patches, feature_pool
         self.settings = dict(
-            image_size=image_size, in_chans=in_chans, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
+            img_size=img_size, in_chans=in_chans, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
             num_heads=num_heads, mlp_ratio=mlp_ratio, shortcut=shortcut.as_dict(),
             zero_init_branches=self.zero_init_branches, encoder_final_norm=self.encoder_final_norm,
             decoder_embed_dim=decoder_embed_dim, decoder_depth=decoder_depth, decoder_num_heads=decoder_num_heads,
@@ -118,7 +118,7 @@ class MaskedAutoencoderViT(nn.Module):
         self.encoder = self._mae_encoder(embed_dim, depth, num_heads, mlp_ratio)
         patch_dim = patch_size * patch_size * in_chans
         decoder = UNetSkipDecoder if unet_skips else ClassicDecoder
-        grid = image_size // patch_size
+        grid = img_size // patch_size
         layout = (grid * grid, embed_dim, depth) if unet_skips else (grid * grid, embed_dim)
         self.decoder: nn.Module = decoder(*layout, decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio,
                                           patch_dim, zero_init=self.zero_init_branches)
@@ -128,13 +128,13 @@ class MaskedAutoencoderViT(nn.Module):
         """The decayed ViT on the image, with MAE's initialisation and fixed sin-cos positions."""
         encoder = DecayedVisionTransformer(
             shortcut=self.shortcut, zero_init_branches=False,
-            img_size=self.image_size, patch_size=self.patch_size, in_chans=self.in_chans, embed_dim=embed_dim,
+            img_size=self.img_size, patch_size=self.patch_size, in_chans=self.in_chans, embed_dim=embed_dim,
             depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True, class_token=True, global_pool="",
             num_classes=0, final_norm=self.encoder_final_norm)
         # MAE's initialisation replaces timm's (trunc-normal 0.02 linears, cls token 1e-6)
         init_linear_and_norm_(encoder)
         init_patch_embed_(encoder.patch_embed.proj)
-        grid = self.image_size // self.patch_size
+        grid = self.img_size // self.patch_size
         with torch.no_grad():  # fixed sin-cos position embedding, cls position = 0
             nn.init.normal_(encoder.cls_token, std=0.02)
             encoder.pos_embed.copy_(sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0))
@@ -212,7 +212,7 @@ class MaskedAutoencoderViT(nn.Module):
         """Patch tokens of encoder block ``block`` (Python index; -1 the last) on their grid,
         ``B x H/p x W/p x D`` (the cls token dropped): the paper's pixel-wise embeddings (Fig. 3)."""
         tokens = self.encode(images)[1][block][:, 1:]
-        grid = self.image_size // self.patch_size
+        grid = self.img_size // self.patch_size
         return tokens.reshape(tokens.shape[0], grid, grid, tokens.shape[-1])
 
     # --- reconstruction --------------------------------------------------------------------

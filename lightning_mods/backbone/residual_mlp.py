@@ -63,10 +63,21 @@ class ResidualMLP(nn.Module):
         self.in_features = in_features
         self.width = width
         self.num_features = width
+        self.num_classes = num_classes
         self.layers = nn.ModuleList(ResidualMLPLayer(width) for _ in range(depth))
         self.head = nn.Linear(width, num_classes)
         self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)
+        # every argument as plain data: what a checkpoint records to rebuild this network
+        self.settings = dict(depth=depth, width=width, in_features=in_features, num_classes=num_classes,
+                             shortcut=self.shortcut.as_dict())
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A new linear head of ``num_classes`` logits (timm's call)."""
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        self.head = nn.Linear(self.width, num_classes)
+        self.num_classes = self.settings["num_classes"] = num_classes
 
     def embed(self, points: torch.Tensor) -> torch.Tensor:
         """``B x in_features`` -> ``B x width``: the input in nodes ``0 .. in_features-1``, zeros after."""

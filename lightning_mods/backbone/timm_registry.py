@@ -160,7 +160,7 @@ def resnet18_cifar_decayed(pretrained: bool = False, **kwargs: Any) -> ResNet18C
 # --- whole networks of the two papers (not classifiers, not feature backbones) -------------------
 def _on_device(cls: Callable[..., nn.Module], variant: str) -> Callable[..., nn.Module]:
     """``cls`` taking timm's factory arguments: ``device``, ``dtype`` and ``img_size`` (an int or a
-    square ``(H, W)``; the MAE's own name for it is ``image_size``), and for the MAE timm's
+    square ``(H, W)``), and for the MAE timm's
     ``num_classes`` (which must be 0: an MAE has no classifier)."""
     def build(*, device: Optional[Any] = None, dtype: Optional[torch.dtype] = None, **kwargs: Any) -> nn.Module:
         size = kwargs.pop("img_size", None)
@@ -168,9 +168,7 @@ def _on_device(cls: Callable[..., nn.Module], variant: str) -> Callable[..., nn.
             if kwargs.pop("num_classes", 0):
                 raise ValueError(f"{variant}: an MAE has no classifier (num_classes must be 0); fine-tune its encoder "
                                  "as a vit_*_decayed with num_classes")
-            if size is not None:
-                kwargs["image_size"] = _square(size, variant)
-        elif size is not None:
+        if size is not None:
             kwargs["img_size"] = _square(size, variant)
         with torch.device(device) if device is not None else nullcontext():
             net = cls(**kwargs)
@@ -194,8 +192,7 @@ def _network(cls: Callable[..., nn.Module], variant: str, pretrained: bool, arch
         raise ValueError(f"{variant} is a whole pre-training network, not a feature backbone: build its encoder "
                          "(vit_*_decayed, which loads an MAE's encoder half) with features_only=True")
     if "image_size" in kwargs:
-        raise TypeError(f"{variant}: the input size is timm's img_size (image_size is MaskedAutoencoderViT's own "
-                        "argument, not the registry's)")
+        raise TypeError(f"{variant}: the input size is timm's img_size (image_size before release 0.3)")
     return _build(_on_device(cls, variant), variant, pretrained, filter_fn, shortcut=_schedule(kwargs),
                   **{**arch, **kwargs})
 

@@ -71,8 +71,19 @@ FINETUNE_NETWORK_NAME = Step(
     "finetune_network_name", "0.2.0", "0.4.0",
     "FineTuneClassifier took its MAE as 'encoder' (allow_encoder_override) and held the network it trains as "
     "'model'; both are 'network' (allow_network_override)")
+SPIRAL_NETWORK_MEMBER = Step(
+    "spiral_network_member", "0.2.0", "0.4.0",
+    "SpiralClassifier built its ResidualMLP from its own depth, width and shortcut, held as 'net'; they move "
+    "under 'network'")
+MAE_IMG_SIZE = Step(
+    "mae_img_size", "0.2.0", "0.4.0",
+    "MaskedAutoencoderViT took its input size as 'image_size'; it is timm's 'img_size', as every network's")
 STEPS = (MAE_NETWORK_MEMBER, DIFFUSION_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE,
-         DATA_ORDER, CLASSIFIER_NETWORK_NAME, FINETUNE_NETWORK_NAME)
+         DATA_ORDER, CLASSIFIER_NETWORK_NAME, FINETUNE_NETWORK_NAME, MAE_IMG_SIZE, SPIRAL_NETWORK_MEMBER)
+SPIRAL_RECIPE = "lightning_mods.spiral_classifier.SpiralClassifier"
+RESIDUAL_MLP = "lightning_mods.backbone.residual_mlp.ResidualMLP"
+# a network's settings renamed: {network class: {old: new}} (a subclass renames them too)
+RENAMED_NETWORK_SETTINGS = {MAE_NETWORK: {"image_size": "img_size"}}
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,9 @@ def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     steps applied (none for a current checkpoint)."""
     member = _network_member(checkpoint) or _renamed_network(checkpoint)
     applied = [member] if member else []
+    hparams = checkpoint.get("hyper_parameters")
+    if isinstance(hparams, dict) and renamed_network_settings(hparams):
+        applied.append(MAE_IMG_SIZE.name)
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
             history = effective_rank_history(state["history"])
@@ -119,6 +133,11 @@ def split_settings(recipe: str, settings: dict[str, Any]) -> Optional[tuple[dict
                    if not k.startswith("_") and k not in MAE_RECIPE_SETTINGS and k != "num_classes"}
         own = {k: v for k, v in settings.items() if k.startswith("_") or k in MAE_RECIPE_SETTINGS}
         return {"class_path": MAE_NETWORK, "init_args": network}, own
+    if name == "SpiralClassifier":  # the spiral's 2-D points: in_features 2
+        network = {k: settings[k] for k in ("depth", "width", "shortcut") if k in settings}
+        own = {k: v for k, v in settings.items() if k not in ("depth", "width", "shortcut")}
+        return {"class_path": RESIDUAL_MLP, "init_args": {**network, "in_features": 2,
+                                                          "num_classes": settings.get("num_classes", 2)}}, own
     if name == "DiffusionModule":
         own = {k: v for k, v in settings.items() if k not in UVIT_SETTINGS}
         return {"class_path": UVIT, "init_args": uvit_settings(settings)}, own
@@ -128,7 +147,10 @@ def split_settings(recipe: str, settings: dict[str, Any]) -> Optional[tuple[dict
 def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
     """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout: a
     0.1 MAE's or diffusion model's network settings move under ``init_args.network``; a 0.2
-    classifier's ``backbone`` and a fine-tuning's ``encoder`` are their ``network``."""
+    classifier's ``backbone`` and a fine-tuning's ``encoder`` are their ``network``; an MAE network's
+    ``image_size`` is its ``img_size``."""
+    model = _copied(model)
+    renamed_network_settings(model)
     init = dict(model.get("init_args") or {})
     renamed = RENAMED_NETWORKS.get(str(model.get("class_path", "")))
     if renamed and any(old in init for old in renamed.settings):
@@ -149,15 +171,21 @@ def uvit_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 # the recipes whose network moved under "network": their step, and the prefix their network's weights had
-NETWORK_MEMBERS = {MAE_RECIPE: (MAE_NETWORK_MEMBER, ""), DIFFUSION_RECIPE: (DIFFUSION_NETWORK_MEMBER, "model.")}
+NETWORK_MEMBERS = {MAE_RECIPE: (MAE_NETWORK_MEMBER, ""), DIFFUSION_RECIPE: (DIFFUSION_NETWORK_MEMBER, "model."),
+                   SPIRAL_RECIPE: (SPIRAL_NETWORK_MEMBER, "net.")}
 
 
 def _network_member(checkpoint: dict[str, Any]) -> Optional[str]:
     hparams = checkpoint.get("hyper_parameters")
-    if not isinstance(hparams, dict) or "network" in hparams or hparams.get("_class_path") not in NETWORK_MEMBERS:
+    if not isinstance(hparams, dict) or "network" in hparams:
         return None
-    step, old = NETWORK_MEMBERS[hparams["_class_path"]]
-    network, own = split_settings(hparams["_class_path"], hparams)
+    recipe = hparams.get("_class_path")
+    if recipe is None and {"depth", "width", "lr", "betas"} <= set(hparams):  # a spiral built in Python
+        recipe = SPIRAL_RECIPE
+    if recipe not in NETWORK_MEMBERS:
+        return None
+    step, old = NETWORK_MEMBERS[recipe]
+    network, own = split_settings(recipe, hparams)
     hparams.clear()
     hparams.update(own, network=network)
     for field in MODULE_STATES:
@@ -165,6 +193,46 @@ def _network_member(checkpoint: dict[str, Any]) -> Optional[str]:
         if isinstance(state, dict):
             checkpoint[field] = {(f"network.{k[len(old):]}" if k.startswith(old) else k): v for k, v in state.items()}
     return step.name
+
+
+def _copied(tree: Any) -> Any:
+    return {k: _copied(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def network_settings_renamed(class_path: Any) -> dict[str, str]:
+    """``{old: new}`` of the settings a network class renamed (its own or its base class's)."""
+    if not isinstance(class_path, str):
+        return {}
+    if class_path in RENAMED_NETWORK_SETTINGS:
+        return RENAMED_NETWORK_SETTINGS[class_path]
+    try:
+        from lightning_mods.backbone._imports import import_path
+
+        cls = import_path(class_path)
+    except (ImportError, AttributeError, ValueError):
+        return {}
+    for base in getattr(cls, "__mro__", ()):
+        found = RENAMED_NETWORK_SETTINGS.get(f"{base.__module__}.{base.__qualname__}")
+        if found:
+            return found
+    return {}
+
+
+def renamed_network_settings(tree: Any) -> bool:
+    """:data:`MAE_IMG_SIZE`: every ``{"class_path", "init_args"}`` in ``tree`` (a checkpoint's
+    hyper-parameters, a saved config) with its network's renamed settings under their new names,
+    in place; whether any was renamed."""
+    if not isinstance(tree, dict):
+        return False
+    changed = False
+    renamed = network_settings_renamed(tree.get("class_path"))
+    init = tree.get("init_args")
+    if renamed and isinstance(init, dict) and any(old in init for old in renamed):
+        tree["init_args"] = {renamed.get(k, k): v for k, v in init.items()}
+        changed = True
+    for value in list(tree.values()):
+        changed = renamed_network_settings(value) or changed
+    return changed
 
 
 def _renamed_network(checkpoint: dict[str, Any]) -> Optional[str]:

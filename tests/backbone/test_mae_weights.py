@@ -130,7 +130,7 @@ def test_an_exported_encoder_rebuilds_from_the_call_its_export_prints(tmp_path, 
     vit = eval(call, {"timm": timm}).eval()  # noqa: S307 (the printed call, as a user pastes it)
     mae = MaskedAutoencoder.load_from_checkpoint(CHECKPOINT, map_location="cpu").eval()
     hp = mae.network
-    images = torch.randn(3, hp.in_chans, hp.image_size, hp.image_size, generator=torch.Generator().manual_seed(0))
+    images = torch.randn(3, hp.in_chans, hp.img_size, hp.img_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(vit.forward_features(images).mean(dim=1), mae.forward_features(images),
                                    rtol=0, atol=0)

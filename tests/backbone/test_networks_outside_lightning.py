@@ -47,7 +47,7 @@ def test_the_registered_mae_is_the_lightning_module_s_network_weight_for_weight(
     from lightning_mods.mae import MaskedAutoencoder
 
     torch.manual_seed(0)
-    module = MaskedAutoencoder(MaskedAutoencoderViT(image_size=32, patch_size=4, **SMALL_MAE))
+    module = MaskedAutoencoder(MaskedAutoencoderViT(img_size=32, patch_size=4, **SMALL_MAE))
     torch.manual_seed(0)
     net = timm.create_model("mae_vit_tiny_patch4_32_decayed", **SMALL_MAE)
     ours = module.network.state_dict()
@@ -70,7 +70,7 @@ def test_the_foreign_mae_names_map_to_the_network_s():
     authors = {"skip.1.fc.0.weight": 7, "skip.1.fc.2.bias": 8, "skip.1.mask_token": 9, "decoder_cls_token": 10}
     assert checkpoint_filter_fn(authors) == {"decoder.fusions.1.fc1.weight": 7, "decoder.fusions.1.fc2.bias": 8,
                                              "decoder.fusions.1.mask_token": 9, "decoder.cls_token": 10}
-    net = MaskedAutoencoderViT(image_size=32, patch_size=4, unet_skips=False, encoder_final_norm=True,
+    net = MaskedAutoencoderViT(img_size=32, patch_size=4, unet_skips=False, encoder_final_norm=True,
                                decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2, depth=2, embed_dim=32,
                                num_heads=2)
     ours = net.state_dict()

@@ -152,7 +152,7 @@ def test_the_whole_networks_are_not_feature_backbones(name):
 
 def test_the_mae_takes_timm_s_img_size_and_in_chans():
     mae = small("mae_vit_tiny_patch4_32_decayed", img_size=16, in_chans=1)
-    assert (mae.image_size, mae.in_chans) == (16, 1)
+    assert (mae.img_size, mae.in_chans) == (16, 1)
     loss, pred, mask = mae(torch.randn(2, 1, 16, 16))
     assert pred.shape == (2, 16, 16) and mask.shape == (2, 16)
     with pytest.raises(TypeError, match="img_size"):
@@ -179,7 +179,7 @@ def test_the_mae_s_forward_intermediates_is_timm_s_and_the_evaluations_read_it()
         assert [m.shape for m in maps] == [(2, 32, 8, 8)] * 2
         for got, want in zip(maps, want_maps):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        recipe = MaskedAutoencoder(MaskedAutoencoderViT(image_size=32, patch_size=4, **WHOLE_NETWORKS["mae_vit_tiny_patch4_32_decayed"]))
+        recipe = MaskedAutoencoder(MaskedAutoencoderViT(img_size=32, patch_size=4, **WHOLE_NETWORKS["mae_vit_tiny_patch4_32_decayed"]))
         recipe.network.load_state_dict(mae.state_dict(), strict=True)
         recipe.eval()
         features, pooled = recipe.forward_intermediates(x)

@@ -51,17 +51,17 @@ def test_an_exported_encoder_loads_into_the_same_function(tmp_path):
     mae = MaskedAutoencoder.load_from_checkpoint(CHECKPOINT, map_location="cpu").eval()
     hp = mae.network.settings
     model = timm.create_model("vit_base_patch16_224_decayed", pretrained=True, pretrained_cfg_overlay={"file": str(out)},
-                              img_size=hp["image_size"], patch_size=hp["patch_size"], embed_dim=hp["embed_dim"],
+                              img_size=hp["img_size"], patch_size=hp["patch_size"], embed_dim=hp["embed_dim"],
                               depth=hp["depth"], num_heads=hp["num_heads"], in_chans=hp["in_chans"], num_classes=0,
                               final_norm=False).eval()
     np.testing.assert_allclose(shortcut_alphas(model), shortcut_alphas(mae.network.encoder), rtol=0, atol=0)
-    images = torch.randn(4, hp["in_chans"], hp["image_size"], hp["image_size"], generator=torch.Generator().manual_seed(0))
+    images = torch.randn(4, hp["in_chans"], hp["img_size"], hp["img_size"], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model.forward_features(images).mean(dim=1), mae.forward_features(images),
                                    rtol=0, atol=0)
     with pytest.raises(ValueError, match=f"embed_dim={hp['embed_dim']}"):  # another architecture is refused, not half loaded
         timm.create_model("vit_base_patch16_224_decayed", pretrained=True, pretrained_cfg_overlay={"file": str(out)},
-                          img_size=hp["image_size"], patch_size=hp["patch_size"], embed_dim=2 * hp["embed_dim"],
+                          img_size=hp["img_size"], patch_size=hp["patch_size"], embed_dim=2 * hp["embed_dim"],
                           depth=hp["depth"], num_heads=hp["num_heads"], in_chans=hp["in_chans"], num_classes=0,
                           final_norm=False)
 

@@ -39,7 +39,7 @@ def make_model():
     """A tiny MAE with decayed shortcuts and U-Net skips (1 x 8 x 8 images, 4 patches)."""
     from lightning_mods.mae import MaskedAutoencoder
 
-    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), base_lr=1e-3, warmup_epochs=0.5, num_reconstructions=2)
+    return MaskedAutoencoder(MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), base_lr=1e-3, warmup_epochs=0.5, num_reconstructions=2)
 
 
 def make_callbacks() -> list:

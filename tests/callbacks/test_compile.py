@@ -69,7 +69,7 @@ def test_compile_needs_residual_blocks():
 def tiny_mae():
     torch.manual_seed(0)
     # zero_init_branches off: the first steps' loss and gradients depend on every weight and mask
-    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False, shortcut=ShortcutSchedule("linear", 0.6)), warmup_epochs=0, num_reconstructions=0)
+    return MaskedAutoencoder(MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, zero_init_branches=False, shortcut=ShortcutSchedule("linear", 0.6)), warmup_epochs=0, num_reconstructions=0)
 
 
 def fit_mae(callbacks: list, root) -> tuple[MaskedAutoencoder, dict]:  # noqa: ANN001

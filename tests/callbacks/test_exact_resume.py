@@ -86,7 +86,7 @@ class RecordingLogger(Logger):
 
 
 def tiny_mae(kind: str) -> MaskedAutoencoder:
-    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, shortcut=ShortcutSchedule(kind, 0.6) if kind != "learnable" else ShortcutSchedule(kind)), num_reconstructions=0, base_lr=1e-2, warmup_epochs=1)
+    return MaskedAutoencoder(MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, shortcut=ShortcutSchedule(kind, 0.6) if kind != "learnable" else ShortcutSchedule(kind)), num_reconstructions=0, base_lr=1e-2, warmup_epochs=1)
 
 
 def tiny_classifier() -> ImageClassifier:

@@ -71,7 +71,7 @@ class InjectNaN(L.Callback):
 
 def tiny_mae():
     from lightning_mods.mae import MaskedAutoencoder
-    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0, base_lr=1e-3, warmup_epochs=0)
+    return MaskedAutoencoder(MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0, base_lr=1e-3, warmup_epochs=0)
 
 
 class HostReads(torch.overrides.TorchFunctionMode):

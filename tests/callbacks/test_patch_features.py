@@ -12,7 +12,7 @@ def test_the_callback_draws_the_same_images_at_every_evaluation(tmp_path):
     from datamodules.digits import Digits
     from lightning_mods.mae import MaskedAutoencoder
 
-    module = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0)
+    module = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0)
     fit_blocks(tmp_path, [PatchFeaturePicture(num_images=5)], module=module, data=Digits(batch_size=64, image_size=16))
     pictures = sorted((tmp_path / "pictures").glob("features_patch_pca_step*.png"))
     assert len(pictures) == 2

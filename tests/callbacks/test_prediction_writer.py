@@ -49,14 +49,14 @@ def test_mae_predict_writes_the_checkpoint_encoders_embeddings(tmp_path):
     assert set(predictions) == {"embeddings", "labels", "indices"}
 
     images, labels = held_out_digits()
-    reference = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
+    reference = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
     reference.load_state_dict(checkpoint_weights(ckpt))
     with torch.no_grad():
         expected = reference.eval().forward_features(images)
     assert torch.equal(predictions["labels"], labels)
     assert torch.equal(predictions["indices"], torch.arange(len(labels)))
     torch.testing.assert_close(predictions["embeddings"], expected, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(expected, MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)).eval().forward_features(images), atol=1e-3)
+    assert not torch.allclose(expected, MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)).eval().forward_features(images), atol=1e-3)
     assert [cb.written for cb in out.trainer.callbacks if isinstance(cb, PredictionWriter)] == [path]
 
 
@@ -95,7 +95,7 @@ def test_diffusion_and_probe_predict_steps_write_their_features(tmp_path):
     labels = torch.arange(6) % 3
     loader = DataLoader(TensorDataset(images, labels), batch_size=4)
     diffusion = DiffusionModule(UViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3, num_heads=2, zero_init_branches=True, shortcut={"kind": "linear", "alpha_min": 0.7}), num_classes=3)
-    probe = LinearProbe(MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)),
+    probe = LinearProbe(MaskedAutoencoder(MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)),
                         num_classes=3)
     for name, module in (("diffusion", diffusion), ("probe", probe)):
         path = tmp_path / f"{name}.pt"

@@ -402,8 +402,8 @@ def test_resnet_odd_step_is_the_plain_train_mode_forward_and_a_block_kept_everyw
 class Recorder(SpiralClassifier):
     """Records, for every training batch, the step, phase and masks in use; checks validation."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, network: ResidualMLP, **kwargs) -> None:
+        super().__init__(network, **kwargs)
         self.seen: list[tuple[int, str, dict]] = []
         self.val_checked = 0
 
@@ -422,8 +422,8 @@ class Recorder(SpiralClassifier):
         points = batch[0]
         with torch.no_grad():
             logits = self(points)
-        p = params64(self.net)
-        expected = hand_masked_forward(p, points, [torch.ones(len(points), dtype=torch.bool)] * len(self.net.layers))
+        p = params64(self.network)
+        expected = hand_masked_forward(p, points, [torch.ones(len(points), dtype=torch.bool)] * len(self.network.layers))
         torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-6)
         self.val_checked += 1
         return super().validation_step(batch, batch_idx)
@@ -441,7 +441,7 @@ def tiny_data() -> Spiral:
 
 def test_gradient_accumulation_shares_the_parity_and_reuses_masks_per_micro_batch(tmp_path):
     L.seed_everything(0, verbose=False)
-    model = Recorder(depth=2, width=WIDTH)
+    model = Recorder(ResidualMLP(depth=2, width=WIDTH))
     trainer = tiny_trainer(tmp_path, [ResidualDroppath(drop_rate=0.5, seed=1)], max_steps=2,
                            accumulate_grad_batches=2, limit_val_batches=0)
     trainer.fit(model, datamodule=tiny_data())
@@ -455,7 +455,7 @@ def test_gradient_accumulation_shares_the_parity_and_reuses_masks_per_micro_batc
 
 def test_parity_and_masks_survive_checkpoint_and_resume(tmp_path):
     L.seed_everything(0, verbose=False)
-    first = Recorder(depth=2, width=WIDTH)
+    first = Recorder(ResidualMLP(depth=2, width=WIDTH))
     cb = ResidualDroppath(drop_rate=0.5, seed=1)
     trainer = tiny_trainer(tmp_path, [cb], max_steps=3, limit_val_batches=0)
     trainer.fit(first, datamodule=tiny_data())
@@ -467,7 +467,7 @@ def test_parity_and_masks_survive_checkpoint_and_resume(tmp_path):
     assert all(torch.equal(saved["masks"][0][k], first.seen[2][2][k].cpu()) for k in layer_keys())
 
     resumed_cb = ResidualDroppath(drop_rate=0.5, seed=1)
-    second = Recorder(depth=2, width=WIDTH)
+    second = Recorder(ResidualMLP(depth=2, width=WIDTH))
     trainer = tiny_trainer(tmp_path, [resumed_cb], max_steps=5, limit_val_batches=0)
     trainer.fit(second, datamodule=tiny_data(), ckpt_path=ckpt)
     assert [(step, phase) for step, phase, _ in second.seen] == [(3, "reuse"), (4, "drop")]
@@ -476,7 +476,7 @@ def test_parity_and_masks_survive_checkpoint_and_resume(tmp_path):
 
 def test_validation_runs_the_plain_network_and_fit_leaves_no_hooks(tmp_path):
     L.seed_everything(0, verbose=False)
-    model = Recorder(depth=2, width=WIDTH)
+    model = Recorder(ResidualMLP(depth=2, width=WIDTH))
     trainer = tiny_trainer(tmp_path, [ResidualDroppath(drop_rate=0.5, seed=1)], max_steps=3, val_check_interval=1,
                            limit_val_batches=1, num_sanity_val_steps=1)
     trainer.fit(model, datamodule=tiny_data())
@@ -487,8 +487,8 @@ def test_validation_runs_the_plain_network_and_fit_leaves_no_hooks(tmp_path):
 class RankRecorder(SpiralClassifier):
     """Writes, per rank, the masks in use at every step (to compare ranks after a spawned fit)."""
 
-    def __init__(self, out_dir: str, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, out_dir: str, network: ResidualMLP, **kwargs) -> None:
+        super().__init__(network, **kwargs)
         self.out_dir = out_dir
 
     def training_step(self, batch, batch_idx):
@@ -516,7 +516,7 @@ def test_ddp_does_not_wait_for_blocks_without_gradient_and_ranks_draw_their_own_
     on that rank (find_unused_parameters stays off, Lightning's default) while the other rank
     may have dropped it. The fit must finish, with masks drawn per rank."""
     L.seed_everything(0, verbose=False)
-    model = RankRecorder(str(tmp_path), depth=3, width=WIDTH)
+    model = RankRecorder(str(tmp_path), ResidualMLP(depth=3, width=WIDTH))
     trainer = tiny_trainer(tmp_path, [ResidualDroppath(drop_rate=0.5, seed=1), EndProcessGroup()], max_steps=4,
                            limit_val_batches=0, strategy="ddp_spawn", devices=2)
     trainer.fit(model, datamodule=Spiral(num_points=64, val_points=8, batch_size=1, grid_size=4))

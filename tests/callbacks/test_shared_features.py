@@ -43,7 +43,7 @@ class CountingMAE(MaskedAutoencoder):
 def fit_with(callbacks: list, tmp_path) -> tuple[CountingMAE, dict, Digits]:  # noqa: ANN001
     """Two training steps then one validation, from the same seed whatever the callbacks."""
     L.seed_everything(0, verbose=False)
-    module = CountingMAE(network=MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2,
+    module = CountingMAE(network=MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2,
                                                       num_heads=2, decoder_embed_dim=16, decoder_depth=1,
                                                       decoder_num_heads=2),
                          num_reconstructions=0, base_lr=1e-3, warmup_epochs=0)

@@ -115,8 +115,12 @@ CASES = {  # name: (arguments, words the one line must hold)
     "url checkpoint": ([*CONFIG, "--ckpt_path=s3://bucket/last.ckpt"],
                        ["ckpt_path: a local file is needed, got the URL 's3://bucket/last.ckpt'"]),
     # a setting the data links in would be replaced silently
-    "image size against the data": ([*CONFIG, "--model.network.image_size=32"],
-                                    ["model.network.image_size=32 disagrees with the data's image_size (16; Digits)"]),
+    "image size against the data": ([*CONFIG, "--model.network.img_size=32"],
+                                    ["model.network.img_size=32 disagrees with the data's image_size (16; Digits)"]),
+    "the MAE network's image_size": ([*CONFIG, "--model.network.image_size=32"],
+                                     ["model.init_args.network.init_args.image_size: unknown key of "
+                                      "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT; it is "
+                                      "model.init_args.network.init_args.img_size since release 0.3"]),
     "class count against the data": ([f"--config={ROOT / 'configs' / 'data' / 'digits.yaml'}",
                                       f"--config={ROOT / 'configs' / 'digits_resnet' / 'base.yaml'}",
                                       "--model.init_args.num_classes=5"],

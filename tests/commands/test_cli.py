@@ -52,7 +52,7 @@ def mae_checkpoint(tmp_path_factory) -> Path:
 def test_links_image_geometry_from_the_datamodule(mae_checkpoint):
     ckpt = torch.load(mae_checkpoint, map_location="cpu", weights_only=True)
     hp = ckpt["hyper_parameters"]["network"]["init_args"]  # the recipe records its network's settings
-    assert hp["in_chans"] == 1 and hp["image_size"] == 16
+    assert hp["in_chans"] == 1 and hp["img_size"] == 16
     assert hp["shortcut"]["alpha_min"] == 0.6  # the paper's default schedule
 
 
@@ -70,7 +70,7 @@ def test_validate_from_checkpoint(mae_checkpoint, tmp_path):
 
 def test_linear_probe_loads_the_mae_checkpoint(mae_checkpoint):
     state = load_checkpoint_state_dict(mae_checkpoint)
-    backbone = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
+    backbone = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
     probe = LinearProbe(backbone, checkpoint=str(mae_checkpoint), num_classes=10)
     assert probe.backbone is backbone.network  # the probe holds the network alone
     for name, value in state.items():
@@ -90,12 +90,12 @@ def test_linear_probe_fit_through_the_cli(mae_checkpoint, tmp_path):
 
 
 def test_linear_probe_refuses_a_checkpoint_of_another_geometry(mae_checkpoint):
-    other = MaskedAutoencoder(MaskedAutoencoderViT(image_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
+    other = MaskedAutoencoder(MaskedAutoencoderViT(img_size=32, in_chans=1, patch_size=8, embed_dim=32, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
     with pytest.raises(ValueError, match=r"checkpoint: .* does not fit the MaskedAutoencoder: .*pos_embed is \(1, 5, 32\) "
                                          r"there and \(1, 17, 32\) here") as err:
         LinearProbe(other, checkpoint=str(mae_checkpoint), num_classes=10)
     assert "\n" not in str(err.value)
-    shallow = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
+    shallow = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2))
     with pytest.raises(ValueError, match="unexpected network.encoder.blocks.2"):
         LinearProbe(shallow, checkpoint=str(mae_checkpoint), num_classes=10)
 

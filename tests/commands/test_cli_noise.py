@@ -80,7 +80,7 @@ def test_lightning_tips_are_dropped_and_other_info_kept(caplog):
 @pytest.mark.slow
 def test_a_short_probe_fit_prints_no_third_party_noise(tmp_path):
     backbone = ("{class_path: lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT, init_args: {"
-                "image_size: 16, in_chans: 1, patch_size: 8, embed_dim: 16, depth: 2, num_heads: 2, "
+                "img_size: 16, in_chans: 1, patch_size: 8, embed_dim: 16, depth: 2, num_heads: 2, "
                 "decoder_embed_dim: 16, decoder_depth: 1, decoder_num_heads: 2}}")
     command = [sys.executable, "-c", "import cli; cli.console_main()", "fit",
                "--config", "configs/linear_probe_digits.yaml", f"--model.backbone={backbone}",
@@ -98,11 +98,12 @@ def test_the_repeated_samples_warning_is_answered_only_for_models_that_leave_rep
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
     from commands._console import answer_repeated_samples_warning
+    from lightning_mods.backbone.residual_mlp import ResidualMLP
     from lightning_mods.spiral_classifier import SpiralClassifier
 
     message = ("Using `DistributedSampler` with the dataloaders. During `trainer.validate()`, it is recommended to "
                "use `Trainer(devices=1, num_nodes=1)` to ensure each sample/batch gets evaluated exactly once.")
-    for model, shown in ((torch.nn.Linear(2, 2), 1), (SpiralClassifier(depth=2, width=4), 0)):
+    for model, shown in ((torch.nn.Linear(2, 2), 1), (SpiralClassifier(ResidualMLP(depth=2, width=4)), 0)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             answer_repeated_samples_warning(model)

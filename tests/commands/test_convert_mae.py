@@ -57,7 +57,7 @@ def test_authors_checkpoint_with_args(tmp_path, decoder_depth):
     model = same_as_reference(tmp_path / "mae.ckpt", ref, images)
     hp = model.hparams.network["init_args"]
     assert hp["unet_skips"] and not hp["encoder_final_norm"] and hp["shortcut"]["alpha_min"] == 0.6
-    assert [hp[k] for k in ("depth", "decoder_depth", "image_size", "patch_size", "embed_dim")] == [4, decoder_depth, 16,
+    assert [hp[k] for k in ("depth", "decoder_depth", "img_size", "patch_size", "embed_dim")] == [4, decoder_depth, 16,
                                                                                                    4, 32]
 
 

@@ -8,6 +8,7 @@ from rich.progress import Progress
 
 from commands._progress import EpochProgress, command_progress, show_progress, tracked
 from datamodules.spiral import Spiral
+from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.spiral_classifier import SpiralClassifier
 
 
@@ -33,7 +34,7 @@ def test_epoch_bar_counts_the_epochs_of_a_fit(tmp_path):
     trainer = L.Trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[bar], default_root_dir=tmp_path, accelerator="cpu")
-    trainer.fit(SpiralClassifier(depth=2, width=4), datamodule=Spiral(num_points=256, batch_size=64))
+    trainer.fit(SpiralClassifier(ResidualMLP(depth=2, width=4)), datamodule=Spiral(num_points=256, batch_size=64))
     task = progress.tasks[0]
     assert (task.completed, task.total) == (3, 3)
     assert task.description.startswith("train (train/loss ")

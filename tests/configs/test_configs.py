@@ -29,7 +29,7 @@ def probe_checkpoint(name: str, folder: Path) -> list[str]:
     data = declared_section(name, "data")
     size = int(data["init_args"].get("image_size") or 32)
     network = {"class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT", "init_args": dict(
-        image_size=size, in_chans=1 if data["class_path"].endswith(("Digits", "MNIST")) else 3, patch_size=size // 2,
+        img_size=size, in_chans=1 if data["class_path"].endswith(("Digits", "MNIST")) else 3, patch_size=size // 2,
         embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)}
     module, _ = build_module({"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"network": network}})
     path = folder / "backbone.ckpt"

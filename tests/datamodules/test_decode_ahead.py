@@ -113,7 +113,7 @@ def test_a_fit_that_ends_mid_epoch_or_fails_leaves_no_thread(jpegs, tmp_path, fa
                 raise Stop("a step failed")
             return super().training_step(batch, batch_idx)
 
-    model = Module(MaskedAutoencoderViT(image_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2,
+    model = Module(MaskedAutoencoderViT(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2,
                                         decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2),
                    num_reconstructions=0)
     trainer = Trainer(max_steps=2 if not failing else 10, limit_val_batches=0, logger=False, enable_progress_bar=False,

@@ -97,7 +97,7 @@ def test_stock_timm_weights_load_strictly_into_the_standard_network_only():
 
 # --- checkpoints of the LightningModules, as `shortcutlab fit` writes them -----------------------
 MAE_NETWORK = {"class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
-               "init_args": dict(image_size=16, in_chans=1, patch_size=8, embed_dim=16, depth=2, num_heads=2,
+               "init_args": dict(img_size=16, in_chans=1, patch_size=8, embed_dim=16, depth=2, num_heads=2,
                                  decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2)}
 MAE = {"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"network": MAE_NETWORK, "num_reconstructions": 0}}
 FAMILIES = {
@@ -110,7 +110,8 @@ FAMILIES = {
                   "init_args": {"network": {"class_path": "lightning_mods.backbone.uvit.UViT", "init_args": dict(
                       img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2)},
                       "num_sample_images": 0}},
-    "spiral": {"class_path": "lightning_mods.spiral_classifier.SpiralClassifier", "init_args": dict(depth=4, width=4)},
+    "spiral": {"class_path": "lightning_mods.spiral_classifier.SpiralClassifier", "init_args": {"network": {
+        "class_path": "lightning_mods.backbone.residual_mlp.ResidualMLP", "init_args": dict(depth=4, width=4)}}},
 }
 
 

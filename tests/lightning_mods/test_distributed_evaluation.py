@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent('''
     from lightning_mods.linear_probe import LinearProbe
     from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
     from lightning_mods.mae import MaskedAutoencoder
+    from lightning_mods.backbone.residual_mlp import ResidualMLP
     from lightning_mods.spiral_classifier import SpiralClassifier
 
     out, world = Path(sys.argv[1]), int(sys.argv[2])
@@ -56,16 +57,16 @@ SCRIPT = textwrap.dedent('''
     # pixel targets (not normalised per patch, where an untrained decoder's loss barely depends on
     # which patches are masked): the loss moves with each image's mask
     mae = counting(MaskedAutoencoder)(MaskedAutoencoderViT(
-        image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8,
+        img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8,
         decoder_depth=1, decoder_num_heads=2, norm_pix_loss=False))
     torch.manual_seed(2)
     runs = {
         "classifier": (ImageClassifier(ResNet18Cifar(), num_classes=3, in_chans=1), loader(images, labels)),
         "probe": (LinearProbe(backbone=MaskedAutoencoder(MaskedAutoencoderViT(
-                      image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8,
+                      img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8,
                       decoder_depth=1, decoder_num_heads=2)), num_classes=3, blocks="all"),
                   loader(images, labels)),
-        "spiral": (SpiralClassifier(depth=2, width=4), loader(points, sides)),
+        "spiral": (SpiralClassifier(ResidualMLP(depth=2, width=4)), loader(points, sides)),
         "mae": (mae, loader(images, labels)),
         "diffusion": (counting(DiffusionModule)(UViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=3,
                                                     num_heads=2, shortcut={"kind": "linear", "alpha_min": 0.7},

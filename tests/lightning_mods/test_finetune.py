@@ -22,7 +22,7 @@ from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 MAE_CKPT = folders.TESTS / "data" / "written_by_0_1_0" / "last.ckpt"
 VIT_B = {"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"network": {
     "class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
-    "init_args": {"image_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,
+    "init_args": {"img_size": 224, "patch_size": 16, "embed_dim": 768, "depth": 12, "num_heads": 12,
                   "decoder_embed_dim": 64, "decoder_depth": 2, "decoder_num_heads": 2}}}}
 
 
@@ -72,10 +72,11 @@ def test_the_network_is_the_encoder_with_a_new_head():
 
 
 def test_a_checkpoint_of_another_family_is_one_line(tmp_path):
+    from lightning_mods.backbone.residual_mlp import ResidualMLP
     from lightning_mods.spiral_classifier import SpiralClassifier
 
     path = tmp_path / "spiral.ckpt"
-    module = SpiralClassifier(depth=2, width=4)
+    module = SpiralClassifier(ResidualMLP(depth=2, width=4))
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": {
         **dict(module.hparams), "_class_path": "lightning_mods.spiral_classifier.SpiralClassifier"}}, path)
     with pytest.raises(ValueError, match="not a lightning_mods.mae.MaskedAutoencoder") as caught:
@@ -111,7 +112,7 @@ def test_fine_tuning_the_quickstart_checkpoint_trains_reports_and_resumes_exactl
 def test_the_cls_token_pool_keeps_the_encoders_final_norm():
     """He et al.'s MAE (no U-Net skips) has a final encoder norm: fine-tuned on the cls token it
     is kept, with its pre-trained weights; the average pool replaces it by a new LayerNorm."""
-    network = {"image_size": 8, "in_chans": 1, "patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 2,
+    network = {"img_size": 8, "in_chans": 1, "patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 2,
                "decoder_embed_dim": 8, "decoder_depth": 1, "decoder_num_heads": 2, "unet_skips": False,
                "encoder_final_norm": True}
     encoder = {"class_path": "lightning_mods.mae.MaskedAutoencoder",

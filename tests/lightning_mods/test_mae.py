@@ -11,7 +11,7 @@ from lightning_mods.backbone.patches import patchify, random_masking, sincos_pos
 from lightning_mods.backbone.shortcut import ShortcutSchedule
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
-TINY = dict(image_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_heads=4,
+TINY = dict(img_size=16, in_chans=2, patch_size=4, embed_dim=32, depth=6, num_heads=4,
             decoder_embed_dim=16, decoder_depth=2, decoder_num_heads=2)
 
 
@@ -235,7 +235,7 @@ def test_without_skips_an_odd_depth_and_a_final_norm_all_learn():
     assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
 
 
-@pytest.mark.parametrize("kwargs,field", [({"mask_ratio": 1.0}, "mask_ratio"), ({"image_size": 18}, "image_size"),
+@pytest.mark.parametrize("kwargs,field", [({"mask_ratio": 1.0}, "mask_ratio"), ({"img_size": 18}, "img_size"),
                                           ({"feature_pool": "max"}, "feature_pool"), ({"depth": 0}, "depth"),
                                           ({"depth": -2}, "depth"), ({"depth": 5}, "depth must be even"),
                                           ({"encoder_final_norm": True}, "encoder_final_norm"),
@@ -251,7 +251,7 @@ def test_reconstruction_picture_labels_its_rows_and_columns(monkeypatch):
 
     import lightning_mods.mae as mae
 
-    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=2)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=2)
     model.trainer = SimpleNamespace(sanity_checking=False, current_epoch=1, global_step=7,
                                     datamodule=SimpleNamespace(mean=(0.5,), std=(0.25,)))
     logged = {}

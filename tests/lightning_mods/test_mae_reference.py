@@ -17,7 +17,7 @@ from lightning_mods.backbone.shortcut import ShortcutSchedule
 from helpers.mae_references import AuthorsMAE, OfficialMAE, randomise_
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
-GEOMETRY = dict(image_size=16, in_chans=3, patch_size=4, embed_dim=32, num_heads=4, decoder_embed_dim=16,
+GEOMETRY = dict(img_size=16, in_chans=3, patch_size=4, embed_dim=32, num_heads=4, decoder_embed_dim=16,
                 decoder_num_heads=2)
 
 # ours -> the repositories' names (first matching rule)
@@ -48,7 +48,7 @@ def assert_float32_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> No
 def pair(kind: str, alpha_min: float, depth: int, decoder_depth: int, seed: int = 0):
     """A randomised reference and our model (default layout flags) holding the same weights."""
     ref_cls = AuthorsMAE if kind == "authors" else OfficialMAE
-    dims = {k: v for k, v in GEOMETRY.items() if k not in ("image_size",)}
+    dims = {k: v for k, v in GEOMETRY.items() if k not in ("img_size",)}
     ref = randomise_(ref_cls(img_size=16, depth=depth, decoder_depth=decoder_depth, min_decay=alpha_min, **dims), seed)
     ours = MaskedAutoencoderViT(**GEOMETRY, depth=depth, decoder_depth=decoder_depth, unet_skips=kind == "authors", shortcut=ShortcutSchedule("linear", alpha_min), norm_pix_loss=True, mask_ratio=0.75)
     ref_params = dict(ref.named_parameters())
@@ -107,7 +107,7 @@ def test_the_reference_tells_the_old_fusion_order_apart():
 
 
 # --- initialisation ------------------------------------------------------------------------------
-INIT_DIMS = dict(image_size=16, in_chans=3, patch_size=4, embed_dim=128, depth=4, num_heads=4,
+INIT_DIMS = dict(img_size=16, in_chans=3, patch_size=4, embed_dim=128, depth=4, num_heads=4,
                  decoder_embed_dim=64, decoder_depth=3, decoder_num_heads=4)
 
 
@@ -177,7 +177,7 @@ def test_decayed_classic_ablation_starts_its_branches_at_zero():
 
 
 def test_196_patches_at_mask_ratio_0_9_keep_19():
-    model = MaskedAutoencoderViT(image_size=56, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, mask_ratio=0.9)
+    model = MaskedAutoencoderViT(img_size=56, in_chans=1, patch_size=4, embed_dim=16, depth=2, num_heads=2, decoder_embed_dim=8, decoder_depth=1, decoder_num_heads=2, mask_ratio=0.9)
     loss, pred, mask = model(torch.randn(2, 1, 56, 56))
     assert pred.shape == (2, 196, 16)
     assert mask.sum(1).tolist() == [177.0, 177.0]  # int(196 * 0.1) = 19 visible, not round() = 20

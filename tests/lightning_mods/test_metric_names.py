@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from datamodules.spiral import Spiral
 from lightning_mods.evaluation import metric_names
 from lightning_mods.linear_probe import LinearProbe
+from lightning_mods.backbone.residual_mlp import ResidualMLP
 from lightning_mods.spiral_classifier import SpiralClassifier
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -57,7 +58,7 @@ def test_linear_probe_logs_test_names_and_fractions(tmp_path):
 def test_spiral_logs_the_classifier_names(tmp_path):
     seed_everything(0)
     data = Spiral(num_points=256, val_points=64, grid_size=8, batch_size=64)
-    model = SpiralClassifier(depth=2, width=4, lr=0.05)
+    model = SpiralClassifier(ResidualMLP(depth=2, width=4), lr=0.05)
     trainer = quiet_trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=data)
     assert sorted(trainer.logged_metrics) == ["train/loss_epoch", "train/loss_step", "train/top1", "val/loss", "val/top1"]

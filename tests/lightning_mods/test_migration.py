@@ -104,3 +104,45 @@ def test_a_saved_config_of_release_0_2_reads_as_this_release_s():
     tuned = {"class_path": "lightning_mods.finetune.FineTuneClassifier",
              "init_args": {"checkpoint": "mae.ckpt", "allow_encoder_override": True}}
     assert migration.upgrade_model_config(tuned)["init_args"] == {"checkpoint": "mae.ckpt", "allow_network_override": True}
+
+
+def test_a_release_0_2_mae_and_spiral_load_as_the_networks_they_wrote(tmp_path):
+    """The MAE network's ``image_size`` (now timm's ``img_size``) and the spiral classifier's own
+    ``depth``/``width``/``shortcut`` and ``net.*`` weights (now its ``network``) of release 0.2."""
+    from lightning_mods.checkpointing.rebuild import module_from_checkpoint
+    from test_checkpoint_identity import FAMILIES, features, write_checkpoint
+
+    mae = write_checkpoint(tmp_path / "mae.ckpt", FAMILIES["mae"], 0.6)
+    old = torch.load(tmp_path / "mae.ckpt", weights_only=True)
+    network = old["hyper_parameters"]["network"]
+    network["init_args"] = {("image_size" if k == "img_size" else k): v for k, v in network["init_args"].items()}
+    spiral = write_checkpoint(tmp_path / "spiral.ckpt", FAMILIES["spiral"], 0.6)
+    old_spiral = torch.load(tmp_path / "spiral.ckpt", weights_only=True)
+    hparams = dict(old_spiral["hyper_parameters"])
+    built = hparams.pop("network")["init_args"]
+    hparams.update(depth=built["depth"], width=built["width"], shortcut=built["shortcut"])  # as 0.2 recorded them
+    old_spiral = {**old_spiral, "hyper_parameters": hparams,
+                  "state_dict": {("net." + k.removeprefix("network.")): v for k, v in old_spiral["state_dict"].items()}}
+    for writer, checkpoint, name, step in ((mae, old, "mae", "mae_img_size"),
+                                           (spiral, old_spiral, "spiral", "spiral_network_member")):
+        assert migration.upgrade(torch.load(tmp_path / f"{name}.ckpt", weights_only=True)) == []  # this release's
+        torch.save(checkpoint, tmp_path / f"old_{name}.ckpt")
+        assert migration.upgrade(torch.load(tmp_path / f"old_{name}.ckpt", weights_only=True)) == [step]
+        rebuilt, settings = module_from_checkpoint(tmp_path / f"old_{name}.ckpt")
+        for key, value in writer.state_dict().items():
+            assert torch.equal(rebuilt.state_dict()[key], value), (name, key)
+        assert torch.equal(features(rebuilt.eval(), name), features(writer, name))
+    assert settings["init_args"]["network"]["init_args"]["depth"] == 4
+
+
+def test_saved_configs_of_release_0_2_spell_img_size_and_hold_the_spiral_s_network():
+    mae = {"class_path": "lightning_mods.mae.MaskedAutoencoder", "init_args": {"network": {
+        "class_path": "lightning_mods.backbone.masked_autoencoder.MaskedAutoencoderViT",
+        "init_args": {"image_size": 16, "patch_size": 4}}}}
+    assert migration.upgrade_model_config(mae)["init_args"]["network"]["init_args"] == {"img_size": 16, "patch_size": 4}
+    assert mae["init_args"]["network"]["init_args"] == {"image_size": 16, "patch_size": 4}  # the given one unchanged
+    spiral = {"class_path": "lightning_mods.spiral_classifier.SpiralClassifier",
+              "init_args": {"depth": 6, "width": 6, "lr": 0.1}}
+    assert migration.upgrade_model_config(spiral)["init_args"] == {
+        "network": {"class_path": "lightning_mods.backbone.residual_mlp.ResidualMLP",
+                    "init_args": {"depth": 6, "width": 6, "in_features": 2, "num_classes": 2}}, "lr": 0.1}

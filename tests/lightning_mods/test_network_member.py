@@ -33,7 +33,7 @@ def saved(path: Path) -> dict:
 def test_the_shortcut_setting_reaches_the_blocks_through_the_networks_constructor():
     """alpha_min 0.3 at the last of the 4 sub-layers, 1 at the first, linear between (by hand)."""
     recipe = MaskedAutoencoder(MaskedAutoencoderViT(
-        image_size=8, in_chans=1, patch_size=4, embed_dim=8, depth=2, num_heads=2, decoder_embed_dim=8,
+        img_size=8, in_chans=1, patch_size=4, embed_dim=8, depth=2, num_heads=2, decoder_embed_dim=8,
         decoder_depth=1, decoder_num_heads=2, shortcut={"kind": "linear", "alpha_min": 0.3}))
     weights = [float(blk.shortcut_weight(j)) for blk in recipe.network.encoder.blocks for j in (0, 1)]
     assert weights == pytest.approx([1 - 0.7 * k / 3 for k in range(4)], abs=1e-7)
@@ -47,7 +47,7 @@ def test_a_network_that_does_not_record_its_own_argument_is_refused():
             super().__init__(**kwargs)
 
     with pytest.raises(ValueError, match="Forgetful takes extra, which its settings do not record"):
-        MaskedAutoencoder(Forgetful(image_size=8, in_chans=1, patch_size=4, embed_dim=8, depth=2, num_heads=2))
+        MaskedAutoencoder(Forgetful(img_size=8, in_chans=1, patch_size=4, embed_dim=8, depth=2, num_heads=2))
 
 
 @pytest.mark.slow
@@ -92,10 +92,10 @@ def resume(config: Path, ckpt: Path, root: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, step, member", [("", "mae_network_member", ""),
-                                                  ("diffusion", "diffusion_network_member", "model.")],
+@pytest.mark.parametrize("family, steps, member", [("", ["mae_img_size", "mae_network_member"], ""),
+                                                   ("diffusion", ["diffusion_network_member"], "model.")],
                          ids=["mae", "diffusion"])
-def test_a_checkpoint_written_before_the_change_resumes_exactly(tmp_path, family, step, member):
+def test_a_checkpoint_written_before_the_change_resumes_exactly(tmp_path, family, steps, member):
     """Resumed from its epoch-0 checkpoint, the run is the one the same checkpoint gives once
     upgraded and saved in this release's layout, bit for bit; and it ends at the weights its
     uninterrupted run wrote at epoch 1 (bit for bit on the machine that wrote them; within float32
@@ -106,7 +106,7 @@ def test_a_checkpoint_written_before_the_change_resumes_exactly(tmp_path, family
     config["model"] = migration.upgrade_model_config(config["model"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     upgraded = saved(written / "epoch0.ckpt")
-    assert migration.upgrade(upgraded) == [step]
+    assert migration.upgrade(upgraded) == steps
     torch.save(upgraded, tmp_path / "upgraded.ckpt")
     old = resume(tmp_path / "config.yaml", written / "epoch0.ckpt", tmp_path / "old")
     new = resume(tmp_path / "config.yaml", tmp_path / "upgraded.ckpt", tmp_path / "new")

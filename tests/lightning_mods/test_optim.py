@@ -39,7 +39,7 @@ def test_warmup_then_cosine_hand_computed():
 
 
 def test_mae_peak_lr_and_no_decay_groups():
-    model = MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), base_lr=1.5e-4, warmup_epochs=2)
+    model = MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), base_lr=1.5e-4, warmup_epochs=2)
     model.trainer = fake_trainer(batch=128, world_size=8, accumulate=1, total_steps=1000, max_epochs=10)
     config = model.configure_optimizers()
     opt = config["optimizer"]
@@ -141,7 +141,7 @@ def family_modules():
     torch.manual_seed(0)
     classifier = ImageClassifier(ResNet18Cifar(shortcut=ShortcutSchedule("linear", 0.6), channels=(8, 16, 16, 32)),
                                  num_classes=10, in_chans=3, optimizer="adamw", base_lr=1e-3, warmup_epochs=0)
-    return {"mae": MaskedAutoencoder(MaskedAutoencoderViT(image_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), warmup_epochs=0, base_lr=1e-2),  # updates large enough that a 0.1 % lr error shows
+    return {"mae": MaskedAutoencoder(MaskedAutoencoderViT(img_size=16, in_chans=1, patch_size=4, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), warmup_epochs=0, base_lr=1e-2),  # updates large enough that a 0.1 % lr error shows
             "diffusion": diffusion_module(**TINY, warmup_steps=0), "classifier": classifier}
 
 

@@ -25,7 +25,7 @@ from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 
 def tiny_mae() -> MaskedAutoencoder:
-    return MaskedAutoencoder(MaskedAutoencoderViT(image_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0)
+    return MaskedAutoencoder(MaskedAutoencoderViT(img_size=8, in_chans=1, patch_size=4, embed_dim=16, depth=4, num_heads=2, decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2), num_reconstructions=0)
 
 
 def probe_fit(tmp_path: Path, blocks) -> LinearProbe:  # noqa: ANN001

@@ -99,8 +99,8 @@ def test_residual_mlp_by_hand(shortcut, alphas):
     expected = h @ p["head.weight"].T + p["head.bias"]
     with torch.no_grad():
         torch.testing.assert_close(net(points).double(), expected, rtol=1e-5, atol=1e-6)
-        model = SpiralClassifier(depth=3, width=5, shortcut=shortcut)
-        model.net.load_state_dict(net.state_dict())
+        model = SpiralClassifier(ResidualMLP(depth=3, width=5, shortcut=shortcut))
+        model.network.load_state_dict(net.state_dict())
         blocks = model.forward_intermediates(points, intermediates_only=True)
         assert len(blocks) == 3
         for got, want in zip(blocks, layers):
