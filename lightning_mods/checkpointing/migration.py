@@ -16,6 +16,7 @@ its ``written_by`` releases must be loaded once by a release before it and saved
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -113,7 +114,7 @@ def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     member = _network_member(checkpoint) or _renamed_network(checkpoint)
     applied = [member] if member else []
     hparams = checkpoint.get("hyper_parameters")
-    if isinstance(hparams, dict) and renamed_network_settings(hparams):
+    if isinstance(hparams, dict) and rename_network_settings(hparams):
         applied.append(MAE_IMG_SIZE.name)
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
@@ -149,8 +150,8 @@ def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
     0.1 MAE's or diffusion model's network settings move under ``init_args.network``; a 0.2
     classifier's ``backbone`` and a fine-tuning's ``encoder`` are their ``network``; an MAE network's
     ``image_size`` is its ``img_size``."""
-    model = _copied(model)
-    renamed_network_settings(model)
+    model = copy.deepcopy(model)
+    rename_network_settings(model)
     init = dict(model.get("init_args") or {})
     renamed = RENAMED_NETWORKS.get(str(model.get("class_path", "")))
     if renamed and any(old in init for old in renamed.settings):
@@ -188,18 +189,11 @@ def _network_member(checkpoint: dict[str, Any]) -> Optional[str]:
     network, own = split_settings(recipe, hparams)
     hparams.clear()
     hparams.update(own, network=network)
-    for field in MODULE_STATES:
-        state = checkpoint.get(field)
-        if isinstance(state, dict):
-            checkpoint[field] = {(f"network.{k[len(old):]}" if k.startswith(old) else k): v for k, v in state.items()}
+    _weights_under_network(checkpoint, old)
     return step.name
 
 
-def _copied(tree: Any) -> Any:
-    return {k: _copied(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-def network_settings_renamed(class_path: Any) -> dict[str, str]:
+def renamed_settings_of(class_path: Any) -> dict[str, str]:
     """``{old: new}`` of the settings a network class renamed (its own or its base class's)."""
     if not isinstance(class_path, str):
         return {}
@@ -218,20 +212,20 @@ def network_settings_renamed(class_path: Any) -> dict[str, str]:
     return {}
 
 
-def renamed_network_settings(tree: Any) -> bool:
+def rename_network_settings(tree: Any) -> bool:
     """:data:`MAE_IMG_SIZE`: every ``{"class_path", "init_args"}`` in ``tree`` (a checkpoint's
     hyper-parameters, a saved config) with its network's renamed settings under their new names,
     in place; whether any was renamed."""
     if not isinstance(tree, dict):
         return False
     changed = False
-    renamed = network_settings_renamed(tree.get("class_path"))
+    renamed = renamed_settings_of(tree.get("class_path"))
     init = tree.get("init_args")
     if renamed and isinstance(init, dict) and any(old in init for old in renamed):
         tree["init_args"] = {renamed.get(k, k): v for k, v in init.items()}
         changed = True
     for value in list(tree.values()):
-        changed = renamed_network_settings(value) or changed
+        changed = rename_network_settings(value) or changed
     return changed
 
 
@@ -250,13 +244,17 @@ def _renamed_network(checkpoint: dict[str, Any]) -> Optional[str]:
         renamed_settings = {renamed.settings.get(k, k): v for k, v in hparams.items()}
         hparams.clear()
         hparams.update(renamed_settings)
-        for field in MODULE_STATES:
-            state = checkpoint.get(field)
-            if isinstance(state, dict):
-                checkpoint[field] = {(f"network.{k[len(renamed.weights):]}" if k.startswith(renamed.weights) else k): v
-                                     for k, v in state.items()}
+        _weights_under_network(checkpoint, renamed.weights)
         return renamed.step.name
     return None
+
+
+def _weights_under_network(checkpoint: dict[str, Any], old: str) -> None:
+    """The weights (and EMA's training weights) whose names start with ``old`` under ``network.``."""
+    for field in MODULE_STATES:
+        state = checkpoint.get(field)
+        if isinstance(state, dict):
+            checkpoint[field] = {(f"network.{k[len(old):]}" if k.startswith(old) else k): v for k, v in state.items()}
 
 
 def effective_rank_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

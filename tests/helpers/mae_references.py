@@ -92,6 +92,18 @@ class _Encoder(nn.Module):
         self.decay = decays(depth, min_decay)
         self.patch_size = patch_size
 
+    def _decoder_blocks(self, img_size, patch_size, in_chans, decoder_embed_dim, decoder_depth, decoder_num_heads,
+                        mlp_ratio, norm_pix_loss):
+        """What both repositories' decoders share: fixed positions, the blocks, the norm, the pixel head."""
+        self.decoder_pos_embed = nn.Parameter(sincos_2d(decoder_embed_dim, img_size // patch_size),
+                                              requires_grad=False)
+        self.decoder_blocks = nn.ModuleList(
+            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True, norm_layer=LN6)
+            for _ in range(decoder_depth))
+        self.decoder_norm = LN6(decoder_embed_dim)
+        self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size ** 2 * in_chans)
+        self.norm_pix_loss = norm_pix_loss
+
     def encode(self, imgs, noise, mask_ratio):
         x = self.patch_embed(imgs) + self.pos_embed[:, 1:]
         x, mask, ids_restore = mask_by_noise(x, noise, mask_ratio)
@@ -122,14 +134,8 @@ class AuthorsMAE(_Encoder):
         self.skip = nn.ModuleList(SkipLayer(decoder_embed_dim, embed_dim) for _ in range(depth // 2))
         self.decoder_cls_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
         self.decoder_embed = nn.Linear(decoder_embed_dim, decoder_embed_dim)
-        self.decoder_pos_embed = nn.Parameter(sincos_2d(decoder_embed_dim, img_size // patch_size),
-                                              requires_grad=False)
-        self.decoder_blocks = nn.ModuleList(
-            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True, norm_layer=LN6)
-            for _ in range(decoder_depth))
-        self.decoder_norm = LN6(decoder_embed_dim)
-        self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size ** 2 * in_chans)
-        self.norm_pix_loss = norm_pix_loss
+        self._decoder_blocks(img_size, patch_size, in_chans, decoder_embed_dim, decoder_depth, decoder_num_heads,
+                             mlp_ratio, norm_pix_loss)
 
     def forward(self, imgs, noise, mask_ratio=0.75):
         outputs, mask, ids_restore = self.encode(imgs, noise, mask_ratio)
@@ -156,14 +162,8 @@ class OfficialMAE(_Encoder):
         self.norm = LN6(embed_dim)
         self.decoder_embed = nn.Linear(embed_dim, decoder_embed_dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
-        self.decoder_pos_embed = nn.Parameter(sincos_2d(decoder_embed_dim, img_size // patch_size),
-                                              requires_grad=False)
-        self.decoder_blocks = nn.ModuleList(
-            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True, norm_layer=LN6)
-            for _ in range(decoder_depth))
-        self.decoder_norm = LN6(decoder_embed_dim)
-        self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size ** 2 * in_chans)
-        self.norm_pix_loss = norm_pix_loss
+        self._decoder_blocks(img_size, patch_size, in_chans, decoder_embed_dim, decoder_depth, decoder_num_heads,
+                             mlp_ratio, norm_pix_loss)
 
     def forward(self, imgs, noise, mask_ratio=0.75):
         outputs, mask, ids_restore = self.encode(imgs, noise, mask_ratio)
