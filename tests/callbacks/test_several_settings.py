@@ -1,5 +1,5 @@
-"""Every measurement at several settings in one run (items 1, 2 and 6): kNN at a list of
-``k`` and online probes at a list of rates, each equal to the single-setting run; two instances of
+"""Every measurement at several settings in one run: kNN at a list of ``k``, each equal to the
+single-setting run (the probe's list of rates: test_probe_rates.py); two instances of
 every evaluation callback in one Trainer, with their own state keys and metric names; and the
 issue's command line (a second kNN on the quickstart) through the CLI."""
 from __future__ import annotations
@@ -62,22 +62,6 @@ def test_knn_list_of_k_logs_the_values_of_the_single_k_runs(tmp_path):
         alone = fit_tiny_with(tmp_path / f"k{k}", [KNNEvaluator(k=k)]).callback_metrics
         assert float(together[f"knn/top1@k={k}"]) == float(alone["knn/top1"]), k
         assert float(together[f"knn/top5@k={k}"]) == float(alone["knn/top5"]) if "knn/top5" in alone else True
-
-
-def test_probe_list_of_rates_trains_the_heads_of_the_single_rate_runs(tmp_path):
-    rates = [0.05, 0.01, 0.002]
-    data = TinyData(n_train=96, n_val=30, num_classes=4, spread=0.5)
-    many = OnlineLinearProbe(lr=rates, every_n_steps=1, max_samples=None)
-    together = fit_tiny_with(tmp_path / "all", [many], Passthrough(), data, max_epochs=3).callback_metrics
-    for i, lr in enumerate(rates):
-        one = OnlineLinearProbe(lr=lr, every_n_steps=1, max_samples=None)
-        alone = fit_tiny_with(tmp_path / f"lr{lr}", [one], Passthrough(), data, max_epochs=3).callback_metrics
-        for a, b in zip(many.heads[i].state_dict().values(), one.head.state_dict().values()):
-            assert torch.equal(a, b), lr
-        assert float(together[f"online_probe/val_top1@lr={lr:g}"]) == float(alone["online_probe/val_top1"])
-        assert float(together[f"online_probe/train_loss@lr={lr:g}"]) == float(alone["online_probe/train_loss"])
-    # and the rates did train different heads
-    assert not torch.equal(many.heads[0].linear.weight, many.heads[1].linear.weight)
 
 
 def test_two_of_each_callback_share_a_trainer_with_their_own_keys_and_names(tmp_path):
@@ -150,13 +134,6 @@ def test_a_checkpoint_keyed_by_the_class_name_restores_into_the_one_instance(tmp
 def test_bad_k_lists_and_names(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KNNEvaluator(**kwargs)
-
-
-@pytest.mark.parametrize("lr, message", [([], "lr must be > 0, a non-empty list"), ([0.1, 0.1], "lr lists a rate twice"),
-                                         ([0.1, -1.0], "lr must be > 0")])
-def test_bad_rate_lists(lr, message):
-    with pytest.raises(ValueError, match=f"OnlineLinearProbe: {message}"):
-        OnlineLinearProbe(lr=lr)
 
 
 @pytest.mark.slow

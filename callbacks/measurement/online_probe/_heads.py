@@ -1,7 +1,8 @@
 """The online probe's heads: one linear head per learning rate (and per chosen block), stacked by
-width and stepped together (:mod:`callbacks.measurement.online_probe._stacked_heads`), the feature replay, with one
-``state_dict`` in a per-head layout. :class:`callbacks.measurement.online_probe.OnlineLinearProbe`
-decides when they learn and logs what they score; this module is how they learn.
+width and stepped together (:mod:`callbacks.measurement.online_probe._stacked_heads`), each width's
+replay (:mod:`callbacks.measurement.online_probe.replay`), with one ``state_dict`` in a per-head
+layout. :class:`callbacks.measurement.online_probe.OnlineLinearProbe` decides when they learn and
+logs what they score; this module is how they learn.
 
 Heads are built lazily, when the first features say their width (or from ``feature_dim``); a
 state restored before that is kept and applied when they are built.
@@ -13,12 +14,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from callbacks._utils.distributed import all_reduce_sum
-from ._feature_replay import FeatureReplay
 from ._stacked_heads import StackedHeads
+from .replay import Batches, FeatureReplay, ReplaySweep
 from lightning_mods.evaluation._probe_head import ProbeHead
-from lightning_mods.evaluation import metric_names
-from lightning_mods.recipe._classification_steps import top_k_accuracy
 
 OWNER = "OnlineLinearProbe"
 FINAL = "features"  # the member key of the heads on forward_features (block heads: the block's number)
@@ -45,20 +43,16 @@ class OnlineProbeHeads:
 
     Args:
         num_classes, lrs, optimizer, momentum, batch_norm, seed: as the probe's settings.
-        every_n_steps: head steps per probe when replaying.
-        replay_samples: the replay's size (``None``: one step on the fresh samples alone).
-        head_batch: samples of each replayed head step (default ``replay_samples // every_n_steps``:
-            one sweep of the replay per probe).
+        sweep: how fresh samples become head steps through a replay (``None``: one step on the
+            fresh samples alone).
     """
 
     def __init__(self, num_classes: int, lrs: list[float], optimizer: str, momentum: float, batch_norm: bool,
-                 seed: int, every_n_steps: int, replay_samples: Optional[int], head_batch: Optional[int] = None,
-                 head_steps: Optional[int] = None) -> None:
+                 seed: int, sweep: Optional[ReplaySweep] = None) -> None:
         self.num_classes, self.lrs = int(num_classes), list(lrs)
         self.optimizer_name, self.momentum, self.batch_norm, self.seed = optimizer, momentum, batch_norm, seed
-        self.every_n_steps, self.replay_samples = every_n_steps, replay_samples
-        self.head_batch = head_batch or (replay_samples // every_n_steps if replay_samples else None)
-        self.head_steps = head_steps or every_n_steps
+        self.sweep = sweep
+        self.replay_samples = sweep.samples if sweep else None
         self.feature_dim: Optional[int] = None
         self.heads: list[ProbeHead] = []
         self.block_heads: dict[int, list[ProbeHead]] = {}  # per chosen block (1-based), one per rate
@@ -153,7 +147,7 @@ class OnlineProbeHeads:
             if any(s is None for s in saved):
                 continue
             states = [s for s in saved if s.get("features") is not None]
-            replay = FeatureReplay(self.replay_samples)
+            replay = self.sweep.new_replay()
             if states:
                 replay.load_state_dict({**states[0], "features": torch.cat([s["features"] for s in states], dim=1)},
                                        self.device)
@@ -183,29 +177,15 @@ class OnlineProbeHeads:
             side_by_side = torch.cat([inputs[m].detach() for m in group.members], dim=1) \
                 if len(group.members) > 1 else inputs[group.members[0]].detach()
             scored = group.members.index(FINAL) if FINAL in group.members else None
-            if self.replay_samples is None:
-                self._steps(group, [(side_by_side, labels)], scored, len(labels), sums)
+            if self.sweep is None:
+                batches: Batches = [(side_by_side, labels)]
             else:
-                self._steps(group, self._replayed(group, side_by_side, labels), scored, len(labels), sums)
+                if group.replay is None:
+                    group.replay = self.sweep.new_replay()
+                batches = self.sweep.batches(group.replay, side_by_side, labels)
+            self._steps(group, batches, scored, len(labels), sums)
         self.steps += 1
         return torch.stack(sums)
-
-    def _replayed(self, group: WidthGroup, side_by_side: torch.Tensor,
-                  labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Add the samples to the group's replay, then its sweep: ``every_n_steps`` batches of
-        ``head_batch`` samples, newest first, going round the replay again where they hold more
-        (:mod:`callbacks.measurement.online_probe._feature_replay`), chosen with one index per probe."""
-        if group.replay is None:
-            group.replay = FeatureReplay(self.replay_samples)
-        replay = group.replay
-        replay.add(side_by_side, labels)
-        size = self.head_batch
-        if replay.filled < size:  # the first probes: every step sweeps all there is
-            return [(replay.features.index_select(0, rows), replay.labels.index_select(0, rows))
-                    for rows in (replay.rows(i * size, size) for i in range(self.head_steps))]
-        rows = replay.rows(0, size * self.head_steps, wrap=True)
-        chosen, chosen_labels = replay.features.index_select(0, rows), replay.labels.index_select(0, rows)
-        return list(zip(chosen.split(size), chosen_labels.split(size)))
 
     def _steps(self, group: WidthGroup, batches: list[tuple[torch.Tensor, torch.Tensor]], scored: Optional[int],
                fresh: int, sums: list[Optional[torch.Tensor]]) -> None:
@@ -311,87 +291,3 @@ class OnlineProbeHeads:
                              f"for {sorted(self.block_heads)}")
         for block, entries in saved.items():
             self._load_member(int(block), self.block_heads[int(block)], entries)
-
-
-class ValidationScores:
-    """One validation epoch's top-1 of every head (and block head), and the blocks' mean feature
-    norms; torchmetrics counts, summed over ranks when read."""
-
-    def __init__(self, heads: OnlineProbeHeads) -> None:
-        self.heads, self.device = heads, heads.device
-        self.top1 = [self._accuracy() for _ in heads.lrs]
-        self.block_top1: dict[int, list] = {}
-        self.block_norm: dict[int, torch.Tensor] = {}
-        self.total = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.nonfinite = False
-        self._add_blocks(heads.block_heads)
-
-    def _accuracy(self) -> Any:
-        return top_k_accuracy(self.heads.num_classes, 1).to(self.device)
-
-    def _add_blocks(self, blocks: Any) -> None:
-        for block in blocks:
-            if block not in self.block_top1:
-                self.block_top1[block] = [self._accuracy() for _ in self.heads.lrs]
-                self.block_norm[block] = torch.zeros((), dtype=torch.float64, device=self.device)
-
-    def score(self, features: torch.Tensor, labels: torch.Tensor, blocks: dict[int, torch.Tensor]) -> None:
-        """Add one batch (this rank's samples, none twice) to the counts."""
-        self._add_blocks(blocks)  # heads restored from a checkpoint are built at their first batch
-        self.nonfinite = self.nonfinite or not bool(torch.isfinite(features).all())
-        if not len(labels):  # a batch of padding only: torchmetrics refuses empty updates
-            return
-        with torch.no_grad():
-            for head, accuracy in zip(self.heads.heads, self.top1):
-                head.eval()
-                accuracy.update(head(features), labels)
-            for block, block_features in blocks.items():
-                for head, accuracy in zip(self.heads.block_heads[block], self.block_top1[block]):
-                    head.eval()
-                    accuracy.update(head(block_features), labels)
-                self.block_norm[block] += block_features.double().norm(dim=1).sum()
-        self.total += len(labels)
-
-    def results(self, names: list[str]) -> tuple[bool, int, dict[str, float], dict[int, dict[str, float]]]:
-        """``(any non-finite feature, samples counted, {name: top-1}, {block: {name: top-1,
-        feature/norm}})`` over every rank (collectives: every rank calls it); NaN where a feature
-        was non-finite."""
-        nonfinite = bool(int(all_reduce_sum(torch.tensor([int(self.nonfinite)], device=self.device))))
-        total = int(all_reduce_sum(self.total))
-        if not total:
-            return nonfinite, 0, {}, {}
-
-        def read(accuracies: list) -> dict[str, float]:  # compute() sums the counts over ranks
-            return {name: float("nan") if nonfinite else accuracy.compute().item()
-                    for name, accuracy in zip(names, accuracies)}
-
-        blocks = {block: {**read(self.block_top1[block]),
-                          metric_names.FEATURE_NORM: float(all_reduce_sum(self.block_norm[block].view(1))) / total}
-                  for block in sorted(self.heads.block_heads)}
-        return nonfinite, total, read(self.top1), blocks
-
-
-def check_settings(optimizer: str, lr: Any, momentum: float, every_n_steps: int, max_samples: Optional[int],
-                   replay_samples: Optional[int], default_lr: dict[str, float]) -> list[Optional[float]]:
-    """The probe's head settings checked (a one-line ValueError naming the bad one); the rates."""
-    def whole(value: Any, least: int) -> bool:
-        return not isinstance(value, bool) and isinstance(value, int) and value >= least
-
-    if optimizer not in default_lr:
-        raise ValueError(f"{OWNER}: optimizer must be one of {tuple(default_lr)}, got {optimizer!r}")
-    rates = list(lr) if isinstance(lr, (list, tuple)) else [lr]
-    if not rates or (isinstance(lr, (list, tuple)) and None in rates) or any(
-            r is not None and (isinstance(r, bool) or not r > 0) for r in rates):
-        raise ValueError(f"{OWNER}: lr must be > 0, a non-empty list of rates > 0, or None, got {lr!r}")
-    if len(set(rates)) != len(rates):
-        raise ValueError(f"{OWNER}: lr lists a rate twice: {lr!r}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"{OWNER}: momentum must be in [0, 1), got {momentum!r}")
-    if not whole(every_n_steps, 1):
-        raise ValueError(f"{OWNER}: every_n_steps must be an integer >= 1, got {every_n_steps!r}")
-    if max_samples is not None and not whole(max_samples, 2):
-        raise ValueError(f"{OWNER}: max_samples must be an integer >= 2 or None, got {max_samples!r}")
-    if replay_samples is not None and not (whole(replay_samples, 2) and replay_samples // every_n_steps >= 2):
-        raise ValueError(f"{OWNER}: replay_samples must be None or an integer with at least 2 samples per head step "
-                         f"(replay_samples // every_n_steps >= 2), got {replay_samples!r}")
-    return rates

@@ -1,13 +1,13 @@
-"""The online probe's replay of recent features.
+"""Replay of recent features (a piece of the online probe).
 
 A probe that embeds a few images every few steps gets few fresh samples, and one head step on
 each handful leaves the head short of steps: after the quickstart's 100 epochs such a probe
 (32 images every 4th batch) was 7 points below the probe that embeds every full batch. Keeping
-the last ``capacity`` probed samples' features and sweeping them once per probe (one head step
+the last ``samples`` probed samples' features and sweeping them once per probe (one head step
 per training batch, as the every-batch probe takes) gives the head the every-batch probe's
-number of steps and batch size while the backbone embeds a fraction of the images (the
+number of steps and batch size while the network embeds a fraction of the images (the
 probe's defaults: 16 of 128 every 4th batch, 1/32). The features replayed are at most
-``capacity / samples per probe`` probes old.
+``samples / samples per probe`` probes old.
 
 The buffer lives on the heads' device and never reads back to the host: adding and choosing
 rows are index kernels, the row counts are known on the host.
@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class FeatureReplay:
@@ -78,3 +80,62 @@ class FeatureReplay:
         if self.features is not None:
             self.features, self.labels = self.features.to(device), self.labels.to(device)
         return self
+
+
+def _whole(value: Any, least: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
+class ReplaySweep:
+    """How a probe's fresh samples become its head steps: added to a :class:`FeatureReplay` of
+    ``samples`` rows, then ``head_steps`` steps of ``head_batch`` rows each, newest first, going
+    round the replay again where the steps ask for more rows than it holds.
+
+    Args:
+        samples: the replay's rows.
+        every_n_steps: the probe's cadence; ``head_batch`` defaults to ``samples // every_n_steps``
+            (one sweep of the replay per probe) and ``head_steps`` to ``every_n_steps`` (one head
+            step per training batch).
+    """
+
+    def __init__(self, samples: int, every_n_steps: int, head_batch: Optional[int] = None,
+                 head_steps: Optional[int] = None, owner: str = "OnlineLinearProbe") -> None:
+        if not (_whole(samples, 2) and samples // every_n_steps >= 2):
+            raise ValueError(f"{owner}: replay_samples must be None or an integer with at least 2 samples per head "
+                             f"step (replay_samples // every_n_steps >= 2), got {samples!r}")
+        if head_batch is not None and not (_whole(head_batch, 2) and head_batch <= samples):
+            raise ValueError(f"{owner}: head_batch must be None or an integer from 2 to replay_samples "
+                             f"({samples}), got {head_batch!r}")
+        if head_steps is not None and not _whole(head_steps, 1):
+            raise ValueError(f"{owner}: head_steps must be None or an integer >= 1 with a replay "
+                             f"(replay_samples {samples}), got {head_steps!r}")
+        self.samples = samples
+        self.head_batch = head_batch or samples // every_n_steps
+        self.head_steps = head_steps or every_n_steps
+
+    def new_replay(self) -> FeatureReplay:
+        return FeatureReplay(self.samples)
+
+    def batches(self, replay: FeatureReplay, features: torch.Tensor, labels: torch.Tensor) -> Batches:
+        """Add the fresh samples to ``replay``; the head steps' batches, chosen with one index per probe."""
+        replay.add(features, labels)
+        size = self.head_batch
+        if replay.filled < size:  # the first probes: every step sweeps all there is
+            return [(replay.features.index_select(0, rows), replay.labels.index_select(0, rows))
+                    for rows in (replay.rows(i * size, size) for i in range(self.head_steps))]
+        rows = replay.rows(0, size * self.head_steps, wrap=True)
+        chosen, chosen_labels = replay.features.index_select(0, rows), replay.labels.index_select(0, rows)
+        return list(zip(chosen.split(size), chosen_labels.split(size)))
+
+
+def replay_sweep(samples: Optional[int], every_n_steps: int, head_batch: Optional[int] = None,
+                 head_steps: Optional[int] = None, owner: str = "OnlineLinearProbe") -> Optional[ReplaySweep]:
+    """The sweep of a probe's settings; ``None`` without a replay (``samples`` None), where
+    ``head_batch`` and ``head_steps`` have nothing to sweep and are a one-line error."""
+    if samples is not None:
+        return ReplaySweep(samples, every_n_steps, head_batch, head_steps, owner)
+    if head_batch is not None:
+        raise ValueError(f"{owner}: head_batch must be None without a replay (replay_samples None), got {head_batch!r}")
+    if head_steps is not None:
+        raise ValueError(f"{owner}: head_steps must be None without a replay (replay_samples None), got {head_steps!r}")
+    return None

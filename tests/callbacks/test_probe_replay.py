@@ -1,4 +1,4 @@
-"""The online probe's feature replay (callbacks/measurement/online_probe/_feature_replay.py): the ring buffer's rows by age
+"""The online probe's replay (callbacks/measurement/online_probe/replay.py): the ring buffer's rows by age
 on hand-worked cases, its state round trip, and the probe's head steps on replayed rows
 against a float64 reference of the same SGD steps."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks.measurement.online_probe._feature_replay import FeatureReplay
+from callbacks.measurement.online_probe.replay import FeatureReplay, ReplaySweep
 from callbacks.measurement.online_probe import OnlineLinearProbe
 
 
@@ -64,15 +64,19 @@ def test_head_batch_and_head_steps_are_checked(settings):
 def test_head_batch_and_head_steps_sweep_the_replay_as_asked():
     """every_n_steps=4, replay of 8, head_batch 6, head_steps 2: the 8 samples added are swept by
     2 steps of 6 rows, ages 0-5 then 6, 7, 0, 1, 2, 3 (round the replay again)."""
-    from callbacks.measurement.online_probe._heads import OnlineProbeHeads
+    sweep = ReplaySweep(8, 4, head_batch=6, head_steps=2)
+    batches = sweep.batches(sweep.new_replay(), *numbered(list(range(8))))
+    assert [labels.tolist() for _, labels in batches] == [[7, 6, 5, 4, 3, 2], [1, 0, 7, 6, 5, 4]]
+    assert [features.view(-1).long().tolist() for features, _ in batches] == [[7, 6, 5, 4, 3, 2], [1, 0, 7, 6, 5, 4]]
 
-    heads = OnlineProbeHeads(8, [0.1], "sgd", 0.0, False, 0, 4, 8, head_batch=6, head_steps=2)
-    features, labels = numbered(list(range(8)))
-    seen = []
-    heads.build(1)
-    heads.groups[0].sets[0].step = lambda f, y, onehot, scored=None: seen.append(y.tolist()) or torch.zeros(3)
-    heads.learn(features, labels, {})
-    assert seen == [[7, 6, 5, 4, 3, 2], [1, 0, 7, 6, 5, 4]]
+
+def test_the_first_probes_sweep_all_there_is():
+    """Defaults (head_batch 8 // 2 = 4, head_steps 2) with 3 samples held: each step takes the 3,
+    the second from age 4 on (ages 4, 5, 6 modulo 3: samples 1, 0, 2)."""
+    sweep = ReplaySweep(8, 2)
+    assert (sweep.head_batch, sweep.head_steps) == (4, 2)
+    batches = sweep.batches(sweep.new_replay(), *numbered([0, 1, 2]))
+    assert [labels.tolist() for _, labels in batches] == [[2, 1, 0], [1, 0, 2]]
 
 
 def test_probe_settings_need_two_samples_per_replayed_step():
@@ -157,7 +161,7 @@ def test_samples_waiting_for_their_check_survive_a_checkpoint():
     assert probe.steps == restored.steps == 2
     for a, b in zip(probe.head.state_dict().values(), restored.head.state_dict().values()):
         assert torch.equal(a, b)
-    assert torch.equal(probe.replay.features, restored.replay.features)
+    assert torch.equal(probe.probe_heads.replay.features, restored.probe_heads.replay.features)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
