@@ -6,19 +6,19 @@
 Values that data and model must agree on (image size, channels, number of classes) are
 linked from the datamodule to the model (and set in the network a recipe is given, ``model.init_args.network``);
 a model that has no such argument ignores the link.
-The command's one-line errors are :mod:`commands.cli_errors`, the resolution of ``--ckpt_path``
-:mod:`commands._ckpt_resolution` and what it prints :mod:`commands._console`.
+The settings every run gets are :mod:`commands.cli_settings`, the checkpoint a command is given
+:mod:`commands.cli_checkpoint`, and what the command prints (its one-line errors included)
+:mod:`commands.cli_output`.
 
-Built on LightningCLI's public hooks (``init_parser``, ``add_default_arguments_to_parser``,
-``add_arguments_to_parser``, ``parse_arguments``, ``before/after_instantiate_classes``,
-``instantiate_classes``) but one private step, replaced through
-:mod:`lightning_mods._compat.lightning_private`: see
-:meth:`ShortcutLabCLI.check_ckpt_path_against_config`.
+Built on LightningCLI's public hooks (``init_parser``, ``add_arguments_to_parser``,
+``parse_arguments``, ``before_instantiate_classes``, ``after_instantiate_classes``,
+``after_fit``) but one private step, replaced through
+:mod:`lightning_mods._compat.lightning_private` (with the Lightning releases it was tested on):
+see :meth:`ShortcutLabCLI.check_ckpt_path_against_config`.
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import signal
 import sys
@@ -27,8 +27,6 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-import yaml
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -41,18 +39,16 @@ from commands.cli_settings import (CKPT_PATH_HELP, DATA_NAMES, DEFAULT_CALLBACKS
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    fill_network_from_data, linked_settings_given, network_by_name)
 from commands._run_config import RunConfig
-from commands._resume_logs import continue_logger_versions, merge_kept_metrics
-from commands._ckpt_resolution import check_ckpt_path, resolve_auto_ckpt_path, resolve_folder_ckpt_path
-from commands.cli_errors import BadInput, duplicate_callback_message, explain_parse_error, root_message
-from commands._console import (answer_repeated_samples_warning, answer_resume_warnings, expect_frozen_eval_modules,
-                              info_logs_to_stdout, silence_third_party_noise, warn_on_slow_precision)
+from commands.cli_checkpoint import (check_ckpt_path, check_weights_fit, continue_logger_versions, merge_kept_metrics,
+                                     model_of_checkpoint, resolve_auto_ckpt_path, resolve_folder_ckpt_path)
+from commands.cli_output import (BadInput, answer_repeated_samples_warning, answer_resume_warnings,
+                                 duplicate_callback_message, expect_frozen_eval_modules, explain_parse_error,
+                                 info_logs_to_stdout, root_message, silence_third_party_noise, warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.reliability.preemption import received_signal
 from lightning_mods.checkpointing import atomic_files
-from lightning_mods.checkpointing.rebuild import (canonical_class_path, checkpoint_model_config, conflict_message,
-                                                  flat_settings, import_path, setting_conflicts,
-                                                  state_dict_mismatch)
+from lightning_mods.checkpointing.rebuild import import_path
 from lightning_mods._compat import lightning_private
 
 
@@ -73,6 +69,10 @@ class ShortcutLabCLI(LightningCLI):
         parser.add_argument("--checkpoint_every_n_epochs", type=Optional[PositiveInt], default=None,
                             help="every_n_epochs of the ModelCheckpoint callbacks in trainer.callbacks "
                                  "except the every-epoch resume point (EpochResumePoint); null: as the config says")
+        parser.add_argument(
+            "--replace_module_optimizer", type=bool, default=False,
+            help="Let --optimizer (and --lr_scheduler) replace the model's own configure_optimizers recipe "
+                 "(its parameter groups, learning-rate scaling and schedule). Without it --optimizer is an error.")
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, args)
         """Lightning's parsing; with raising parsers (``console_main``) a parse error becomes one
@@ -100,13 +100,6 @@ class ShortcutLabCLI(LightningCLI):
             self.built_parsers: list[LightningArgumentParser] = []
         self.built_parsers.append(parser)  # the main parser, then one per subcommand
         return parser
-
-    def add_default_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        super().add_default_arguments_to_parser(parser)
-        parser.add_argument(
-            "--replace_module_optimizer", type=bool, default=False,
-            help="Let --optimizer (and --lr_scheduler) replace the model's own configure_optimizers recipe "
-                 "(its parameter groups, learning-rate scaling and schedule). Without it --optimizer is an error.")
 
     def option_names(self) -> list[str]:
         """The ``--options`` of the subcommands (all alike but for a few ``Trainer`` method
@@ -141,6 +134,8 @@ class ShortcutLabCLI(LightningCLI):
             f"with {_describe(optimizer)} {schedule}, in one group: the module's own parameter groups (no weight "
             "decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, and the model "
             "settings they read, do not apply", category=UserWarning)
+        # Lightning's own warning says less (that configure_optimizers is overridden): said once, above
+        warnings.filterwarnings("ignore", message=r"`\w+\.configure_optimizers` will be overridden by")
 
     def check_ckpt_path_against_config(self) -> None:
         """The model is the network that wrote ``--ckpt_path``: Lightning's version (the
@@ -161,61 +156,14 @@ class ShortcutLabCLI(LightningCLI):
         test_ckpt_path_of_another_class_is_a_one_line_error`` fails then.
         """
         self._ckpt_weights: Optional[tuple[str, dict]] = None
-        if not self.config.get("subcommand"):
-            return
-        subcommand = self.config.subcommand
-        ckpt_path = self.config[subcommand].get("ckpt_path")
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not ckpt_path or not Path(ckpt_path).is_file():
             return
         ckpt = getattr(self, "_checked_ckpt", None) or check_ckpt_path(ckpt_path)
         self._checked_ckpt = None
-        given = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_unset=False))
-        given = (given.get(subcommand) or {}).get("model") or {}
-        # a checkpoint written outside the CLI (Trainer.fit in Python) names no class: the
-        # config's class is taken, and its settings and then its weights must still agree
-        written = checkpoint_model_config(ckpt, ckpt_path, class_path=given.get("class_path"))
-        if canonical_class_path(given.get("class_path")) != canonical_class_path(written["class_path"]):
-            raise ValueError(f"--ckpt_path: {ckpt_path!r} is a checkpoint of {written['class_path']}, the model is "
-                             f"{given.get('class_path')}; give the config the checkpoint was trained with")
-        # settings of inference (a diffusion model's sampler, steps, guidance) are not weights: a value the
-        # config sets (other than the class's default) wins over the checkpoint's
-        cls = import_path(canonical_class_path(written["class_path"]))
-        free = set(getattr(cls, "inference_settings", ()))
-        settings = {k: v for k, v in flat_settings(given).items()  # the data's values: checked once it is built
-                    if k.removeprefix("network.").split(".")[0] not in (*LINKED_FROM_DATA, *DATA_NAMES)
-                    and k.split(".")[0] not in free}
-        conflicts = setting_conflicts(settings, flat_settings(written))
-        if conflicts:
-            raise ValueError(conflict_message(conflicts, "--ckpt_path: model.", ckpt_path, "in the config")
-                             + "; the checkpoint's network is rebuilt from its own settings: drop or match them")
-        self._ckpt_weights = (ckpt_path, {k: v for k, v in ckpt["state_dict"].items() if isinstance(v, torch.Tensor)})
-        given_init = {**(given.get("init_args") or {}), **(given.get("dict_kwargs") or {})}
-        defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
-        init = {**written["init_args"], **{k: given_init[k] for k in free
-                                           if k in given_init and given_init[k] != defaults.get(k)}}
-        model = {"class_path": written["class_path"], "dict_kwargs": init}
-        try:
-            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
-        except SystemExit:
-            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
-            raise
-
-    def instantiate_classes(self) -> None:
-        with warnings.catch_warnings():
-            # said once, with what no longer applies, by check_optimizer_override
-            warnings.filterwarnings("ignore", message=r"`\w+\.configure_optimizers` will be overridden by")
-            try:
-                super().instantiate_classes()
-            except RuntimeError as err:
-                raise duplicate_callback_message(err) or err
-        if getattr(self, "_ckpt_weights", None) is not None:
-            # links from the data (image size, channels, classes) can still give other shapes
-            ckpt_path, state = self._ckpt_weights
-            self._ckpt_weights = None
-            mismatch = state_dict_mismatch(self.model, state)
-            if mismatch is not None:
-                raise ValueError(f"--ckpt_path: {ckpt_path!r} does not fit the model: {mismatch}; give the config "
-                                 "(data included) the checkpoint was trained with")
+        self.config, weights = model_of_checkpoint(self.parser, self.config, subcommand, ckpt, ckpt_path)
+        self._ckpt_weights = (ckpt_path, weights)
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
@@ -231,6 +179,10 @@ class ShortcutLabCLI(LightningCLI):
             trainer_cfg["callbacks"] = [c for c in trainer_cfg["callbacks"] if not is_progress_bar(c)]
 
     def after_instantiate_classes(self) -> None:
+        if getattr(self, "_ckpt_weights", None) is not None:
+            ckpt_path, state = self._ckpt_weights
+            self._ckpt_weights = None
+            check_weights_fit(self.model, ckpt_path, state)
         for name, given in getattr(self, "_linked_settings", {}).items():
             attribute = DATA_NAMES.get(name.rpartition(".")[2], name.rpartition(".")[2])  # the data's name of it
             from_data = getattr(self.datamodule, attribute, None)
@@ -247,15 +199,11 @@ class ShortcutLabCLI(LightningCLI):
         add_required_callbacks(self.trainer)
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
-
-    def check_data_files(self) -> None:
-        """The data is there before the trainer runs: in the launching process, which a DDP run
-        would otherwise follow by starting every other process before any of them reads the data."""
+        # the data is there before the trainer runs: in the launching process, which a DDP run would
+        # otherwise follow by starting every other process before any of them reads the data
         check = getattr(self.datamodule, "check_files", None)
-        if callable(check) and not getattr(self.datamodule, "download", False):
+        if self.subcommand and callable(check) and not getattr(self.datamodule, "download", False):
             check()
-
-    before_fit = before_validate = before_test = before_predict = check_data_files
 
     def after_fit(self) -> None:
         merge_kept_metrics(getattr(self, "_kept_metrics", []))
@@ -281,10 +229,8 @@ class _Parsed(Exception):
 
 
 class _ParseOnlyCLI(ShortcutLabCLI):
-    def _set_seed(self) -> None:  # no global RNG draw in the checking process
-        pass
-
-    def before_instantiate_classes(self) -> None:
+    def check_ckpt_path_against_config(self) -> None:  # the last check: stop before the seed (an RNG draw)
+        super().check_ckpt_path_against_config()
         raise _Parsed(self)
 
 
@@ -309,7 +255,6 @@ class ArgumentChecker:
                 else:  # LightningCLI.__init__'s steps after the parser is built
                     self._cli.parse_arguments(self._cli.parser, list(args))
                     self._cli.check_ckpt_path_against_config()
-                    self._cli.before_instantiate_classes()
             except _Parsed as parsed:
                 self._cli = parsed.cli
                 return None
@@ -335,6 +280,8 @@ def run_reporting_stops(args: Optional[list[str]] = None, **main_kwargs: Any) ->
             raise
         print(f"shortcutlab: error: {err}", file=sys.stderr)
         sys.exit(exit_statuses.DIVERGED)
+    except RuntimeError as err:  # Lightning's refusal of two callbacks with one state_key: one line
+        raise duplicate_callback_message(err) or err
     except SIGTERMException:
         sys.exit(exit_statuses.stopped_by(received_signal() or signal.SIGTERM))
 
@@ -389,7 +336,7 @@ def end_process_group() -> None:
             dist.destroy_process_group()
 
 
-lightning_private.override_parse_ckpt_path(ShortcutLabCLI, ShortcutLabCLI.check_ckpt_path_against_config)
+lightning_private.override_parse_ckpt_path(ShortcutLabCLI, lambda cli: cli.check_ckpt_path_against_config())
 
 if __name__ == "__main__":
     console_main()

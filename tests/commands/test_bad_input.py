@@ -254,7 +254,7 @@ def test_a_wrong_data_dir_is_found_before_any_process_starts(tmp_path, monkeypat
 
 def test_the_network_hint_names_only_a_key_the_network_takes():
     """An unknown recipe key is pointed at the network only when a network of the recipe takes it."""
-    from commands.cli_errors import network_takes
+    from commands.cli_output import network_takes
 
     assert network_takes("lightning_mods.mae.MaskedAutoencoder", "embed_dim")
     assert network_takes("lightning_mods.diffusion.DiffusionModule", "img_size")

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from commands import _console as console
+from commands import cli_output as console
 from commands import lightning_cli as cli
 from lightning_mods.linear_probe import LinearProbe, load_checkpoint_state_dict
 from lightning_mods.mae import MaskedAutoencoder

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from commands._console import expect_frozen_eval_modules, frozen_eval_mode_count, silence_third_party_noise
+from commands.cli_output import expect_frozen_eval_modules, frozen_eval_mode_count, silence_third_party_noise
 
 REPO = Path(__file__).resolve().parents[2]
 NOISE = ("💡 Tip", "Trainer already configured with model summary callbacks", "to estimate number of stepping batches",
@@ -97,7 +97,7 @@ def test_a_short_probe_fit_prints_no_third_party_noise(tmp_path):
 def test_the_repeated_samples_warning_is_answered_only_for_models_that_leave_repeats_out():
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-    from commands._console import answer_repeated_samples_warning
+    from commands.cli_output import answer_repeated_samples_warning
     from lightning_mods.backbone.residual_mlp import ResidualMLP
     from lightning_mods.spiral_classifier import SpiralClassifier
 

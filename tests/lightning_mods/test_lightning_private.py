@@ -112,3 +112,18 @@ def test_the_installed_lightning_is_reported_as_it_is():
     """On the installed release the warning is there exactly when it is not in the tested list."""
     version = lightning.__version__.split("+")[0]
     assert (lightning_private.untested_lightning_warning() is None) == (version in lightning_private.TESTED_LIGHTNING)
+
+
+def test_every_private_use_names_what_it_reaches_and_the_releases_it_was_tested_on():
+    """Each function of the fence says which private attribute it reaches and on which Lightning
+    releases its tests passed; the releases said overall are those every use passed on."""
+    import inspect
+
+    functions = {name for name, f in inspect.getmembers(lightning_private, inspect.isfunction)
+                 if f.__module__ == lightning_private.__name__}
+    assert functions - {"reaches", "untested_lightning_warning"} == set(lightning_private.PRIVATE_USES)
+    for name, (private, tested_on) in lightning_private.PRIVATE_USES.items():
+        assert "._" in private or "_" in private.split(".")[-1][:1], (name, private)
+        assert tested_on and all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in tested_on), name
+    common = set.intersection(*(set(t) for _, t in lightning_private.PRIVATE_USES.values()))
+    assert set(lightning_private.TESTED_LIGHTNING) == common
