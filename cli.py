@@ -6,6 +6,7 @@
     shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents / sort-imagenet-val
     shortcutlab score-bank FOLDER --k 10 20 100 200         # a saved kNN bank at other settings
     shortcutlab export CHECKPOINT FOLDER                    # the network in timm's hub layout
+    shortcutlab shards SOURCE DEST                          # ImageNet as streaming chunks (litdata)
 
 Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the others each have a
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
@@ -83,6 +84,8 @@ COMMANDS = {
     "probe-diffusion": ("commands.probe_diffusion", "linear probe / kNN of a diffusion model's blocks per noise level"),
     "encode-latents": ("commands.encode_latents", "encode a dataset with the frozen VAE for latent diffusion"),
     "sort-imagenet-val": ("commands.sort_imagenet_val", "sort ImageNet's validation images into class folders"),
+    "shards": ("commands.shards", "convert an ImageFolder tree (ImageNet) into streaming chunks read from local disk, a "
+                                  "shared filesystem or object storage"),
 }
 # LightningCLI's subcommands (Trainer methods)
 TRAINING = {

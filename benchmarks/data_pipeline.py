@@ -12,6 +12,10 @@ loader worker does per image (collation and the host-to-device copy excluded).
 The step rate assumed: Zhang et al. (shared/papers, section 4.1) trained the ViT-B MAE on
 ImageNet-1K (1,281,167 images) for 800 epochs in 200 hours on 4 NVIDIA A40 GPUs:
 1,423 images/s in all, 356 per GPU. A faster GPU needs proportionally more workers.
+
+The same JPEGs converted by ``shortcutlab shards`` (a few chunk files instead of a file an image)
+are read through the same train dataset from the chunks: their images/s against the folder's,
+and the number of files each holds.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from datamodules.imagenet import ImageNet
+from commands import shards
+from datamodules.imagenet import ImageNet, read_rgb_tensor
 
 from .official_loops import mae_loader
 from .settings import Settings
@@ -52,6 +57,19 @@ def write_jpeg_folder(root: str, per_class: int, seed: int = 0, names: tuple[str
                 Image.fromarray(pixels).save(os.path.join(folder, f"{i}.JPEG"), quality=90)
 
 
+class DecodedOnly(torch.utils.data.Dataset):
+    """``read(source)`` of each ``(source, label)`` sample: reading and decoding without a transform."""
+
+    def __init__(self, samples: torch.utils.data.Dataset, read) -> None:  # noqa: ANN001 (a loader)
+        self.samples, self.read = samples, read
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.read(self.samples[index][0])
+
+
 def images_per_second(dataset: torch.utils.data.Dataset, passes: int) -> float:
     start = time.perf_counter()
     for _ in range(passes):
@@ -73,6 +91,17 @@ def run(settings: Settings) -> list[Row]:
                 data.setup("fit")
                 datasets[decoder] = data.train_dataset
             datasets["official"] = mae_loader(Path(root) / "train", 224, 1, 0).dataset
+            converted = os.path.join(root, "shards")
+            shards.main([root, converted, "--num_workers", "1", "--no_progress", "--chunk_bytes", "16MB"])
+            data = ImageNet(data_dir=converted, num_classes=2, image_size=224)
+            data.setup("fit")
+            datasets["chunks"] = data.train_dataset
+            # decoding alone (read + decode_image to RGB, no transform): what the storage changes
+            datasets["decoded, folder"] = DecodedOnly(datasets["torchvision"].samples.samples, read_rgb_tensor)
+            datasets["decoded, chunks"] = DecodedOnly(data.train_dataset.samples.samples, read_rgb_tensor)
+            files = {"folder": sum(len(f) for _, _, f in os.walk(os.path.join(root, "train"))) +
+                     sum(len(f) for _, _, f in os.walk(os.path.join(root, "val"))),
+                     "chunks": sum(len(f) for _, _, f in os.walk(converted))}
             for dataset in datasets.values():
                 dataset[0]  # warm-up: first-call costs out of the timing
             rates: dict[str, list[float]] = {name: [] for name in datasets}
@@ -92,6 +121,16 @@ def run(settings: Settings) -> list[Row]:
         ratio_row(SECTION, f"default decoder ({default}) / the other, images/s",
                   [(a / b if default == "torchvision" else b / a) for a, b in zip(rates["torchvision"], rates["pil"])],
                   ">= 1.00", "the faster decoder is ImageNet's default"),
+        ratio_row(SECTION, "images decoded per second from chunks (shortcutlab shards) / from the ImageFolder",
+                  [a / b for a, b in zip(rates["decoded, chunks"], rates["decoded, folder"])], ">= 1.00",
+                  "the same JPEGs read and decoded to RGB (torchvision decode_image), no transform"),
+        ratio_row(SECTION, "images/s per worker from chunks / from the ImageFolder, with the train transform",
+                  [a / b for a, b in zip(rates["chunks"], rates["torchvision"])], None,
+                  "the same JPEG bytes, decoder and 224 px transform; read from litdata chunk files"),
+        Row(SECTION, "files holding the train and val images: ImageFolder / chunks (shortcutlab shards)",
+            files["folder"] / files["chunks"], files["folder"] / files["chunks"], None, "x",
+            f"{files['folder']} image files against {files['chunks']} chunk and index files (ImageNet-1K: "
+            "1,331,167 files against about 2,300 chunks of 64 MB)"),
         ratio_row(SECTION, "images/s per worker, facebookresearch/mae's pipeline (PIL ImageFolder + transforms)",
                   rates["official"], None, "RandomResizedCrop(224, (0.2, 1), bicubic), flip, ToTensor, Normalize",
                   unit="img/s"),

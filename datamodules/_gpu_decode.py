@@ -22,9 +22,10 @@ from typing import Any, Callable, Sequence
 import torch
 from PIL import Image
 from torchvision import transforms
-from torchvision.io import ImageReadMode, decode_jpeg, read_file
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules._batched_resized_crop import pad_images, resized_crops
+from datamodules._stored_image import ImageSource, image_bytes, open_image
 
 GPU_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG decodes to RGB
 
@@ -73,14 +74,14 @@ class EncodedCrop:
         self.scale, self.ratio, self.horizontal_flip = list(scale), list(ratio), horizontal_flip
         self.read_pixels = read_pixels
 
-    def __call__(self, path: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def __call__(self, path: ImageSource) -> tuple[torch.Tensor, torch.Tensor, bool]:
         try:
-            with Image.open(path) as header:  # the size and mode only: nothing decoded
+            with open_image(path) as f, Image.open(f) as header:  # the size and mode only: nothing decoded
                 size, decodable = header.size, header.format == "JPEG" and header.mode in GPU_DECODABLE_MODES
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
             self.read_pixels(path)  # raises the dataset's one-line error naming the file
             raise
-        data = read_file(path) if decodable else self.read_pixels(path)
+        data = image_bytes(path) if decodable else self.read_pixels(path)
         width, height = size
         shape_only = torch.empty(1, 1, 1).expand(1, height, width)  # get_params reads the size alone
         box = transforms.RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)

@@ -1,7 +1,11 @@
-"""ImageNet-1K and its ImageNet-100 subset from class folders (the decay paper, section 4, data and evaluation).
+"""ImageNet-1K and its ImageNet-100 subset from class folders or their conversion to chunks (the
+decay paper, section 4, data and evaluation).
 
 Layout: ``data_dir/train/<wnid>/<image>`` and ``data_dir/val/<wnid>/<image>`` (the usual
-ImageFolder layout; the official val images must be sorted into class folders first).
+ImageFolder layout; the official val images must be sorted into class folders first), or a
+conversion of that tree by ``shortcutlab shards`` (a folder or an object-storage URI: the same
+images from a few large files, :mod:`datamodules.streamed_images`; its class list must be the
+one asked for).
 ``class_list`` is a text file with one wnid per line (blank lines ignored): only those classes
 are used, labelled 0..n-1 in the file's order (ImageNet-100 is such a list of 100 wnids).
 Without it every class folder is used, labelled in sorted order, and their count must equal
@@ -23,11 +27,14 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.functional import pil_to_tensor
 
 from datamodules.base import ImageDataModule
 from datamodules._gpu_decode import EncodedCrop, collate_encoded, transfer_encoded
+from datamodules._stored_image import ImageSource, image_bytes, image_name, is_empty, open_image
+from datamodules.streamed_images import (SPLITS, Conversion, StreamedSplit, is_conversion, read_conversion,
+                                         split_location)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -57,30 +64,62 @@ class CorruptImageError(ValueError):
     """An image file that PIL cannot decode; the message names the file (one line)."""
 
 
-def read_rgb_image(path: str) -> Image.Image:
-    """The RGB image at ``path``, fully decoded; a :class:`CorruptImageError` if it cannot be."""
+def read_rgb_image(source: ImageSource) -> Image.Image:
+    """The RGB image of a file (or a converted dataset's :class:`StoredImage`), fully decoded; a
+    :class:`CorruptImageError` naming it if it cannot be."""
     try:
-        with open(path, "rb") as f:
+        with open_image(source) as f:
             return Image.open(f).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        raise CorruptImageError(f"ImageNet: cannot read image '{path}' ({'empty file' if size == 0 else reason}); "
+        raise CorruptImageError(f"ImageNet: cannot read image '{image_name(source)}' "
+                                f"({'empty file' if is_empty(source) else reason}); "
                                 "set data.init_args.skip_corrupt=true to skip such files") from None
 
 
-def read_rgb_tensor(path: str) -> torch.Tensor:
-    """The RGB image at ``path`` as a ``3 x H x W`` uint8 tensor, decoded by torchvision (libjpeg-turbo
-    for JPEG: about twice PIL's rate with the train transform, ``benchmarks/data_pipeline.py``);
-    a file torchvision cannot decode goes through PIL (:func:`read_rgb_image`), which names it
-    in a :class:`CorruptImageError` if it cannot either."""
+def read_rgb_tensor(source: ImageSource) -> torch.Tensor:
+    """The RGB image of a file (or :class:`StoredImage`) as a ``3 x H x W`` uint8 tensor, decoded by
+    torchvision (libjpeg-turbo for JPEG: about twice PIL's rate with the train transform,
+    ``benchmarks/data_pipeline.py``); what torchvision cannot decode goes through PIL
+    (:func:`read_rgb_image`), which names it in a :class:`CorruptImageError` if it cannot either."""
     try:
-        return decode_image(read_file(path), mode=ImageReadMode.RGB)
+        return decode_image(image_bytes(source), mode=ImageReadMode.RGB)
     except (RuntimeError, ValueError):
-        return pil_to_tensor(read_rgb_image(path))
+        return pil_to_tensor(read_rgb_image(source))
 
 
 DECODERS = {"torchvision": read_rgb_tensor, "pil": read_rgb_image}
+
+
+def first_readable(read: Callable[[int], Any], index: int, count: int, skip_corrupt: bool, where: str) -> Any:
+    """``read(index)``; with ``skip_corrupt`` an unreadable image is replaced, with a warning, by the
+    next readable one (so batch sizes and epoch length stay the same)."""
+    for offset in range(count):
+        try:
+            return read((index + offset) % count)
+        except CorruptImageError as err:
+            if not skip_corrupt:
+                raise
+            warnings.warn(f"{str(err).split('; set data')[0]}; skipped, using the next readable image", stacklevel=3)
+    raise CorruptImageError(f"ImageNet: no readable image under '{where}'")
+
+
+class StreamedImages(Dataset):
+    """A converted split's images decoded by ``loader`` (as :class:`SelectedClassFolder` does a
+    folder's), with the same ``skip_corrupt``."""
+
+    def __init__(self, samples: StreamedSplit, loader: Callable[[ImageSource], Any], skip_corrupt: bool = False) -> None:
+        self.samples, self.loader, self.skip_corrupt = samples, loader, skip_corrupt
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _read(self, index: int) -> tuple[Any, int]:
+        source, label = self.samples[index]
+        return self.loader(source), label
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return first_readable(self._read, index, len(self), self.skip_corrupt, self.samples.root)
 
 
 class SelectedClassFolder(ImageFolder):
@@ -96,15 +135,7 @@ class SelectedClassFolder(ImageFolder):
         super().__init__(root, loader=loader)
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
-        for offset in range(len(self)):
-            try:
-                return super().__getitem__((index + offset) % len(self))
-            except CorruptImageError as err:
-                if not self.skip_corrupt:
-                    raise
-                warnings.warn(f"{str(err).split('; set data')[0]}; skipped, using the next readable image",
-                              stacklevel=2)
-        raise CorruptImageError(f"ImageNet: no readable image under '{self.root}'")
+        return first_readable(super().__getitem__, index, len(self), self.skip_corrupt, self.root)
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         present = set(subfolders(directory))
@@ -137,7 +168,8 @@ class ImageNet(ImageDataModule):
     """ImageNet-1K (or the ``class_list`` subset, e.g. ImageNet-100) from class folders.
 
     Args:
-        data_dir: folder holding ``train/`` and ``val/`` class folders.
+        data_dir: folder holding ``train/`` and ``val/`` class folders, or a conversion of them
+            (``shortcutlab shards``): its folder, or the URI it was copied to (``s3://...``).
         class_list: text file of the wnids to use, one per line (None: every class folder).
         num_classes: number of classes (None: the class list's length, else 1000); checked
             against the folders in ``setup``.
@@ -155,6 +187,8 @@ class ImageNet(ImageDataModule):
             (``datamodules._decode_ahead``); ``False``: decode each batch when the loop moves it.
         num_workers: loader workers per process (default: from the host's cores, :func:`host_workers`).
         pin_memory: default on (page-locked batches; applied only when they go to a CUDA device).
+        cache_dir: where a conversion's chunks read from object storage are kept (None: litdata's
+            default); max_cache_size: the most they may take (e.g. ``"100GB"``).
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
         centre-crops.
     """
@@ -172,7 +206,8 @@ class ImageNet(ImageDataModule):
                  pin_memory: bool = True, drop_last_train: bool = True,
                  persistent_workers: bool = True, rand_augment: str | None = None,
                  random_erasing: float = 0.0, skip_corrupt: bool = False,
-                 decoder: Literal["torchvision", "pil", "gpu"] = "torchvision", decode_ahead: bool = True) -> None:
+                 decoder: Literal["torchvision", "pil", "gpu"] = "torchvision", decode_ahead: bool = True,
+                 cache_dir: str | None = None, max_cache_size: str = "100GB") -> None:
         if decoder not in (*DECODERS, "gpu"):
             raise ValueError(f"ImageNet: decoder must be one of {(*DECODERS, 'gpu')}, got {decoder!r}")
         if decoder == "gpu" and (rand_augment is not None or not train_augmentation):
@@ -196,6 +231,8 @@ class ImageNet(ImageDataModule):
         self.skip_corrupt = skip_corrupt
         self.decoder = decoder
         self.decode_ahead = decode_ahead
+        self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        self._conversions: dict[str, Conversion] = {}
         self.workers_from_host = num_workers is None  # set in setup, once the processes per host are known
         self.classes: list[str] | None = classes
         self.class_names = classes  # the wnids, when a class list names them
@@ -209,10 +246,25 @@ class ImageNet(ImageDataModule):
         super().setup(stage)
 
     def check_files(self) -> None:
-        """One-line ``FileNotFoundError`` unless both splits have class folders (the CLI asks before
-        it starts any process)."""
+        """One-line error unless both splits have class folders, or are a finished conversion of the
+        classes asked for (the CLI asks before it starts any process)."""
+        if self.streamed:
+            self.resolve_classes()
+            return
         for train in (True, False):
             self.class_folders(train)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether ``data_dir`` is a conversion (``shortcutlab shards``) rather than class folders."""
+        return is_conversion(str(self.data_dir))
+
+    def conversion(self, train: bool) -> Conversion:
+        """The converted split, read (and checked) once."""
+        split = SPLITS[0] if train else SPLITS[1]
+        if split not in self._conversions:
+            self._conversions[split] = read_conversion(split_location(str(self.data_dir), split), self.cache_dir)
+        return self._conversions[split]
 
     def split_dir(self, train: bool) -> str:
         return os.path.join(str(self.data_dir), "train" if train else "val")
@@ -228,7 +280,10 @@ class ImageNet(ImageDataModule):
         return found
 
     def resolve_classes(self) -> list[str]:
-        """The classes in label order: the class list, or every train class folder (sorted)."""
+        """The classes in label order: the class list, or every train class folder (sorted); for a
+        conversion, its classes, which must be those asked for."""
+        if self.streamed:
+            return self._conversion_classes()
         if self.classes is None:
             found = self.class_folders(train=True)
             if len(found) != self.num_classes:
@@ -236,6 +291,23 @@ class ImageNet(ImageDataModule):
                                  f"{len(found)} class folders; set num_classes or class_list")
             self.classes = found
         return self.classes
+
+    def _conversion_classes(self) -> list[str]:
+        found = [self.conversion(train).classes for train in (True, False)]
+        if found[0] != found[1]:
+            raise ValueError(f"ImageNet: the conversion at '{self.data_dir}' has other classes in train and val")
+        converted = found[0]
+        if self.classes is not None and converted != self.classes:
+            differ = "the same classes in another order" if sorted(converted) == sorted(self.classes) else \
+                f"{len(converted)} classes"
+            raise ValueError(f"ImageNet: the conversion at '{self.data_dir}' holds {differ}, class_list "
+                             f"'{self.class_list}' names {len(self.classes)}; convert with that class list "
+                             "(shortcutlab shards --class_list) or use the conversion's")
+        if self.classes is None and len(converted) != self.num_classes:
+            raise ValueError(f"ImageNet: num_classes={self.num_classes} but the conversion at '{self.data_dir}' holds "
+                             f"{len(converted)} classes; set num_classes or class_list")
+        self.classes = converted
+        return converted
 
     def make_train_datasets(self) -> tuple[Dataset, Dataset]:
         if self.decoder != "gpu":
@@ -264,8 +336,11 @@ class ImageNet(ImageDataModule):
 
     def load_split(self, train: bool) -> Dataset:
         classes = self.resolve_classes()
-        self.class_folders(train)
         decoder = DECODERS["torchvision" if self.decoder == "gpu" else self.decoder]
+        if self.streamed:
+            return StreamedImages(StreamedSplit(self.conversion(train), self.cache_dir, self.max_cache_size), decoder,
+                                  self.skip_corrupt)
+        self.class_folders(train)
         try:
             return SelectedClassFolder(self.split_dir(train), classes, skip_corrupt=self.skip_corrupt,
                                        loader=decoder)

@@ -1,0 +1,205 @@
+"""ImageNet converted to chunks (commands/shards.py) and read back (datamodules/streamed_images.py):
+the conversion keeps every file's bytes and label, in order (checked against the files); a second
+run does nothing and an interrupted one finishes with the uninterrupted conversion; the datamodule
+gives the ImageFolder's samples, pixels, batches and sample counts from it on every decode path;
+bad conversions are one line each."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from commands import shards
+from datamodules.imagenet import ImageNet
+from datamodules.streamed_images import StreamedSplit, read_conversion
+from conftest import IMAGENET_TEST_CLASSES, make_class_list, make_imagefolder
+
+SMALL = ["--num_workers", "1", "--part_size", "3", "--chunk_bytes", "16KB", "--no_progress"]
+
+
+def convert(source: Path, dest: Path, *extra: str) -> None:
+    shards.main([str(source), str(dest), *SMALL, *extra])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("imagefolder")
+    make_imagefolder(root, IMAGENET_TEST_CLASSES, n_per_class=5)  # image 0 of a class a PNG, the rest JPEGs
+    return root
+
+
+@pytest.fixture(scope="module")
+def converted(folder, tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("shards") / "imagenet"
+    convert(folder, dest, "--num_workers", "2")  # two processes: the parts in any order, the index in order
+    return dest
+
+
+def files_in_order(folder: Path, split: str, classes: list[str]) -> list[tuple[Path, int]]:
+    return [(path, label) for label, name in enumerate(classes) for path in sorted((folder / split / name).iterdir())]
+
+
+def stored(dest: Path, split: str) -> list[tuple[bytes, int]]:
+    samples = StreamedSplit(read_conversion(str(dest / split)))
+    return [(source.data, label) for source, label in (samples[i] for i in range(len(samples)))]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_every_file_s_bytes_and_label_in_order(folder, converted, split):
+    expected = [(path.read_bytes(), label) for path, label in files_in_order(folder, split, IMAGENET_TEST_CLASSES)]
+    assert stored(converted, split) == expected
+    index = json.loads((converted / split / "index.json").read_text())
+    assert index["shortcutlab"]["classes"] == IMAGENET_TEST_CLASSES and len(index["chunks"]) > 2
+
+
+def test_a_finished_conversion_says_so_and_does_nothing(folder, converted, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in (converted / "train").iterdir()}
+    convert(folder, converted)
+    assert "train: already converted (20 images in" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in (converted / "train").iterdir()} == before
+
+
+def test_an_interrupted_conversion_resumes_to_the_uninterrupted_one(folder, converted, tmp_path, monkeypatch, capsys):
+    dest, done = tmp_path / "resumed", []
+    real = shards.convert_part
+
+    def interrupted_after_two_parts(task):  # noqa: ANN001
+        if len(done) == 2:
+            Path(task[0], f"chunk-{task[1]}-0.bin").write_bytes(b"half a chunk")  # a kill mid-write
+            raise KeyboardInterrupt
+        done.append(task[1])
+        return real(task)
+
+    monkeypatch.setattr(shards, "convert_part", interrupted_after_two_parts)
+    with pytest.raises(KeyboardInterrupt):
+        convert(folder, dest)
+    monkeypatch.setattr(shards, "convert_part", real)
+    assert not (dest / "train" / "index.json").exists() and (dest / "train" / "chunk-2-0.bin").exists()
+    capsys.readouterr()
+    convert(folder, dest)
+    out = capsys.readouterr().out
+    assert "train: 20 images in" in out and "2 of 7 parts kept from an earlier run" in out, out
+    for split in ("train", "val"):
+        assert stored(dest, split) == stored(converted, split)
+    assert sorted(p.name for p in (dest / "train").glob("*index.json")) == ["index.json"]  # the parts' indexes merged
+
+
+def eval_samples(data: ImageNet, which: str) -> list[tuple[torch.Tensor, int]]:
+    dataset = getattr(data, which)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("decoder", ["torchvision", "pil"])
+def test_the_datamodule_gives_the_image_folder_s_samples(folder, converted, decoder):
+    settings = dict(num_classes=4, batch_size=4, image_size=16, eval_crop_ratio=0.8, num_workers=0, decoder=decoder)
+    plain, streamed = ImageNet(data_dir=str(folder), **settings), ImageNet(data_dir=str(converted), **settings)
+    for data in (plain, streamed):
+        data.setup("fit")
+    assert streamed.streamed and not plain.streamed
+    for which in ("val_dataset", "bank_dataset"):
+        expected, got = eval_samples(plain, which), eval_samples(streamed, which)
+        assert len(got) == len(expected) == 20
+        for (a, y), (b, z) in zip(expected, got):
+            assert torch.equal(a, b) and y == z
+    assert len(streamed.train_dataset) == len(plain.train_dataset) == 20
+
+
+@pytest.mark.parametrize("decoder", ["torchvision", "gpu"])
+def test_the_same_training_batches_on_both_decode_paths(folder, converted, decoder):
+    """The loader's order and the workers' augmentation draws are the ImageFolder's: equal batches."""
+    batches = []
+    for root in (folder, converted):
+        data = ImageNet(data_dir=str(root), num_classes=4, batch_size=4, image_size=16, num_workers=2, decoder=decoder,
+                        persistent_workers=False)
+        data.setup("fit")
+        loader = data.train_dataloader()
+        batches.append([data.transfer_batch_to_device(b, torch.device("cpu"), 0) for b in loader])
+    assert len(batches[0]) == len(batches[1]) == 5
+    for (a, y), (b, z) in zip(*batches):
+        assert torch.equal(a, b) and torch.equal(y, z)
+
+
+def test_a_class_list_conversion_and_the_settings_it_must_agree_with(folder, tmp_path):
+    subset = make_class_list(tmp_path / "subset.txt", ["n01484850", "n01440764"])
+    dest = tmp_path / "subset"
+    convert(folder, dest, "--class_list", str(subset))
+    data = ImageNet(data_dir=str(dest), class_list=str(subset), batch_size=2, image_size=16, num_workers=0)
+    data.setup("fit")
+    assert data.num_classes == 2 and len(data.bank_dataset) == 10 and data.classes == ["n01484850", "n01440764"]
+    other = make_class_list(tmp_path / "other.txt", ["n01440764", "n01484850"])
+    with pytest.raises(ValueError, match=r"^ImageNet: the conversion at '.*' holds the same classes in another order, "
+                                         r"class_list '.*other.txt' names 2; convert with that class list"):
+        ImageNet(data_dir=str(dest), class_list=str(other)).check_files()
+    with pytest.raises(ValueError, match=r"^ImageNet: num_classes=1000 but the conversion at '.*' holds 2 classes"):
+        ImageNet(data_dir=str(dest)).check_files()
+
+
+def test_bad_conversions_are_one_line_each(converted, tmp_path, monkeypatch):
+    def check(root) -> str:  # noqa: ANN001 (a folder or a URI)
+        with pytest.raises((ValueError, FileNotFoundError)) as caught:
+            ImageNet(data_dir=str(root), num_classes=4).check_files()
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    broken = tmp_path / "copy"
+    shutil.copytree(converted, broken)
+    chunk = broken / "train" / json.loads((broken / "train" / "index.json").read_text())["chunks"][1]["filename"]
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    assert check(broken) == f"ImageNet: chunk '{chunk}' is truncated (100 of {os.path.getsize(converted / 'train' / chunk.name)} " \
+                            "bytes); convert again (`shortcutlab shards`) or copy the conversion again"
+    foreign = tmp_path / "foreign"
+    shutil.copytree(converted, foreign)
+    index = json.loads((foreign / "train" / "index.json").read_text())
+    (foreign / "train" / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "shortcutlab"}))
+    assert "holds litdata chunks but is not a conversion of `shortcutlab shards`" in check(foreign)
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(converted, unfinished)
+    (unfinished / "val" / "index.json").unlink()
+    assert check(unfinished).endswith("is an unfinished conversion (no index.json); run `shortcutlab shards SOURCE "
+                                      "DEST` again to finish it")
+    monkeypatch.setattr("datamodules.streamed_images.REACH_SECONDS", 3.0)
+    for name, value in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+                        "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}.items():  # nothing listens on port 9
+        monkeypatch.setenv(name, value)
+    message = check("s3://shortcutlab-nowhere/imagenet")
+    assert message.startswith("ImageNet: cannot read the conversion at 's3://shortcutlab-nowhere/imagenet/train' (")
+
+
+def test_the_command_s_own_bad_input_is_one_line_and_status_2(folder, converted, tmp_path, capsys):
+    for args, message in [
+        ([str(tmp_path / "absent"), str(tmp_path / "d")], "has no train/ and val/ class folders"),
+        ([str(folder), str(converted), "--class_list", str(make_class_list(tmp_path / "two.txt", IMAGENET_TEST_CLASSES[:2]))],
+         "is already a conversion of 4 classes and 20 images, the source has 2 and 10; choose another DEST"),
+        ([str(folder), str(tmp_path / "d"), "--class_list", str(make_class_list(tmp_path / "x.txt", ["n9"]))],
+         "shards: class 'n9' has no folder under"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            shards.main([*args, *SMALL])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and "\n" not in err and err.startswith("shortcutlab: error: shards: "), err
+        assert message in err, err
+
+
+def test_a_ddp_fit_of_a_conversion_of_other_classes_stops_in_one_line_before_it_starts(converted, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """configs/data/imagenet100.yaml's class list (100 classes) against a 4-class conversion: one line
+    from the launching process, exit status 2, no run folder."""
+    from test_bad_input import ROOT, run_console
+
+    small = ["--model.network.depth=2", "--model.network.embed_dim=32", "--model.network.num_heads=2",
+             "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
+             "--model.network.decoder_num_heads=2"]
+    monkeypatch.chdir(ROOT)  # the config's class list is a path in the checkout
+    code, lines = run_console(monkeypatch, capsys, [
+        "fit", "--config=configs/data/imagenet100.yaml", "--config=configs/mae/base.yaml", *small,
+        f"--data.init_args.data_dir={converted}", "--trainer.accelerator=cpu", "--trainer.devices=2",
+        "--trainer.strategy=ddp", "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (f"shortcutlab: error: ImageNet: the conversion at '{converted}' holds 4 classes, class_list "
+                        "'configs/imagenet100_classes.txt' names 100; convert with that class list (shortcutlab shards "
+                        "--class_list) or use the conversion's")
+    assert not (tmp_path / "run").exists()
