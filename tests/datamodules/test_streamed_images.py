@@ -203,3 +203,31 @@ def test_a_ddp_fit_of_a_conversion_of_other_classes_stops_in_one_line_before_it_
                         "'configs/imagenet100_classes.txt' names 100; convert with that class list (shortcutlab shards "
                         "--class_list) or use the conversion's")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_fit_from_the_conversion_equals_the_fit_from_the_folder(folder, converted, tmp_path, warm_shortcutlab):
+    """``shortcutlab fit`` with a kNN evaluation and the online probe, once on the tree and once on its
+    conversion: the same sample counts in every pass and the same logged numbers."""
+    from test_bad_input import shortcutlab
+    from test_cli import TINY_MAE
+
+    runs = {}
+    for name, data_dir in (("folder", folder), ("chunks", converted)):
+        out = shortcutlab(warm_shortcutlab, "fit", "--seed_everything=0", *TINY_MAE, "--data=datamodules.imagenet.ImageNet",
+                          f"--data.init_args.data_dir={data_dir}", "--data.init_args.num_classes=4",
+                          "--data.init_args.image_size=16", "--data.init_args.batch_size=4",
+                          "--data.init_args.num_workers=0", "--trainer.max_epochs=2", "--trainer.accelerator=cpu",
+                          "--trainer.enable_progress_bar=false", "--trainer.logger=CSVLogger",
+                          f"--trainer.logger.save_dir={tmp_path / name}",
+                          "--trainer.callbacks+=callbacks.measurement.knn.KNNEvaluator", "--trainer.callbacks.k=5",
+                          "--trainer.callbacks+=callbacks.measurement.online_probe.OnlineLinearProbe",
+                          "--trainer.callbacks.every_n_steps=1", f"--trainer.default_root_dir={tmp_path / name}")
+        assert out.returncode == 0, out.stderr[-3000:]
+        passes = [line.split(" in ")[0] for line in out.stdout.splitlines() if " images in " in line]
+        metrics = (tmp_path / name / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+        runs[name] = passes, metrics
+    passes, metrics = runs["chunks"]
+    assert {"KNNEvaluator: bank_dataset, 20 images", "KNNEvaluator: val_dataset, 20 images"} == set(passes)  # shared
+    assert runs["folder"] == runs["chunks"]
+    assert "knn/top1" in metrics and "online_probe/val_top1" in metrics
