@@ -64,12 +64,12 @@ class EncodedImages:
 
 
 class EncodedCrop:
-    """The loader of one training image (for an ImageFolder): its bytes and the augmentation drawn
+    """The loader of one training image (a file, or a conversion's stored bytes): its bytes and the augmentation drawn
     for it, ``(data, box, flip)``; decoding is left to :func:`decode_and_augment`. ``read_pixels``
     decodes a file the device cannot (``3 x H x W`` uint8) and raises the dataset's one-line error
     for a file nothing can read."""
 
-    def __init__(self, scale: Sequence[float], horizontal_flip: bool, read_pixels: Callable[[str], torch.Tensor],
+    def __init__(self, scale: Sequence[float], horizontal_flip: bool, read_pixels: Callable[[ImageSource], torch.Tensor],
                  ratio: Sequence[float] = (3 / 4, 4 / 3)) -> None:
         self.scale, self.ratio, self.horizontal_flip = list(scale), list(ratio), horizontal_flip
         self.read_pixels = read_pixels

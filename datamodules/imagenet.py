@@ -129,7 +129,7 @@ class SelectedClassFolder(ImageFolder):
     """
 
     def __init__(self, root: str, classes: Sequence[str], skip_corrupt: bool = False,
-                 loader: Callable[[str], Any] = read_rgb_image) -> None:
+                 loader: Callable[[ImageSource], Any] = read_rgb_image) -> None:
         self.selected_classes = list(classes)
         self.skip_corrupt = skip_corrupt
         super().__init__(root, loader=loader)
