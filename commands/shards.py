@@ -88,9 +88,9 @@ def convert_part(task: tuple[str, int, list[Sample], int]) -> int:
     return len(samples)
 
 
-def write_index(split_dir: Path, parts: int, classes: list[str], num_samples: int, source: Path) -> None:
+def write_index(split_dir: Path, parts: int, classes: list[str], num_samples: int, source: Path) -> int:
     """The split's ``index.json``: the parts' chunks in order, with the conversion's entry; then
-    the parts' own indexes go (a kill in between leaves a finished split)."""
+    the parts' own indexes go (a kill in between leaves a finished split). Returns its chunks."""
     chunks, config = [], None
     for part in range(parts):
         index = finished_part(split_dir, part)
@@ -100,6 +100,7 @@ def write_index(split_dir: Path, parts: int, classes: list[str], num_samples: in
     write_text_atomically(split_dir / INDEX, json.dumps({"chunks": chunks, "config": config, ENTRY: entry}))
     for part in range(parts):
         (split_dir / f"{part}.{INDEX}").unlink(missing_ok=True)
+    return len(chunks)
 
 
 def existing_conversion(split_dir: Path, classes: list[str], num_samples: int) -> Optional[int]:
@@ -141,9 +142,8 @@ def convert_split(source: Path, dest: Path, split: str, classes: list[str], args
             with context.Pool(workers) as pool:
                 for converted in pool.imap_unordered(convert_part, tasks):
                     progress.advance(bar, converted)
-    write_index(split_dir, len(parts), classes, len(samples), source)
+    chunks = write_index(split_dir, len(parts), classes, len(samples), source)
     resumed = f", {len(parts) - len(pending)} of {len(parts)} parts kept from an earlier run" if kept else ""
-    chunks = len(json.loads((split_dir / INDEX).read_text())["chunks"])
     return f"{split}: {len(samples)} images in {chunks} chunks{resumed}"
 
 

@@ -254,7 +254,7 @@ class ImageNet(ImageDataModule):
         for train in (True, False):
             self.class_folders(train)
 
-    @property
+    @functools.cached_property
     def streamed(self) -> bool:
         """Whether ``data_dir`` is a conversion (``shortcutlab shards``) rather than class folders."""
         return is_conversion(str(self.data_dir))

@@ -129,13 +129,16 @@ class StreamedSplit(Dataset):
         self.conversion, self.cache_dir, self.max_cache_size = conversion, cache_dir, max_cache_size
         self.root = conversion.location
         self._stream: Any = None
+        self._reader_pid: Optional[int] = None  # the process that opened it
 
     def __len__(self) -> int:
         return self.conversion.num_samples
 
     def __getitem__(self, index: int) -> tuple[StoredImage, int]:
-        if self._stream is None:
+        if self._stream is None or self._reader_pid != os.getpid():  # a forked worker opens its own
             from litdata import StreamingDataset
+
+            self._reader_pid = os.getpid()
 
             self._stream = StreamingDataset(self.conversion.location, cache_dir=self.cache_dir,
                                             max_cache_size=self.max_cache_size)

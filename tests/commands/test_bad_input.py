@@ -235,17 +235,23 @@ def test_an_evaluation_of_a_checkpoint_at_another_image_size_is_one_line_and_wri
     assert snapshot(run_folder) == before
 
 
-def test_a_wrong_data_dir_is_found_before_any_process_starts(tmp_path, monkeypatch, capsys):
-    """A DDP fit of ImageNet with a data_dir that holds no ImageNet: one line from the launching
-    process, before Lightning starts the others (each would print it, after its own start-up)."""
+def imagenet100_ddp_fit(monkeypatch, capsys, data_dir: Path, run_dir: Path) -> tuple[int, list[str]]:
+    """``shortcutlab fit`` of a small MAE on configs/data/imagenet100.yaml with ``data_dir``, two DDP
+    processes on the CPU: its exit status and stderr lines."""
     small = ["--model.network.depth=2", "--model.network.embed_dim=32", "--model.network.num_heads=2",
              "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
              "--model.network.decoder_num_heads=2"]
     monkeypatch.chdir(ROOT)  # the config's class list is a path in the checkout
-    code, lines = run_console(monkeypatch, capsys, [
+    return run_console(monkeypatch, capsys, [
         "fit", "--config=configs/data/imagenet100.yaml", "--config=configs/mae/base.yaml", *small,
-        f"--data.init_args.data_dir={tmp_path / 'not_imagenet'}", "--trainer.accelerator=cpu", "--trainer.devices=2",
-        "--trainer.strategy=ddp", "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+        f"--data.init_args.data_dir={data_dir}", "--trainer.accelerator=cpu", "--trainer.devices=2",
+        "--trainer.strategy=ddp", "--trainer.precision=32-true", f"--trainer.default_root_dir={run_dir}"])
+
+
+def test_a_wrong_data_dir_is_found_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    """A DDP fit of ImageNet with a data_dir that holds no ImageNet: one line from the launching
+    process, before Lightning starts the others (each would print it, after its own start-up)."""
+    code, lines = imagenet100_ddp_fit(monkeypatch, capsys, tmp_path / "not_imagenet", tmp_path / "run")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0] == (f"shortcutlab: error: ImageNet: no class folders under '{tmp_path / 'not_imagenet' / 'train'}' "
                         "(expected data_dir/train/<wnid>/<image> and data_dir/val/<wnid>/<image>); set data_dir")

@@ -188,16 +188,9 @@ def test_a_ddp_fit_of_a_conversion_of_other_classes_stops_in_one_line_before_it_
                                                                                       monkeypatch, capsys):
     """configs/data/imagenet100.yaml's class list (100 classes) against a 4-class conversion: one line
     from the launching process, exit status 2, no run folder."""
-    from test_bad_input import ROOT, run_console
+    from test_bad_input import imagenet100_ddp_fit
 
-    small = ["--model.network.depth=2", "--model.network.embed_dim=32", "--model.network.num_heads=2",
-             "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
-             "--model.network.decoder_num_heads=2"]
-    monkeypatch.chdir(ROOT)  # the config's class list is a path in the checkout
-    code, lines = run_console(monkeypatch, capsys, [
-        "fit", "--config=configs/data/imagenet100.yaml", "--config=configs/mae/base.yaml", *small,
-        f"--data.init_args.data_dir={converted}", "--trainer.accelerator=cpu", "--trainer.devices=2",
-        "--trainer.strategy=ddp", "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    code, lines = imagenet100_ddp_fit(monkeypatch, capsys, converted, tmp_path / "run")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0] == (f"shortcutlab: error: ImageNet: the conversion at '{converted}' holds 4 classes, class_list "
                         "'configs/imagenet100_classes.txt' names 100; convert with that class list (shortcutlab shards "

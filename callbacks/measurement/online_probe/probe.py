@@ -23,7 +23,7 @@ from ._probed_samples import Probed, gather_probed, nonfinite_flag_to_host
 from ._validation_scores import ValidationScores
 from .depth_heads import DepthHeads
 from .rates import ProbeRates
-from .replay import replay_sweep
+from .replay import is_whole_number, replay_sweep
 
 OWNER = "OnlineLinearProbe"
 
@@ -67,16 +67,15 @@ class OnlineLinearProbe(SettingsKeyed):
                  blocks: Union[None, str, list[int]] = None, head_batch: Optional[int] = None,
                  head_steps: Optional[int] = None) -> None:
         super().__init__()
-        whole = lambda value, least: not isinstance(value, bool) and isinstance(value, int) and value >= least  # noqa: E731
         for setting, value, least in (("num_classes", num_classes, 2), ("feature_dim", feature_dim, 1)):
-            if value is not None and not whole(value, least):
+            if value is not None and not is_whole_number(value, least):
                 raise ValueError(f"{OWNER}: {setting} must be >= {least} or None, got {value!r}")
         self.rates = ProbeRates(lr, optimizer)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"{OWNER}: momentum must be in [0, 1), got {momentum!r}")
-        if not whole(every_n_steps, 1):
+        if not is_whole_number(every_n_steps, 1):
             raise ValueError(f"{OWNER}: every_n_steps must be an integer >= 1, got {every_n_steps!r}")
-        if max_samples is not None and not whole(max_samples, 2):
+        if max_samples is not None and not is_whole_number(max_samples, 2):
             raise ValueError(f"{OWNER}: max_samples must be an integer >= 2 or None, got {max_samples!r}")
         self.sweep = replay_sweep(replay_samples, every_n_steps, head_batch, head_steps)
         self.over_depth = DepthRows()  # per-block rows of fit's validations (in the state) and the last validate's

@@ -82,7 +82,8 @@ class FeatureReplay:
         return self
 
 
-def _whole(value: Any, least: int) -> bool:
+def is_whole_number(value: Any, least: int) -> bool:
+    """An ``int`` (not a bool) of at least ``least``."""
     return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
@@ -100,13 +101,13 @@ class ReplaySweep:
 
     def __init__(self, samples: int, every_n_steps: int, head_batch: Optional[int] = None,
                  head_steps: Optional[int] = None, owner: str = "OnlineLinearProbe") -> None:
-        if not (_whole(samples, 2) and samples // every_n_steps >= 2):
+        if not (is_whole_number(samples, 2) and samples // every_n_steps >= 2):
             raise ValueError(f"{owner}: replay_samples must be None or an integer with at least 2 samples per head "
                              f"step (replay_samples // every_n_steps >= 2), got {samples!r}")
-        if head_batch is not None and not (_whole(head_batch, 2) and head_batch <= samples):
+        if head_batch is not None and not (is_whole_number(head_batch, 2) and head_batch <= samples):
             raise ValueError(f"{owner}: head_batch must be None or an integer from 2 to replay_samples "
                              f"({samples}), got {head_batch!r}")
-        if head_steps is not None and not _whole(head_steps, 1):
+        if head_steps is not None and not is_whole_number(head_steps, 1):
             raise ValueError(f"{owner}: head_steps must be None or an integer >= 1 with a replay "
                              f"(replay_samples {samples}), got {head_steps!r}")
         self.samples = samples
