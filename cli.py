@@ -160,6 +160,14 @@ def console_main(argv: Optional[list[str]] = None) -> None:
     if args[0] in COMMANDS:
         run_command(args[0], args[1:])
         return
+    from commands import reproducible_cpu
+
+    try:
+        if reproducible_cpu.requested(args):
+            reproducible_cpu.enable()  # before the first import of torch, which reads it once
+    except (ValueError, RuntimeError) as err:
+        print(f"shortcutlab: error: {err}", file=sys.stderr)
+        sys.exit(_exit_statuses().BAD_INPUT)
     from commands.lightning_cli import console_main as lightning_console_main  # torch: only when training
 
     lightning_console_main(None if argv is None else args)  # None: LightningCLI reads sys.argv itself

@@ -52,7 +52,7 @@ def scoring_rows(settings: Settings) -> list[Row]:
             (queries[start:start + rows] @ bank.T).topk(20, dim=1)
 
     def package() -> None:
-        sims, found = local_neighbours(bank, labels, queries, 20, budget)
+        sims, found, _ = local_neighbours(bank, labels, queries, 20, budget)
         correct_counts(sims, found, query_labels, 1000, [20], 0.07, (1, 5), budget)
 
     times = interleaved({"plain": plain, "package": package}, rounds=settings.pick(3, 1), warmup=0, device=device)
@@ -79,9 +79,7 @@ def dtype_rows(settings: Settings) -> list[Row]:
     top1, neighbours = {}, {}
     for name in ("float32", "float16", "bfloat16"):
         stored = F.normalize(bank, dim=1).to(getattr(torch, name))
-        index = torch.arange(bank_rows)  # the neighbours' rows, to count the ones the storage changed
-        sims, found = local_neighbours(stored, labels, normalized, 20)
-        _, neighbours[name] = local_neighbours(stored, index, normalized, 20)
+        sims, found, neighbours[name] = local_neighbours(stored, labels, normalized, 20)
         top1[name] = int(correct_counts(sims, found, query_labels, 100, [20], 0.07, (1,))[0]) / queries_count
 
     def changed(name: str) -> float:

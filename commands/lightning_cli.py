@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 import lightning_mods.exit_statuses as exit_statuses
 from commands import _catalogue as catalogue
+from commands import reproducible_cpu
 from commands.cli_settings import (CKPT_PATH_HELP, DATA_NAMES, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
                                    _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
                                    fill_network_from_data, linked_settings_given, network_by_name)
@@ -73,6 +74,10 @@ class ShortcutLabCLI(LightningCLI):
             "--replace_module_optimizer", type=bool, default=False,
             help="Let --optimizer (and --lr_scheduler) replace the model's own configure_optimizers recipe "
                  "(its parameter groups, learning-rate scaling and schedule). Without it --optimizer is an error.")
+        parser.add_argument(
+            "--reproducible", type=bool, default=False,
+            help="The reproducible CPU mode: the same numbers to the last bit on any x86-64 machine and core count "
+                 "(commands/reproducible_cpu.py; slower). The shortcutlab command sets it before torch loads.")
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, args)
         """Lightning's parsing; with raising parsers (``console_main``) a parse error becomes one
@@ -84,6 +89,7 @@ class ShortcutLabCLI(LightningCLI):
             raise BadInput(explain_parse_error(err, self.option_names())) from err
         self.check_optimizer_override()
         subcommand = self.config.get("subcommand")
+        reproducible_cpu.check(bool((self.config[subcommand] if subcommand else self.config).get("reproducible")))
         if subcommand == "fit":
             resolve_auto_ckpt_path(self.config[subcommand])
         if subcommand:

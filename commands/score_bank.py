@@ -71,7 +71,7 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
     """``[(what, {"top1@k=..": ..., "top5@k=..": ...}), ...]`` for the features and each chosen block."""
     import torch
 
-    from callbacks.measurement.knn_bank import QUERIES_FILE
+    from callbacks.measurement.knn_bank import QUERIES_FILE, shard_index
     from callbacks.measurement.knn_scoring import (correct_counts, keep_best, local_neighbours, neighbour_count,
                                                    normalized_queries)
 
@@ -90,16 +90,18 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
         shard = torch.load(path, weights_only=True, mmap=True)
         totals.add(int(shard["total"]))
         rows = [shard["features"]] + [shard["blocks"][b - 1] for b in chosen]
+        index, block_rows = shard_index(shard), shard.get("block_rows")
         for i, (bank, q) in enumerate(zip(rows, normalized)):
-            this_shard = local_neighbours(bank, shard["labels"], q, kmax, budget_bytes)
+            this_shard = local_neighbours(bank, shard["labels"], q, kmax, budget_bytes, bank_index=index,
+                                          block_rows=block_rows)
             found[i] = this_shard if found[i] is None else keep_best(found[i], this_shard, kmax)
     if len(totals) != 1:
         raise ValueError(f"{folder}: the bank files come from different evaluations (bank sizes {sorted(totals)})")
     total = totals.pop()
     used, tops = [min(k, total) for k in ks], ((1, 5) if num_classes > 5 else (1,))
     results = []
-    for (what, _), (sims, labels) in zip(matrices, found):
-        sims, labels = sims[:, :neighbour_count(ks, total)], labels[:, :neighbour_count(ks, total)]
+    for (what, _), neighbours in zip(matrices, found):
+        sims, labels = neighbours.sims[:, :neighbour_count(ks, total)], neighbours.labels[:, :neighbour_count(ks, total)]
         counts = correct_counts(sims, labels, queries["labels"], num_classes, used, temperature, tops, budget_bytes)
         names = [f"top{top}@k={k}" for k in ks for top in tops]
         results.append((what, {name: int(c) / len(queries["labels"]) for name, c in zip(names, counts.tolist())}))

@@ -13,21 +13,25 @@ import struct
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-from PIL import Image
+# the suite runs in the reproducible CPU mode (commands/reproducible_cpu.py), one thread a process as
+# before: its exact values hold on any x86-64 machine, and the quickstart configs ask for the mode
+assert "torch" not in sys.modules, "the reproducible CPU mode must be set before torch loads"
+os.environ.setdefault("SHORTCUTLAB_REPRODUCIBLE_THREADS", "1")
+from commands import reproducible_cpu  # noqa: E402 (imports no torch)
 
-from helpers import folders
+reproducible_cpu.enable()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from helpers import folders  # noqa: E402
 
 sys.path[:0] = [p for p in folders.PATHS if p not in sys.path]  # test modules import each other by name
 # the processes the tests start import no wandb (helpers/without_wandb/wandb.py says why); this process does
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), folders.WITHOUT_WANDB]))
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, and for their subprocesses
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+reproducible_cpu.finish()  # one thread (the workers share the cores), oneDNN off
 
 # The slowest test files (seconds on a 2-core machine), collected first: under ``--dist loadfile
 # --no-loadscope-reorder`` each file is one unit of work handed to the next free worker in this

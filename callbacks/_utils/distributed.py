@@ -92,30 +92,43 @@ def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(local.device)
 
 
-def strided_shard(total: int, rank: int, world_size: int) -> range:
-    """The indices ``rank, rank + world_size, ...`` below ``total``: no padding, no duplicates."""
-    return range(rank, total, world_size)
+def block_shard(total: int, rank: int, world_size: int, block: int) -> list[int]:
+    """The indices this rank embeds: the blocks ``rank, rank + W, ...`` of ``block`` consecutive
+    indices below ``total`` (the last block may be shorter). No padding, no duplicates, and every
+    block is the same batch of samples whatever the world size, so it is embedded by the same
+    arithmetic at 1 or 64 processes."""
+    if block < 1:
+        raise ValueError(f"block_shard: block must be >= 1, got {block}")
+    return [i for start in range(rank * block, total, world_size * block) for i in range(start, min(start + block, total))]
 
 
-def gather_strided(local: torch.Tensor, total: int, strategy: Any = None) -> torch.Tensor:
-    """Undo :func:`strided_shard`: every rank's rows, back in dataset order, on every rank.
+def block_shard_sizes(total: int, world_size: int, block: int) -> list[int]:
+    """How many indices each rank's :func:`block_shard` holds, in rank order."""
+    blocks = math.ceil(total / block)
+    sizes = [0] * world_size
+    for b in range(blocks):
+        sizes[b % world_size] += min(block, total - b * block)
+    return sizes
 
-    ``local`` holds this rank's rows (``len(strided_shard(total, rank, W))`` of them). Ranks
-    pad to the largest shard, ``ceil(total / W)``, all-gather, then drop the padding, so the
-    result has exactly ``total`` rows and is identical on every rank. With a Lightning
-    ``strategy`` the gather is its ``all_gather`` (as Lightning's own callbacks gather).
+
+def gather_blocks(local: torch.Tensor, total: int, block: int, strategy: Any = None) -> torch.Tensor:
+    """Undo :func:`block_shard`: every rank's rows, back in dataset order, on every rank.
+
+    ``local`` holds this rank's rows. Ranks pad to the largest shard, all-gather, then put each
+    block where it belongs, so the result has exactly ``total`` rows and is identical on every rank.
+    With a Lightning ``strategy`` the gather is its ``all_gather`` (as Lightning's own callbacks gather).
     """
     if strategy is None:
         rank, world_size = rank_and_world_size()
     else:  # one process: a single-device strategy (or a stand-in) need not know ranks
         world_size = int(getattr(strategy, "world_size", 1) or 1)
         rank = int(strategy.global_rank) if world_size > 1 else 0
-    if len(local) != len(strided_shard(total, rank, world_size)):
-        raise ValueError(f"gather_strided: rank {rank} holds {len(local)} rows, its shard of {total} has "
-                         f"{len(strided_shard(total, rank, world_size))}")
+    sizes = block_shard_sizes(total, world_size, block)
+    if len(local) != sizes[rank]:
+        raise ValueError(f"gather_blocks: rank {rank} holds {len(local)} rows, its shard of {total} has {sizes[rank]}")
     if world_size == 1:
         return local
-    largest = math.ceil(total / world_size)
+    largest = max(sizes)
     padded = local.new_zeros((largest, *local.shape[1:]))
     padded[:len(local)] = local
     out = local.new_empty((total, *local.shape[1:]))
@@ -124,7 +137,9 @@ def gather_strided(local: torch.Tensor, total: int, strategy: Any = None) -> tor
     else:  # world_size x largest x ...
         parts = strategy.all_gather(padded.to(strategy.root_device)).to(local.device)
     for r, part in enumerate(parts):
-        out[r::world_size] = part[:len(strided_shard(total, r, world_size))]
+        for i, start in enumerate(range(r * block, total, world_size * block)):
+            rows = min(block, total - start)
+            out[start:start + rows] = part[i * block:i * block + rows]
     return out
 
 

@@ -6,10 +6,11 @@ see docs/contracts.md) in eval mode, under ``torch.no_grad``, with the random nu
 generators forked: batch-norm running statistics, weights, gradients, the train/eval mode of
 every sub-module and the RNG streams of the training run are left exactly as they were.
 
-Under DDP each rank embeds the strided shard ``rank, rank + W, ...`` of the dataset with a
-plain sequential sampler (a DistributedSampler would pad with duplicates), the shards are
-all-gathered and put back in dataset order, so every rank holds the same tensors as one
-process would.
+Under DDP the dataset is cut into batches of consecutive samples and rank ``r`` embeds the batches
+``r, r + W, ...`` with a plain sequential sampler (a DistributedSampler would pad with duplicates);
+the shards are all-gathered and put back in dataset order. Every batch holds the same samples
+whatever the world size, so every feature is computed by the same arithmetic at 1, 2 or 64
+processes and every rank holds, bit for bit, the tensors one process would.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from lightning_mods.evaluation._eval_mode import isolated_eval, module_device
 from lightning_mods.evaluation.feature_contract import features_and_blocks, require_blocks
 
-from callbacks._utils.distributed import gather_strided, rank_and_world_size, strided_shard
+from callbacks._utils.distributed import block_shard, gather_blocks, rank_and_world_size
 from callbacks._utils.pass_progress import dataset_pass
 
 
@@ -113,7 +114,8 @@ def collect_features(
         batch_size, num_workers: of the loader this function builds.
         with_blocks: also collect every block's pooled features.
         gather: ``True``: the whole dataset on every rank, in dataset order. ``False``: only
-            this rank's shard ``rank, rank + W, ...`` (no duplicates across ranks), in order.
+            this rank's shard, the batches ``rank, rank + W, ...`` of ``batch_size`` consecutive
+            samples (no duplicates across ranks), in order.
         forward_context: e.g. ``trainer.precision_plugin.forward_context`` (mixed precision).
         storage: dtype, device and normalisation of the kept features (float32 by default),
             each tensor allocated once, at its final size: the pass holds one copy.
@@ -122,7 +124,7 @@ def collect_features(
     """
     total = _checked_length(module, dataset, batch_size, num_workers, with_blocks)
     rank, world_size = rank_and_world_size()
-    shard = list(strided_shard(total, rank, world_size))
+    shard = block_shard(total, rank, world_size, batch_size)
     owned = len(shard)
     # a rank without samples (dataset smaller than the world) embeds one to learn the shapes
     device = module_device(module)
@@ -149,7 +151,7 @@ def collect_features(
             advance()
 
     def finish(local: torch.Tensor) -> torch.Tensor:
-        return gather_strided(local, total) if gather else local
+        return gather_blocks(local, total, batch_size) if gather else local
 
     return Features(finish(kept[0]), finish(labels), [finish(b) for b in kept[1:]] if with_blocks else None)
 

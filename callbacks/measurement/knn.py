@@ -6,7 +6,9 @@ For a query ``q`` and the bank features ``b_j`` (both L2-normalised), the cosine
 ``exp(s_j / T)``; the score of class ``c`` is the sum of the weights of the neighbours of
 class ``c``. Ties:
 
-- between bank samples at the k-th similarity: whichever ``torch.topk`` keeps (unspecified);
+- between bank samples at the same similarity: the lower bank index (its place in
+  ``bank_dataset``) ranks first, so a tie at the k-th place goes to the same sample whatever the
+  number of processes;
 - between classes with equal scores: the lower class index ranks first (stable sort), so
   ``top-1`` of a tie goes to the smallest label.
 
@@ -14,8 +16,8 @@ class ``c``. Ties:
 the bank and its ``val_dataset`` as queries (docs/contracts.md). Under DDP the bank is sharded:
 each rank keeps only the rows it embedded (in the dtype and on the device you choose), scores
 every query against them, and the ranks' top-k are merged into the global top-k
-(:mod:`callbacks.measurement.knn_scoring`): the accuracy is the one-process accuracy, the same on
-every rank, and each rank holds ``1 / W`` of the bank. Before the first feature pass the run
+(:mod:`callbacks.measurement.knn_scoring`): the accuracy is the one-process accuracy to the last
+digit, the same on every rank, and each rank holds ``1 / W`` of the bank. Before the first feature pass the run
 stops in one line when the bank would not fit (:mod:`callbacks.measurement.knn_bank`).
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mods.evaluation import metric_names
 from lightning_mods.evaluation._eval_mode import module_device
-from callbacks._utils.distributed import all_reduce_sum, log_identical, rank_and_world_size
+from callbacks._utils.distributed import all_reduce_sum, block_shard, log_identical, rank_and_world_size
 from callbacks._utils.feature_collection import (Storage, datamodule_dataset, feature_widths, loader_settings,
                                                  smoke_test_subset)
 from callbacks.measurement.knn_bank import (BANK_DEVICES, BANK_DTYPES, BankTooLarge, bank_shortage,
@@ -105,8 +107,8 @@ def knn_predict_ks(
     bank = F.normalize(bank_feats.float(), dim=1)
     queries = normalized_queries(query_feats, bank.device)
     budget = chunk_size * len(bank) * 4 if chunk_size else DEFAULT_SCORING_BYTES
-    sims, labels = local_neighbours(bank, bank_labels.to(bank.device), queries, neighbour_count(ks, len(bank)), budget)
-    return [vote(sims, labels, num_classes, min(k, len(bank)), temperature) for k in ks]
+    found = local_neighbours(bank, bank_labels.to(bank.device), queries, neighbour_count(ks, len(bank)), budget)
+    return [vote(found.sims, found.labels, num_classes, min(k, len(bank)), temperature) for k in ks]
 
 
 def knn_classify(bank_feats: torch.Tensor, bank_labels: torch.Tensor, query_feats: torch.Tensor,
@@ -234,7 +236,7 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
         shortage = bank_shortage("KNNEvaluator", len(bank), world_size, max(1, int(trainer.num_devices)), widths,
                                  BANK_DTYPES[self.bank_dtype],
                                  torch.device(self.bank_device) if self.bank_device else device, len(queries), device,
-                                 self.scoring_bytes(len(bank)))
+                                 self.scoring_bytes(len(bank)), block=loader_settings(trainer, self.batch_size, None)[0])
         # the same decision on every rank: one rank's shortage stops them all
         if int(all_reduce_sum(torch.tensor([0 if shortage is None else 1], device=device))):
             raise BankTooLarge(shortage or "KNNEvaluator: the bank does not fit on another rank; its error names "
@@ -303,26 +305,30 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
                                   with_blocks=with_blocks)
         bank_total = len(self.evaluated_sets(trainer)[0])  # every rank's rows together
         if self.save_features:
-            self.write_features(trainer, bank, queries, bank_total, num_classes)
+            self.write_features(trainer, bank, queries, bank_total, num_classes, batch_size)
         tops = (1, 5) if num_classes > 5 else (1,)
         names = [self.metric_name(k, top) for k in self.ks for top in tops]
+        rank, world_size = rank_and_world_size()
+        bank_index = torch.tensor(block_shard(bank_total, rank, world_size, batch_size), dtype=torch.int64)
+        layout = (bank_index, batch_size)  # the bank's rows in the whole bank, in blocks of one batch
         metrics = self._score(bank.features, bank.labels, queries.features, queries.labels, num_classes, names, tops,
-                              bank_total)
+                              bank_total, layout)
         self._block_values = []
         if with_blocks:
             chosen = resolve_blocks("KNNEvaluator", self.blocks, len(bank.blocks))
             for block in chosen:
                 values = self._score(bank.blocks[block - 1], bank.labels, queries.blocks[block - 1], queries.labels,
-                                     num_classes, names, tops, bank_total, warn=False)
+                                     num_classes, names, tops, bank_total, layout, warn=False)
                 values[metric_names.FEATURE_NORM] = float(queries.blocks[block - 1].double().norm(dim=1).mean())
                 self._block_values.append({"block": block, **values})
         return metrics
 
     def _score(self, bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor,
                query_labels: torch.Tensor, num_classes: int, names: list[str], tops: tuple[int, ...],
-               bank_total: int, warn: bool = True) -> dict[str, float]:
+               bank_total: int, layout: tuple[torch.Tensor, int], warn: bool = True) -> dict[str, float]:
         """The accuracies ``names`` (per k, per top) of every query against the bank, whose rows
-        are split over the ranks (``bank_total`` in all), the same on every rank."""
+        are split over the ranks (``bank_total`` in all; ``layout``: this rank's rows' indices in
+        the whole bank and the rows of a block), the same on every rank and at every world size."""
         finite = all_finite(bank) and all_finite(queries)
         if int(all_reduce_sum(torch.tensor([0 if finite else 1], device=queries.device))):  # same answer everywhere
             if warn:
@@ -330,20 +336,23 @@ class KNNEvaluator(SettingsKeyed, ScheduledEvaluation):
             return {name: float("nan") for name in names}
         budget = self.scoring_bytes(len(bank))
         normalized = normalized_queries(queries, queries.device)
-        sims, labels = local_neighbours(bank, bank_labels, normalized, neighbour_count(self.ks, bank_total), budget)
-        sims, labels = merge_across_ranks(sims, labels, budget)
+        bank_index, block_rows = layout
+        found = local_neighbours(bank, bank_labels, normalized, neighbour_count(self.ks, bank_total), budget,
+                                 bank_index=bank_index, block_rows=block_rows)
+        found = merge_across_ranks(found, budget)
         ks = [min(k, bank_total) for k in self.ks]
-        correct = correct_counts(sims, labels, query_labels.to(sims.device), num_classes, ks, self.temperature, tops,
-                                 budget)
+        correct = correct_counts(found.sims, found.labels, query_labels.to(found.sims.device), num_classes, ks,
+                                 self.temperature, tops, budget)
         return {name: int(c) / len(query_labels) for name, c in zip(names, correct.tolist())}
 
-    def write_features(self, trainer: Trainer, bank: Any, queries: Any, bank_total: int, num_classes: int) -> None:
+    def write_features(self, trainer: Trainer, bank: Any, queries: Any, bank_total: int, num_classes: int,
+                       block_rows: int) -> None:
         """``save_features``: this rank's bank rows, and (rank 0) the queries, for ``shortcutlab score-bank``."""
         folder = Path(self.save_features)
         folder.mkdir(parents=True, exist_ok=True)
         rank, world_size = rank_and_world_size()
         about = {"epoch": int(trainer.current_epoch), "step": int(trainer.global_step), "bank_dtype": self.bank_dtype,
-                 "num_classes": int(num_classes)}
+                 "num_classes": int(num_classes), "block_rows": int(block_rows)}
         if rank == 0:
             remove_other_shards(folder, world_size)
             save_queries(folder, queries.features, queries.blocks, queries.labels, about)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from callbacks._utils.distributed import block_shard, block_shard_sizes
 from callbacks._utils.memory import free_bytes, size_text
 from lightning_mods.checkpointing.atomic_files import write_atomically
 
@@ -33,9 +34,10 @@ class BankTooLarge(ValueError):
     """A bank that would not fit where it is to be kept; its message is one line."""
 
 
-def shard_rows(total: int, world_size: int) -> int:
-    """The most bank rows a rank keeps: ``ceil(total / W)``."""
-    return math.ceil(total / max(1, world_size))
+def shard_rows(total: int, world_size: int, block: int = 1) -> int:
+    """The most bank rows a rank keeps when the ranks own whole blocks of ``block`` rows
+    (:func:`~callbacks._utils.distributed.block_shard`): at most ``ceil(ceil(total / block) / W) x block``."""
+    return max(block_shard_sizes(total, max(1, world_size), block))
 
 
 def bank_bytes(rows: int, widths: Sequence[int], dtype: torch.dtype) -> int:
@@ -45,11 +47,11 @@ def bank_bytes(rows: int, widths: Sequence[int], dtype: torch.dtype) -> int:
 
 def bank_shortage(owner: str, total: int, world_size: int, ranks_per_node: int, widths: Sequence[int],
                   dtype: torch.dtype, bank_device: torch.device, queries: int, module_device: torch.device,
-                  scoring_bytes: int) -> Optional[str]:
+                  scoring_bytes: int, block: int = 1) -> Optional[str]:
     """The one line naming the settings that fix it when the memory model (module docstring)
     exceeds the free memory of the bank's or the module's device on this rank; None when it fits
     or free memory cannot be read."""
-    bank = bank_bytes(shard_rows(total, world_size), widths, dtype)
+    bank = bank_bytes(shard_rows(total, world_size, block), widths, dtype)
     on_module = queries * sum(widths) * 4 + scoring_bytes
     needs = {bank_device: bank * (ranks_per_node if bank_device.type == "cpu" else 1)}
     needs[module_device] = needs.get(module_device, 0) + on_module * (ranks_per_node if module_device.type == "cpu" else 1)
@@ -82,9 +84,20 @@ def shard_file(folder: Path, rank: int, world_size: int) -> Path:
 QUERIES_FILE = "queries.pt"
 
 
+def shard_index(saved: dict[str, Any]) -> torch.Tensor:
+    """The index in the whole bank of each row of a saved shard: its rank's blocks of ``block_rows``
+    rows (:func:`~callbacks._utils.distributed.block_shard`), or, in a file of a release that wrote
+    no ``block_rows``, the rows ``rank, rank + W, ...``."""
+    rank, world_size, total = int(saved["rank"]), int(saved["world_size"]), int(saved["total"])
+    if saved.get("block_rows"):
+        return torch.tensor(block_shard(total, rank, world_size, int(saved["block_rows"])), dtype=torch.int64)
+    return torch.arange(rank, total, world_size, dtype=torch.int64)
+
+
 def save_shard(folder: Path, rank: int, world_size: int, total: int, features: torch.Tensor,
                blocks: Optional[list[torch.Tensor]], labels: torch.Tensor, about: dict[str, Any]) -> Path:
-    """Write one rank's bank rows (``rank, rank + W, ...`` of ``total``) as written, whole or not at all."""
+    """Write one rank's bank rows (its blocks of ``about["block_rows"]`` rows, see
+    :func:`shard_index`) as written, whole or not at all."""
     payload = {"rank": rank, "world_size": world_size, "total": total, "normalized": True,
                "features": features.cpu(), "blocks": None if blocks is None else [b.cpu() for b in blocks],
                "labels": labels.cpu(), **about}

@@ -2,10 +2,15 @@
 neighbours of every query, merged into the global top-k, then the temperature-weighted vote.
 
 - **Sharded.** A rank holds only the bank rows it embedded. :func:`local_neighbours` scores every
-  query against them; :func:`merge_across_ranks` gathers the ranks' top-k (similarity, label)
-  and keeps the best ``k`` of them, so every rank ends with the neighbours one process holding
-  the whole bank would find (ties at the k-th similarity aside: ``torch.topk`` keeps either).
-  The votes, added in the same sorted order, then equal the one-process scores.
+  query against them; :func:`merge_across_ranks` gathers the ranks' top-k (similarity, label,
+  bank index) and keeps the best ``k`` of them, so every rank ends with the neighbours one process
+  holding the whole bank finds. The votes, added in the same order, then equal the one-process scores.
+- **The same numbers at any world size.** The ranks own whole blocks of the bank (the batches of
+  the feature pass, :func:`~callbacks._utils.distributed.block_shard`), and each block is
+  multiplied with the same chunks of queries whatever the world size, so every similarity is the
+  same float32 number at 1 or 64 processes. Neighbours are ordered by similarity and, at equal
+  similarity, by their index in the whole bank (:func:`ordered_topk`): a tie at the k-th place goes
+  to the lower index wherever the two rows live, so the accuracies are equal to the last digit.
 - **Memory.** Work memory is a budget in bytes, not a count of similarities: the query rows
   scored at once are as many as keep ``rows x bank rows`` float32 similarities within it, so a
   larger budget reads the bank fewer times. A bank stored in another dtype or on another device
@@ -15,7 +20,7 @@ neighbours of every query, merged into the global top-k, then the temperature-we
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,64 +41,118 @@ def bank_rows_per_copy(budget_bytes: int, width: int) -> int:
     return max(1, int(budget_bytes) // 2 // (4 * max(1, width)))
 
 
-def merge_topk(sims: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest of each row of ``sims`` (sorted, largest first) and their ``labels``."""
-    best, where = sims.topk(min(k, sims.shape[1]), dim=1)
-    return best, labels.gather(1, where)
+PAD_INDEX = 2 ** 53  # the index of padding: after every bank row, and exact in float64 (merge_across_ranks)
+STEP_BLOCKS = 8  # blocks of the bank scored against a chunk of queries at least, when the budget allows
 
 
-def keep_best(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor],
-              k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best ``k`` neighbours of two ``(similarities, labels)`` sets of the same queries."""
-    return merge_topk(torch.cat([first[0], second[0]], 1), torch.cat([first[1], second[1]], 1), k)
+class Neighbours(NamedTuple):
+    """The ``k`` nearest bank rows of each query, most similar first, ties to the lower bank index:
+    ``sims`` (float32), ``labels`` and ``index`` (the bank row's index in the whole bank), each ``Q x k``."""
+
+    sims: torch.Tensor
+    labels: torch.Tensor
+    index: torch.Tensor
+
+
+def ordered_topk(sims: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions (``Q x k``) of the ``k`` largest entries of each row of ``sims``, ordered by
+    similarity (largest first) and, at equal similarity, by ``index`` (``N`` or ``Q x N``, the
+    entries' bank indices; lower first). The order is total, so the top ``k`` of a bank is the top
+    ``k`` of its parts' top ``k``, however the bank is split: ties do not depend on the split."""
+    k = min(k, sims.shape[1])
+    index = index.expand_as(sims)
+    values, where = sims.topk(k, dim=1)
+    straddling = (sims >= values[:, -1:]).sum(1) > k  # a tie at the k-th place: topk kept any of them
+    if bool(straddling.any()):
+        rows = straddling.nonzero().squeeze(1)
+        by_index = index[rows].argsort(dim=1)
+        by_value = sims[rows].gather(1, by_index).sort(dim=1, descending=True, stable=True).indices[:, :k]
+        where[rows] = by_index.gather(1, by_value)
+    by_index = index.gather(1, where).argsort(dim=1)
+    where = where.gather(1, by_index)
+    return where.gather(1, sims.gather(1, where).sort(dim=1, descending=True, stable=True).indices)
+
+
+def best_of(candidates: Neighbours, k: int) -> Neighbours:
+    """The best ``k`` of each row's candidates, in :func:`ordered_topk`'s order."""
+    where = ordered_topk(candidates.sims, candidates.index, k)
+    return Neighbours(*(t.gather(1, where) for t in candidates))
+
+
+def keep_best(first: Neighbours, second: Neighbours, k: int) -> Neighbours:
+    """The best ``k`` neighbours of two neighbour sets of the same queries."""
+    return best_of(Neighbours(*(torch.cat([a, b], 1) for a, b in zip(first, second))), k)
 
 
 def local_neighbours(bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, k: int,
-                     budget_bytes: int = DEFAULT_SCORING_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(similarities, labels)``, each ``Q x k``: the ``k`` most similar rows of ``bank`` to every
-    row of ``queries`` (L2-normalised, on the scoring device), most similar first. Where the bank
-    has fewer than ``k`` rows the rest is padding: similarity ``-inf``, label 0."""
-    device, width = queries.device, queries.shape[1]
-    top_sims = torch.full((len(queries), k), float("-inf"), device=device)
-    top_labels = torch.zeros((len(queries), k), dtype=torch.int64, device=device)
-    if len(bank) == 0 or len(queries) == 0:
-        return top_sims, top_labels
+                     budget_bytes: int = DEFAULT_SCORING_BYTES, bank_index: Optional[torch.Tensor] = None,
+                     block_rows: Optional[int] = None) -> Neighbours:
+    """The ``k`` most similar rows of ``bank`` to every row of ``queries`` (L2-normalised, on the
+    scoring device), as :class:`Neighbours`. Where the bank has fewer than ``k`` rows the rest is
+    padding: similarity ``-inf``, label 0, index :data:`PAD_INDEX`.
+
+    ``bank_index``: each bank row's index in the whole bank (default: its row here); ties go to the
+    lower index. ``block_rows``: the bank is a sequence of blocks of that many rows (the last may be
+    shorter) that the ranks own whole; each block is multiplied with a chunk of queries on its own, so
+    every similarity comes from the same product whatever else this rank holds. Without it the
+    bank (or each part brought to the scoring device) is one product."""
+    device, width, total = queries.device, queries.shape[1], len(bank)
+    found = Neighbours(torch.full((len(queries), k), float("-inf"), device=device),
+                       torch.zeros((len(queries), k), dtype=torch.int64, device=device),
+                       torch.full((len(queries), k), PAD_INDEX, dtype=torch.int64, device=device))
+    if total == 0 or len(queries) == 0:
+        return found
+    index = (torch.arange(total, device=device) if bank_index is None
+             else bank_index.to(device=device, dtype=torch.int64))
+    block = block_rows or total
     usable = bank.dtype == torch.float32 and bank.device == device
-    copy_rows = len(bank) if usable else min(len(bank), bank_rows_per_copy(budget_bytes, width))
-    sims_budget = budget_bytes if usable else budget_bytes - copy_rows * width * 4
-    for start in range(0, len(bank), copy_rows):
+    copy_rows = total if usable else max(1, bank_rows_per_copy(budget_bytes, width) // block) * block
+    sims_budget = budget_bytes if usable else max(1, budget_bytes - copy_rows * width * 4)
+    # queries a step: from the budget and the block size alone, so a block meets the same query
+    # chunks at any world size
+    rows = query_rows(sims_budget, block * (STEP_BLOCKS if block_rows else 1))
+    blocks_a_step = max(1, sims_budget // (4 * rows * block))
+    for start in range(0, total, copy_rows):
         part = bank[start:start + copy_rows].to(device=device, dtype=torch.float32, non_blocking=True)
         part_labels = bank_labels[start:start + copy_rows].to(device=device, dtype=torch.int64)
-        take, rows = min(k, len(part)), query_rows(sims_budget, len(part))
-        for q in range(0, len(queries), rows):
-            sims, where = (queries[q:q + rows] @ part.T).topk(take, dim=1)  # sorted, most similar first
-            if start == 0:
-                top_sims[q:q + rows, :take], top_labels[q:q + rows, :take] = sims, part_labels[where]
-            else:  # a later chunk of a bank read in parts: keep the best k of both
-                top_sims[q:q + rows], top_labels[q:q + rows] = keep_best(
-                    (top_sims[q:q + rows], top_labels[q:q + rows]), (sims, part_labels[where]), k)
-    return top_sims, top_labels
+        part_index = index[start:start + copy_rows]
+        step = blocks_a_step * block
+        for first in range(0, len(part), step):
+            last = min(first + step, len(part))
+            for q in range(0, len(queries), rows):
+                chunk = queries[q:q + rows]
+                sims = torch.empty((len(chunk), last - first), device=device)
+                for b in range(first, last, block):  # one product a block
+                    sims[:, b - first:min(b + block, last) - first] = chunk @ part[b:min(b + block, last)].T
+                where = ordered_topk(sims, part_index[first:last], k)
+                new = Neighbours(sims.gather(1, where), part_labels[first:last][where], part_index[first:last][where])
+                if new.sims.shape[1] < k or start > 0 or first > 0:  # keep the best k of both
+                    new = keep_best(Neighbours(*(t[q:q + rows] for t in found)), new, k)
+                for into, value in zip(found, new):
+                    into[q:q + rows] = value
+    return found
 
 
-def merge_across_ranks(sims: torch.Tensor, labels: torch.Tensor,
-                       budget_bytes: int = DEFAULT_SCORING_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's :func:`local_neighbours` of the same queries merged into the global top-k,
-    the same on every rank (one process: as given). Gathered a block of queries at a time, as
-    many as keep the gathered ``W x rows x k`` (similarity, label) pairs within the budget."""
+def merge_across_ranks(found: Neighbours, budget_bytes: int = DEFAULT_SCORING_BYTES) -> Neighbours:
+    """Every rank's :func:`local_neighbours` of the same queries merged into the global top-k, the
+    same on every rank (one process: as given). Gathered a block of queries at a time, as many as
+    keep the gathered ``W x rows x k`` (similarity, label, index) triples within the budget."""
     if not is_distributed():
-        return sims, labels
+        return found
     _, world_size = rank_and_world_size()
-    k = sims.shape[1]
-    rows = max(1, int(budget_bytes) // (16 * world_size * max(1, k)))
-    merged_sims, merged_labels = torch.empty_like(sims), torch.empty_like(labels)
-    for q in range(0, len(sims), rows):
-        # float64 holds a float32 similarity and an int64 label below 2**53 exactly: one collective
-        packed = torch.cat([sims[q:q + rows].double(), labels[q:q + rows].double()], 1)
-        every = all_gather_rows(packed).view(world_size, -1, 2 * k).transpose(0, 1)  # rows x W x 2k
-        best, chosen = merge_topk(every[..., :k].reshape(len(packed), -1).float(),
-                                  every[..., k:].reshape(len(packed), -1).long(), k)
-        merged_sims[q:q + rows], merged_labels[q:q + rows] = best, chosen
-    return merged_sims, merged_labels
+    k = found.sims.shape[1]
+    rows = max(1, int(budget_bytes) // (24 * world_size * max(1, k)))
+    merged = Neighbours(*(torch.empty_like(t) for t in found))
+    for q in range(0, len(found.sims), rows):
+        # float64 holds a float32 similarity and integers below 2**53 exactly: one collective
+        packed = torch.cat([t[q:q + rows].double() for t in found], 1)
+        every = all_gather_rows(packed).view(world_size, -1, 3 * k).transpose(0, 1)  # rows x W x 3k
+        candidates = Neighbours(every[..., :k].reshape(len(packed), -1).float(),
+                                every[..., k:2 * k].reshape(len(packed), -1).long(),
+                                every[..., 2 * k:].reshape(len(packed), -1).long())
+        for into, value in zip(merged, best_of(candidates, k)):
+            into[q:q + rows] = value
+    return merged
 
 
 def vote(sims: torch.Tensor, labels: torch.Tensor, num_classes: int, k: int, temperature: float) -> torch.Tensor:

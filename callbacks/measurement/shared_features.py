@@ -16,8 +16,9 @@ dataset's features runs
 - **Blocks.** A callback that will want per-block features says so at ``setup``
   (:meth:`SharedEvaluation.need`), so the first pass over that dataset collects the blocks for everyone;
   a request without blocks is served from an entry with them.
-- **Ranks.** An entry holds this rank's strided shard; a gathered request (the whole set on
-  every rank, in dataset order) gathers it once, through ``trainer.strategy``, and keeps that too.
+- **Ranks.** An entry holds this rank's shard (its batches of consecutive samples); a gathered
+  request (the whole set on every rank, in dataset order) gathers it once, through
+  ``trainer.strategy``, and keeps that too.
   The kNN bank is never gathered: each rank scores its own rows.
 - **Memory.** Entries are dropped when the validation ends (``on_validation_end``, after every
   callback's ``on_validation_epoch_end`` read them), and whenever the stamp changes.
@@ -34,7 +35,7 @@ from typing import Any, Iterator, Optional
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import Dataset
 
-from callbacks._utils.distributed import gather_strided, rank_and_world_size
+from callbacks._utils.distributed import gather_blocks
 from callbacks._utils.feature_collection import (Features, Storage, collect_features, datamodule_dataset,
                                                  smoke_test_subset)
 from callbacks.cost import PER_VALIDATION
@@ -128,13 +129,10 @@ class SharedEvaluation(Callback):
             entry = self._entries[key] = {"local": local, "gathered": None}
         if gather and entry["gathered"] is None:
             local, total, strategy = entry["local"], len(subset), trainer.strategy
-            gathered = entry["gathered"] = Features(
-                gather_strided(local.features, total, strategy), gather_strided(local.labels, total, strategy),
-                None if local.blocks is None else [gather_strided(b, total, strategy) for b in local.blocks])
-            # this rank's shard is now a strided view of the whole: the same values, no second copy
-            rank, world_size = rank_and_world_size()
-            entry["local"] = Features(gathered.features[rank::world_size], gathered.labels[rank::world_size],
-                                      None if gathered.blocks is None else [b[rank::world_size] for b in gathered.blocks])
+            entry["gathered"] = Features(
+                gather_blocks(local.features, total, batch_size, strategy),
+                gather_blocks(local.labels, total, batch_size, strategy),
+                None if local.blocks is None else [gather_blocks(b, total, batch_size, strategy) for b in local.blocks])
         found = entry["gathered"] if gather else entry["local"]
         if not self._keeps:
             self.release()

@@ -46,8 +46,11 @@ def test_the_memory_model_gives_the_documented_imagenet_sizes():
     assert bank_bytes(images, widths, torch.float32) == images * (13 * 768 * 4 + 8)
     assert round(bank_bytes(images, widths, torch.float32) / gib, 1) == 47.7
     assert round(bank_bytes(images, widths, torch.float16) / gib, 1) == 23.8
-    assert shard_rows(images, 8) == 160_146 and round(bank_bytes(160_146, widths, torch.float16) / gib, 2) == 2.98
-    assert round(bank_bytes(shard_rows(images, 64), widths, torch.float16) / gib, 2) == 0.37
+    # the ranks own whole batches of 256: rank 0 holds 626 of the 5005
+    assert shard_rows(images, 8, 256) == 160_256 and round(bank_bytes(160_256, widths, torch.float16) / gib, 2) == 2.98
+    assert round(bank_bytes(shard_rows(images, 8, 256), widths, torch.float32) / gib, 2) == 5.96
+    assert round(bank_bytes(shard_rows(images, 64, 256), widths, torch.float16) / gib, 2) == 0.38
+    assert round(bank_bytes(shard_rows(images, 64, 256), widths, torch.float32) / gib, 2) == 0.75
     assert round(50_000 * 13 * 768 * 4 / gib, 2) == 1.86
 
 
@@ -148,7 +151,8 @@ def test_a_bank_read_in_parts_finds_the_neighbours_numpy_finds(dtype):
     g = torch.Generator().manual_seed(3)
     bank = torch.nn.functional.normalize(torch.randn(37, 6, generator=g), dim=1).to(dtype)
     labels, queries = torch.arange(37), normalized_queries(torch.randn(9, 6, generator=g), torch.device("cpu"))
-    sims, found = local_neighbours(bank, labels, queries, 7, budget_bytes=2 * 5 * 6 * 4)
+    sims, found, index = local_neighbours(bank, labels, queries, 7, budget_bytes=2 * 5 * 6 * 4)
+    assert torch.equal(found, index)  # the labels are the rows' indices
     expected = np.argsort(-(queries.double().numpy() @ bank.double().numpy().T), axis=1, kind="stable")[:, :7]
     assert found.tolist() == expected.tolist()
     torch.testing.assert_close(sims.double(), (queries.double() @ bank.double().T).gather(1, found), rtol=0, atol=1e-6)

@@ -24,8 +24,8 @@ from helpers.tiny_runs import Passthrough, TinyData
 # the launched processes import this module: what only the test process needs is imported there
 
 REPO = Path(__file__).resolve().parents[2]
-BANK, QUERIES, CLASSES, DIM = 103, 29, 7, 8  # 103 rows: shards of 35, 34 and 34 at 3 ranks (the sampler pads
-# two ranks with a repeated row, which the bank leaves out)
+BANK, QUERIES, CLASSES, DIM = 103, 29, 7, 8  # 103 rows in batches of 8: shards of 39, 32 and 32 rows at 3 ranks
+# (rank 0 holds batches 0, 3, 6, 9 and the last one, of 7 rows)
 
 
 class ProjectedBlocks(Passthrough):
@@ -172,9 +172,9 @@ def test_each_rank_saved_only_its_rows_and_the_command_scores_them_at_other_sett
 
     folder = runs["root"] / "w3" / "bank"
     shards = [torch.load(folder / f"bank-rank{r:05d}-of-00003.pt", weights_only=True) for r in range(3)]
-    assert [len(s["labels"]) for s in shards] == [35, 34, 34]
+    assert [len(s["labels"]) for s in shards] == [39, 32, 32]
     assert all(s["features"].dtype == torch.float16 and s["total"] == BANK for s in shards)
-    torch.testing.assert_close(shards[1]["features"].float().norm(dim=1), torch.ones(34), atol=2e-3, rtol=0)
+    torch.testing.assert_close(shards[1]["features"].float().norm(dim=1), torch.ones(32), atol=2e-3, rtol=0)
     module = ProjectedBlocks()
     results = dict(score_bank.score(folder, [3, 9], 0.1, ["all"], 2 ** 20))
     one_process = runs[1][0]
