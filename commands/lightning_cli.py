@@ -89,7 +89,6 @@ class ShortcutLabCLI(LightningCLI):
             raise BadInput(explain_parse_error(err, self.option_names())) from err
         self.check_optimizer_override()
         subcommand = self.config.get("subcommand")
-        reproducible_cpu.check(bool((self.config[subcommand] if subcommand else self.config).get("reproducible")))
         if subcommand == "fit":
             resolve_auto_ckpt_path(self.config[subcommand])
         if subcommand:
@@ -173,6 +172,7 @@ class ShortcutLabCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        reproducible_cpu.check(bool(cfg.get("reproducible")))  # a run that computes, not a parse-only check
         trainer_cfg = cfg.get("trainer", {})
         warn_on_slow_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
         apply_cadences(trainer_cfg.get("callbacks") or [], cfg.get("evaluation_every_n_epochs"),

@@ -133,15 +133,15 @@ def in_force() -> bool:
 
 
 def check(wanted: bool) -> None:
-    """The CLI's check once the run's settings are parsed: with ``reproducible: true``, the mode is
-    completed (threads, oneDNN) or, when torch was loaded without its environment, the run stops in
-    one line; ``false`` changes nothing."""
-    if not wanted:
-        return
+    """The CLI's check once the run's settings are parsed: a process started in the mode's
+    environment completes the mode (threads, oneDNN), whatever the run asks; a run that asks for it
+    (``reproducible: true``) in a process that loaded torch without it stops in one line."""
     import torch
 
-    if not environment_in_force() or torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+    started_in_mode = environment_in_force() and torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    if wanted and not started_in_mode:
         raise ValueError("reproducible: true needs the reproducible CPU mode set before torch loads, and this "
                          "process loaded torch without it: run through the shortcutlab command, set "
                          f"{SWITCH}=1 before starting Python, or pass --reproducible=false")
-    finish()
+    if started_in_mode:
+        finish()

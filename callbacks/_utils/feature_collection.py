@@ -113,9 +113,8 @@ def collect_features(
         dataset: items ``(image, label, ...)``, e.g. a datamodule's ``bank_dataset``.
         batch_size, num_workers: of the loader this function builds.
         with_blocks: also collect every block's pooled features.
-        gather: ``True``: the whole dataset on every rank, in dataset order. ``False``: only
-            this rank's shard, the batches ``rank, rank + W, ...`` of ``batch_size`` consecutive
-            samples (no duplicates across ranks), in order.
+        gather: ``True``: the whole dataset on every rank, in dataset order. ``False``: only this
+            rank's batches ``rank, rank + W, ...`` (no duplicates across ranks), in order.
         forward_context: e.g. ``trainer.precision_plugin.forward_context`` (mixed precision).
         storage: dtype, device and normalisation of the kept features (float32 by default),
             each tensor allocated once, at its final size: the pass holds one copy.

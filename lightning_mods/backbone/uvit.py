@@ -208,7 +208,7 @@ class UViT(nn.Module):
 
     def forward_head(self, tokens: torch.Tensor) -> torch.Tensor:
         """Normed tokens -> ``B x C x H x W`` prediction (patch tokens only)."""
-        patches = self.head(tokens[:, self.num_prefix_tokens:])
+        patches = self.head(tokens)[:, self.num_prefix_tokens:]  # as Bao et al.: the head over every token
         return self.final_layer(unpatchify(patches, self.patch_size, self.in_chans))
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
