@@ -28,9 +28,11 @@ def run(settings: Settings) -> list[Row]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     root = Path(tempfile.mkdtemp(prefix="bench-reproducible-"))
     epochs = settings.pick(EPOCHS, 1)
+    smaller = settings.pick([], ["--trainer.limit_train_batches=2", "--model.network.depth=2",
+                                 "--model.network.decoder_depth=1"])  # quick: the command runs, nothing more
     commands = {mode: [*shortcutlab_command(), "fit", "--config", "configs/digits_mae.yaml", f"--reproducible={mode}",
                        f"--trainer.max_epochs={epochs}", "--trainer.enable_progress_bar=false",
-                       f"--trainer.default_root_dir={root / mode}"]
+                       f"--trainer.default_root_dir={root / mode}", *smaller]
                 for mode in ("true", "false")}
     times: dict[str, list[float]] = {mode: [] for mode in commands}
     try:

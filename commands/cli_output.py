@@ -69,6 +69,31 @@ def _did_you_mean(name: str, known: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def config_syntax_error(args: Optional[list[str]]) -> Optional[str]:
+    """The one line naming the ``--config`` file of ``args`` that is not valid YAML, with the line and
+    column where the parser stopped (jsonargparse reads the file's text, so its own report names
+    neither); None when every config file parses (or none is given)."""
+    import yaml
+
+    words = list(sys.argv[1:] if args is None else args)
+    for i, word in enumerate(words):
+        name, has_value, value = word.partition("=")
+        path = value if has_value else (words[i + 1] if i + 1 < len(words) else "")
+        if name != "--config" or not path or path.lstrip().startswith("{"):
+            continue
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark or err.context_mark
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = " ".join(filter(None, [err.context, err.problem]))
+            return f"{path}{where}: not valid YAML ({problem})"
+        except (OSError, yaml.YAMLError):
+            continue
+    return None
+
+
 def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
     """jsonargparse's nested report -> one line: the full key of the bad field (as written on
     the command line, ``model.init_args.shortcut.init_args.kind``) and the innermost reason.

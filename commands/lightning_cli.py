@@ -43,7 +43,8 @@ from commands._run_config import RunConfig
 from commands.cli_checkpoint import (check_ckpt_path, check_weights_fit, continue_logger_versions, merge_kept_metrics,
                                      model_of_checkpoint, resolve_auto_ckpt_path, resolve_folder_ckpt_path)
 from commands.cli_output import (BadInput, answer_repeated_samples_warning, answer_resume_warnings,
-                                 duplicate_callback_message, expect_frozen_eval_modules, explain_parse_error,
+                                 config_syntax_error, duplicate_callback_message, expect_frozen_eval_modules,
+                                 explain_parse_error,
                                  info_logs_to_stdout, root_message, silence_third_party_noise, warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
@@ -86,7 +87,7 @@ class ShortcutLabCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise BadInput(explain_parse_error(err, self.option_names())) from err
+            raise BadInput(config_syntax_error(args) or explain_parse_error(err, self.option_names())) from err
         self.check_optimizer_override()
         subcommand = self.config.get("subcommand")
         if subcommand == "fit":

@@ -142,3 +142,13 @@ def test_the_knn_bank_rows_measure_in_quick_mode():
     assert [row.goal for row in rows] == ["<= 1.15", None, None]
     assert rows[0].median > 0 and all(abs(row.median) < 5 for row in rows[1:])
     assert "% of the 20 neighbours differ" in rows[1].detail
+
+
+@pytest.mark.slow
+def test_the_reproducible_mode_row_times_both_modes_in_fresh_interpreters():
+    """docs/performance.md's reproducible-mode row, in quick mode (a small quickstart each way)."""
+    from benchmarks.reproducible_mode import run
+    from benchmarks.settings import Settings
+
+    rows = run(Settings(quick=True, rounds=1))
+    assert len(rows) == 1 and rows[0].median > 0 and "on " in rows[0].detail and "off " in rows[0].detail

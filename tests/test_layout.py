@@ -264,3 +264,12 @@ def test_the_suite_runs_with_warnings_as_errors_and_each_tolerated_warning_has_i
         if line.startswith("ignore:") and not before.startswith("#"):
             assert before.startswith("ignore:"), line  # the same reason as the line before it
     assert lines[1].startswith("#")
+
+
+def test_what_runs_write_into_the_checkout_is_ignored_by_git():
+    """A run's folders in the working directory (MLflow's default mlruns/ among them) never show up as changes."""
+    import subprocess
+
+    for path in ("runs/digits_mae/x", "lightning_logs/version_0/x", "mlruns/0/meta.yaml"):
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, path

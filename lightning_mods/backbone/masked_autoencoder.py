@@ -34,7 +34,7 @@ from torch import nn
 from .mae_decoder import ClassicDecoder, UNetSkipDecoder
 from ._mae_init import init_linear_and_norm_, init_patch_embed_, zero_branch_ends_
 from .patches import num_kept, patchify, random_masking, sincos_pos_embed_2d, unpatchify
-from .shortcut import ShortcutSchedule, check_depth, transformer_sublayer_types
+from .shortcut import ShortcutSchedule, check_depth, check_heads, transformer_sublayer_types
 from .vit import DecayedVisionTransformer
 
 Indices = Optional[Union[int, Sequence[int]]]  # of forward_intermediates, as timm reads them
@@ -99,6 +99,8 @@ class MaskedAutoencoderViT(nn.Module):
         super().__init__()
         check_layout(img_size, patch_size, depth, mask_ratio, loss_on_all_patches, unet_skips, encoder_final_norm,
                      feature_pool)
+        check_heads(embed_dim, num_heads)
+        check_heads(decoder_embed_dim, decoder_num_heads, "decoder_embed_dim", "decoder_num_heads")
         self.shortcut = shortcut = ShortcutSchedule.coerce(shortcut, ShortcutSchedule())
         # zero starts: the authors' with skips; the decay paper needs them for any decayed encoder too (a
         # decayed classic-decoder ablation), while He et al.'s standard MAE has none

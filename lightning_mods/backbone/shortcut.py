@@ -58,6 +58,14 @@ def check_depth(value: int, name: str = "num_sublayers", what: str = "") -> int:
     return value
 
 
+def check_heads(width: int, heads: int, width_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
+    """A one-line ValueError naming both settings when ``heads`` attention heads cannot split ``width``."""
+    check_depth(heads, heads_name)
+    if width % heads:
+        raise ValueError(f"{heads_name} ({heads}) must divide {width_name} ({width}): each head takes "
+                         f"{width_name} / {heads_name} channels")
+
+
 class ShortcutSchedule:
     """Describes how the identity shortcut of every residual sub-layer is weighted.
 

@@ -27,7 +27,7 @@ from torch import nn
 from .patches import unpatchify
 from .residual import apply_shortcut_schedule
 from .resnet import resolve_layer
-from .shortcut import ShortcutSchedule
+from .shortcut import ShortcutSchedule, check_heads
 from .vit import DecayedBlock, zero_init_residual_branches
 
 
@@ -51,8 +51,7 @@ def check_geometry(img_size: int, patch_size: int, in_chans: int, embed_dim: int
             raise ValueError(f"{name} must be a positive integer, got {value}")
     if img_size % patch_size:
         raise ValueError(f"img_size ({img_size}) must be divisible by patch_size ({patch_size})")
-    if embed_dim % num_heads:
-        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+    check_heads(embed_dim, num_heads)
     if num_classes < 0:
         raise ValueError(f"num_classes must be >= 0 (0 = unconditional), got {num_classes}")
 

@@ -15,7 +15,7 @@ from torch import nn
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from .residual import DecayedResidual, apply_shortcut_schedule, residual_blocks
-from .shortcut import ShortcutSchedule, check_depth
+from .shortcut import ShortcutSchedule, check_depth, check_heads
 
 
 class DecayedBlock(DecayedResidual, Block):
@@ -74,6 +74,7 @@ class DecayedVisionTransformer(VisionTransformer):
         if "block_fn" in kwargs:
             raise ValueError("block_fn is fixed to DecayedBlock in DecayedVisionTransformer")
         check_depth(kwargs.get("depth", 12), "depth", " (number of transformer blocks)")
+        check_heads(kwargs.get("embed_dim", 768), kwargs.get("num_heads", 12))
         super().__init__(block_fn=DecayedBlock, **kwargs)
         self.shortcut = ShortcutSchedule.coerce(shortcut)
         self.num_sublayers = apply_shortcut_schedule(self, self.shortcut)

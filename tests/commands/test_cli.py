@@ -149,6 +149,27 @@ def test_bad_shortcut_value_is_a_one_line_error(tmp_path):
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
+@pytest.mark.parametrize("text, where", [("trainer:\n  max_epochs: 1\n  devices: [1, 2\nmodel: x\n", "line 4, column 6"),
+                                         ("model: x: y\n", "line 1, column 9")])
+def test_a_config_that_is_not_yaml_is_named_with_its_line(tmp_path, text, where):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    for args in (["fit", "--config", "configs/digits_mae.yaml", "--config", str(bad)], ["fit", f"--config={bad}"]):
+        with pytest.raises(ValueError) as err:
+            cli.main(args + [f"--trainer.default_root_dir={tmp_path}"], parser_kwargs=cli.raising_parsers())
+        assert cli.root_message(err.value).startswith(f"{bad}, {where}: not valid YAML ("), cli.root_message(err.value)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("--model.network.num_heads=5", "num_heads (5) must divide embed_dim (96)"),
+    ("--model.network.decoder_num_heads=3", "decoder_num_heads (3) must divide decoder_embed_dim (64)")])
+def test_heads_that_do_not_divide_the_width_name_both_settings(tmp_path, setting, message):
+    with pytest.raises(ValueError) as err:
+        cli.main(["fit", "--config", "configs/digits_mae.yaml", setting, "--trainer.fast_dev_run=1",
+                  f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.root_message(err.value).startswith(message + ": "), cli.root_message(err.value)
+
+
 def test_bf16_on_cpu_without_amx_warns(monkeypatch):
     monkeypatch.setattr(console, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(UserWarning, match="precision='bf16-mixed'"):
