@@ -9,7 +9,7 @@ final checkpoint of its finished fit, as ``model.checkpoint`` takes it); its net
 (the averaged ones where the run kept an EMA: Lightning saves those as the model's) and settings
 come from it. Writes
 ``<out>/<index>.png`` (the images in [0, 1], one file each; ``_class<c>`` added for a class-conditional
-model) and ``<out>/grid.png``: about ``--num-images`` samples in a near-square grid, one row a class
+model) and ``<out>/grid.png``: ``--num-images`` samples in a near-square grid, one row a class
 spread over the classes (digits, 16 images: classes 0, 3, 6 and 9, four each), titled with the
 checkpoint's epoch and step, the sampler, steps, guidance and seed. The defaults are the model's own.
 """
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-steps", type=int, default=None, help="sampling steps (default: the model's)")
     parser.add_argument("--guidance-scale", type=float, default=None,
                         help="classifier-free guidance of a class-conditional model (1 = none; default: the model's)")
-    parser.add_argument("--num-images", type=int, default=16, help="about this many images (default 16)")
+    parser.add_argument("--num-images", type=int, default=16, help="this many images (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="the samples' noise (default 0)")
     return parser
 

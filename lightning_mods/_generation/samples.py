@@ -132,19 +132,23 @@ class Samples:
 
     def sample_grid(self, num_images: int, seed: int, sampler: Optional[str] = None, num_steps: Optional[int] = None,
                     guidance_scale: Optional[float] = None) -> tuple:
-        """``(figure, images N x C x H x W in [0, 1], labels or None)``: about ``num_images`` samples
+        """``(figure, images N x C x H x W in [0, 1], labels or None)``: exactly ``num_images`` samples
         in a near-square grid, one row a class (:meth:`sample_grid_classes`) for a class-conditional
-        model, titled with what drew them; the settings default to the model's."""
+        model (the last row short when they do not fill it), titled with what drew them; the
+        settings default to the model's."""
         hp = self.hparams
         sampler, num_steps = sampler or hp.sampler, num_steps or hp.num_sampling_steps
         scale = hp.guidance_scale if guidance_scale is None else guidance_scale
         classes, cols = self.sample_grid_classes(num_images)
         rows = len(classes) if classes is not None else math.ceil(num_images / cols)
-        labels = None if classes is None else torch.tensor(classes, device=self.device).repeat_interleave(cols)
-        images = self.generate_images(rows * cols, labels, seed=seed, sampler=sampler, num_steps=num_steps,
+        labels = None if classes is None else \
+            torch.tensor(classes, device=self.device).repeat_interleave(cols)[:num_images]
+        images = self.generate_images(num_images, labels, seed=seed, sampler=sampler, num_steps=num_steps,
                                       guidance_scale=scale)
-        tiles = images.permute(0, 2, 3, 1).float().cpu().numpy().reshape(rows, cols, *images.shape[2:],
-                                                                          images.shape[1])
+        drawn = images.permute(0, 2, 3, 1).float().cpu().numpy()
+        tiles = np.ones((rows * cols, *drawn.shape[1:]), dtype=np.float32)  # white where the last row ends
+        tiles[:num_images] = drawn
+        tiles = tiles.reshape(rows, cols, *drawn.shape[1:])
         names = self.class_names()
         row_labels = None if classes is None else [names[c] if names else f"class {c}" for c in classes]
         title = self.sample_grid_title(sampler, num_steps, scale, seed)

@@ -247,6 +247,10 @@ def test_digits_config_fits_one_step_and_validates_from_its_checkpoint(tmp_path)
                  "--num-images", "4", "--out", str(tmp_path / "drawn")])
     drawn = sorted(p.name for p in (tmp_path / "drawn").iterdir())
     assert drawn == ["00000_class0.png", "00001_class0.png", "00002_class9.png", "00003_class9.png", "grid.png"]
+    # exactly --num-images, also where they do not fill the grid (8: rows of classes 0, 4 and 9, three a row)
+    sample.main([str(tmp_path), "--num-steps", "2", "--num-images", "8", "--out", str(tmp_path / "eight")])
+    drawn = sorted(p.name for p in (tmp_path / "eight").iterdir() if p.name != "grid.png")
+    assert [name.partition("_")[2] for name in drawn] == ["class0.png"] * 3 + ["class4.png"] * 3 + ["class9.png"] * 2
 
 
 def test_sample_grid_draws_one_class_per_row_with_its_name(monkeypatch):
