@@ -70,6 +70,13 @@ def test_signal_writes_a_resumable_checkpoint_and_exits_128_plus_signal(signum, 
     assert_identical(resumed, full)
 
 
+@pytest.mark.parametrize("name", list(ROWS) + SINGLE_FILES)
+def test_every_config_ends_its_fit_with_a_run_summary(name):
+    """Every composition of configs/compositions.yaml and every single-file config prints its final
+    numbers and checkpoints at the end of a fit."""
+    assert "callbacks.reporting.run_summary.RunSummary" in {c["class_path"] for c in declared_callbacks(name)}
+
+
 RELIABILITY = {"callbacks.reliability.exact_resume.ExactResume", "callbacks.reliability.nonfinite_guard.NonFiniteGuard",
                "callbacks.reliability.preemption.PreemptionCheckpoint"}
 
