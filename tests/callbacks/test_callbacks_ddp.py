@@ -132,6 +132,18 @@ def run_to_end(cmd: list[str], env: dict, timeout: float) -> str:
     return output
 
 
+def ranks_seen(script: Path, out: Path, devices: int, args: list[str], shortcutlab: list[str], env: dict) -> list[dict]:
+    """Run ``script OUT ARGS...`` on ``devices`` torchrun workers (warm forks of ``shortcutlab``,
+    helpers/fork_server.py) to the end, and read the ``rank<r>.json`` each rank wrote into ``out``."""
+    from helpers.fork_server import torchrun_workers
+
+    out.mkdir(parents=True, exist_ok=True)
+    run_to_end(torchrun_workers([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+                                 str(devices), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                                 str(script), str(out), *args], shortcutlab), env, timeout=240)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process(tmp_path, warm_shortcutlab):
     from helpers.fork_server import torchrun_workers

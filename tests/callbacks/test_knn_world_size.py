@@ -5,9 +5,7 @@ and on the quickstart network, whose near-collapsed features put many neighbours
 of each other (every block, several k)."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 from typing import Optional
@@ -92,8 +90,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, warm_shortcutlab) -> dict[int, list[dict]]:
     """What every rank logged at 1 (this process), 2 and 3 processes (warm forks)."""
-    from helpers.fork_server import torchrun_workers
-    from test_callbacks_ddp import free_port, run_to_end
+    from test_callbacks_ddp import ranks_seen
 
     root = tmp_path_factory.mktemp("knn_world_size")
     torch.manual_seed(0)
@@ -114,12 +111,7 @@ def runs(tmp_path_factory, warm_shortcutlab) -> dict[int, list[dict]]:
                CUDA_VISIBLE_DEVICES="")
     found = {1: [evaluate(str(weights), root / "w1")]}
     for devices in (2, 3):
-        out = root / f"w{devices}"
-        out.mkdir()
-        run_to_end(torchrun_workers([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-                                     str(devices), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                                     str(script), str(out), str(weights)], warm_shortcutlab), env, timeout=240)
-        found[devices] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
+        found[devices] = ranks_seen(script, root / f"w{devices}", devices, [str(weights)], warm_shortcutlab, env)
     return found
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from helpers import folders
 
-import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -109,8 +107,7 @@ def hits(accuracy: float) -> int:
 def runs(tmp_path_factory, warm_shortcutlab) -> dict[int, list[dict]]:
     """What every rank saw at 1 (this process) and 3 processes (warm forks, tests/helpers/fork_server.py),
     and the folders they ran in."""
-    from helpers.fork_server import torchrun_workers
-    from test_callbacks_ddp import free_port, run_to_end
+    from test_callbacks_ddp import ranks_seen
 
     root = tmp_path_factory.mktemp("sharded_knn")
     script = root / "run.py"
@@ -118,13 +115,7 @@ def runs(tmp_path_factory, warm_shortcutlab) -> dict[int, list[dict]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     found = {}
-    for devices in (3,):
-        out = root / f"w{devices}"
-        out.mkdir()
-        run_to_end(torchrun_workers([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-                                     str(devices), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                                     str(script), str(out), str(devices)], warm_shortcutlab), env, timeout=240)
-        found[devices] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
+    found[3] = ranks_seen(script, root / "w3", 3, ["3"], warm_shortcutlab, env)
     single = root / "w1"
     callbacks = make_callbacks(single / "bank")
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
