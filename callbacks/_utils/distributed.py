@@ -6,7 +6,6 @@ the backend's device for the collective and back to where they were afterwards.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -92,23 +91,25 @@ def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(local.device)
 
 
+def _block_starts(total: int, rank: int, world_size: int, block: int) -> range:
+    """Where this rank's blocks start: ``rank x block``, then every ``W x block``, below ``total``."""
+    if block < 1:
+        raise ValueError(f"block_shard: block must be >= 1, got {block}")
+    return range(rank * block, total, world_size * block)
+
+
 def block_shard(total: int, rank: int, world_size: int, block: int) -> list[int]:
     """The indices this rank embeds: the blocks ``rank, rank + W, ...`` of ``block`` consecutive
     indices below ``total`` (the last block may be shorter). No padding, no duplicates, and every
     block is the same batch of samples whatever the world size, so it is embedded by the same
     arithmetic at 1 or 64 processes."""
-    if block < 1:
-        raise ValueError(f"block_shard: block must be >= 1, got {block}")
-    return [i for start in range(rank * block, total, world_size * block) for i in range(start, min(start + block, total))]
+    return [i for start in _block_starts(total, rank, world_size, block) for i in range(start, min(start + block, total))]
 
 
 def block_shard_sizes(total: int, world_size: int, block: int) -> list[int]:
     """How many indices each rank's :func:`block_shard` holds, in rank order."""
-    blocks = math.ceil(total / block)
-    sizes = [0] * world_size
-    for b in range(blocks):
-        sizes[b % world_size] += min(block, total - b * block)
-    return sizes
+    return [sum(min(block, total - start) for start in _block_starts(total, rank, world_size, block))
+            for rank in range(world_size)]
 
 
 def gather_blocks(local: torch.Tensor, total: int, block: int, strategy: Any = None) -> torch.Tensor:
@@ -137,7 +138,7 @@ def gather_blocks(local: torch.Tensor, total: int, block: int, strategy: Any = N
     else:  # world_size x largest x ...
         parts = strategy.all_gather(padded.to(strategy.root_device)).to(local.device)
     for r, part in enumerate(parts):
-        for i, start in enumerate(range(r * block, total, world_size * block)):
+        for i, start in enumerate(_block_starts(total, r, world_size, block)):
             rows = min(block, total - start)
             out[start:start + rows] = part[i * block:i * block + rows]
     return out
