@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import (data_pipeline, depth_evaluation_cost, fit_breakdown, knn_at_scale, models, op_counts, probe_accuracy,
-               quickstart_training, reproducible_mode, results_page, several_settings, startup)
+               quickstart_training, reproducible_mode, results_page, several_settings, startup, sweep_check)
 from .settings import Settings
 from .timing import skipped
 
@@ -21,7 +21,8 @@ RESULTS = Path(__file__).with_name("results.md")  # the full suite's table (READ
 GROUPS = {"models": models.run, "training": quickstart_training.run, "several": several_settings.run,
           "depth": depth_evaluation_cost.run, "startup": startup.run, "data": data_pipeline.run,
           "probe-accuracy": probe_accuracy.run, "breakdown": fit_breakdown.run, "ops": op_counts.run,
-          "knn": knn_at_scale.run, "reproducible": reproducible_mode.run}
+          "knn": knn_at_scale.run, "reproducible": reproducible_mode.run,
+          "sweep": sweep_check.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -15,18 +15,16 @@ FOLLOW_UP_DIR = "probe"  # the --then fit's folder, and its evaluation name in s
 PLAN_FILE = "sweep_plan.json"  # every run asked for in <runs-dir>/<experiment>: the report names those not started
 
 
-def write_logging_fragment(save_dir: Path, version: str) -> Path:
-    """``<save_dir>/<version>/run.yaml``: a config fragment with a CSV logger (``metrics.csv``,
-    read by ``shortcutlab report``) and a TensorBoard logger, both writing to the run's fixed
-    folder ``save_dir/version`` instead of ``lightning_logs/version_N``, and the callback that
-    records a normal end of the fit there (``fit_end.json``, :mod:`callbacks.reliability.fit_end_record`)."""
-    loggers = [{"class_path": f"lightning.pytorch.loggers.{cls}",
-                "init_args": {"save_dir": str(save_dir), "name": "", "version": version}}
-               for cls in ("CSVLogger", "TensorBoardLogger")]
+def write_logging_fragment(save_dir: Path, version: str, loggers: list[dict]) -> Path:
+    """``<save_dir>/<version>/run.yaml``: a config fragment that gives the run ``loggers``
+    (:func:`commands._run_loggers.run_loggers`: the CSV logger ``shortcutlab report`` reads, in
+    the run's fixed folder ``save_dir/version`` instead of ``lightning_logs/version_N``, then the
+    loggers its configs chose) and the callback that records a normal end of the fit there
+    (``fit_end.json``, :mod:`callbacks.reliability.fit_end_record`)."""
     trainer = {"logger": loggers, "callbacks+": [{"class_path": "callbacks.reliability.fit_end_record.FitEndRecord"}]}
     path = save_dir / version / "run.yaml"
     write_text_atomically(path, "# written by shortcutlab sweep: where this run logs\n"
-                    + json.dumps({"trainer": trainer}, indent=2) + "\n")
+                          + json.dumps({"trainer": trainer}, indent=2, default=str) + "\n")
     return path
 
 

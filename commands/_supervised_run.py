@@ -116,6 +116,5 @@ def fit_resuming(args: Sequence[str], folder: Path, grace: float = STOP_GRACE_SE
     finally:  # also when the sweep was stopped: the rows before the checkpoint stay
         if earlier is not None:
             merge_metrics_csv(earlier, metrics)
-            print(f"    resumed from {resume}; the metrics logged before it are kept in {metrics} "
-                  "(despite CSVLogger's 'will be deleted' warning)", flush=True)
+            print(f"    resumed from {resume}; the metrics logged before it are kept in {metrics}", flush=True)
     return run_args, status, seconds

@@ -188,12 +188,20 @@ def checkpoint_version(logger: Any, ckpt_path: str) -> Optional[int]:
 
 def continue_logger_versions(trainer: Any, ckpt_path: Optional[str]) -> list[Path]:
     """Point the trainer's unversioned TensorBoard and CSV loggers at the checkpoint's version;
-    returns the CSV folders whose ``metrics.csv`` was kept aside (for :func:`merge_kept_metrics`)."""
+    returns the CSV folders whose ``metrics.csv`` was kept aside (for :func:`merge_kept_metrics`):
+    theirs, and that of a CSV logger given its folder (a sweep's run) when the checkpoint lies in it."""
     kept = []
     if not ckpt_path:
         return kept
     for logger in trainer.loggers:
-        if not isinstance(logger, (TensorBoardLogger, CSVLogger)) or lightning_private.logger_version_given(logger):
+        if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            continue
+        if lightning_private.logger_version_given(logger):
+            folder = Path(logger.log_dir)
+            if isinstance(logger, CSVLogger) and trainer.is_global_zero and folder.resolve() in Path(
+                    ckpt_path).resolve().parents:
+                keep_metrics_aside(folder)
+                kept.append(folder)
             continue
         version = checkpoint_version(logger, ckpt_path)
         if version is None:

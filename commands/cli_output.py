@@ -122,6 +122,9 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
         reason = f"must be one of {match.group(1)}; got '{match.group(2)}'"
     elif match := _TYPE.match(innermost):
         kind, value = match.groups()
+        union = next((m.group(1) for text in messages if (m := re.search(r"Subtypes: \[(.*?)\]", text))), "")
+        kinds = [k for k in re.findall(r"<class '(\w+)'>", union) if k != "NoneType"]
+        kind = " or ".join(kinds) if kind in kinds else kind  # a Union: every type it takes
         finite = " finite" if kind == "float" and value.strip().lower().lstrip("+-") in ("nan", "inf") else ""
         reason = f"must be of type{finite} {kind}; got '{value}'"
     elif match := _UNKNOWN_OPTION.match(innermost):
@@ -328,3 +331,26 @@ def answer_resume_warnings(trainer: Any, subcommand: str, ckpt_path: Optional[st
                                 r"ended and your dataloader is not resumable")
     if subcommand in ("validate", "test", "predict"):
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+
+def answer_folder_warnings(trainer: Any, subcommand: str, ckpt_path: Optional[str]) -> None:
+    """Lightning's "exists and is not empty" warnings where nothing is lost: a CSV logger's folder
+    that holds no ``metrics.csv`` (the only file the logger deletes; a sweep's run folder holds its
+    ``run.yaml`` and log, a resumed fit has set its metrics aside to put them back), and, when a fit
+    resumes, the folder of the checkpoint it resumes from. Call it once the loggers' versions are
+    set (:func:`commands.cli_checkpoint.continue_logger_versions`)."""
+    from pathlib import Path
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mods._compat import lightning_private
+
+    for logger in trainer.loggers:  # an unversioned one takes a new folder: its version is not read early
+        if (isinstance(logger, CSVLogger) and lightning_private.logger_version_given(logger)
+                and not (Path(logger.log_dir) / "metrics.csv").exists()):
+            warnings.filterwarnings("ignore", message=re.escape(f"Experiment logs directory {logger.log_dir} exists "
+                                                                "and is not empty"))
+    if subcommand == "fit" and ckpt_path:
+        folders = {str(Path(ckpt_path).parent), str(Path(ckpt_path).resolve().parent)}
+        warnings.filterwarnings("ignore", message="|".join(re.escape(f"Checkpoint directory {folder} exists and is not "
+                                                                     "empty") for folder in folders))

@@ -42,7 +42,7 @@ from commands.cli_settings import (CKPT_PATH_HELP, DATA_NAMES, DEFAULT_CALLBACKS
 from commands._run_config import RunConfig
 from commands.cli_checkpoint import (check_ckpt_path, check_weights_fit, continue_logger_versions, merge_kept_metrics,
                                      model_of_checkpoint, resolve_auto_ckpt_path, resolve_folder_ckpt_path)
-from commands.cli_output import (BadInput, answer_repeated_samples_warning, answer_resume_warnings,
+from commands.cli_output import (BadInput, answer_folder_warnings, answer_repeated_samples_warning, answer_resume_warnings,
                                  config_syntax_error, duplicate_callback_message, expect_frozen_eval_modules,
                                  explain_parse_error,
                                  info_logs_to_stdout, root_message, silence_third_party_noise, warn_on_slow_precision)
@@ -203,6 +203,7 @@ class ShortcutLabCLI(LightningCLI):
         answer_resume_warnings(self.trainer, str(self.subcommand), ckpt_path)
         if self.subcommand == "fit":  # before anything reads the loggers' folders (and so fixes their versions)
             self._kept_metrics = continue_logger_versions(self.trainer, ckpt_path)
+        answer_folder_warnings(self.trainer, str(self.subcommand), ckpt_path)
         add_required_callbacks(self.trainer)
         if self.subcommand == "predict":
             add_prediction_writer(self.trainer)
@@ -248,6 +249,7 @@ class ArgumentChecker:
 
     def __init__(self) -> None:
         self._cli: Optional[_ParseOnlyCLI] = None
+        self._checked: Optional[tuple[str, ...]] = None  # the arguments self._cli.config holds
 
     def __call__(self, args: list[str]) -> Optional[str]:
         """None when ``args`` parse, else the one-line reason a run would give (an unknown key with
@@ -263,13 +265,37 @@ class ArgumentChecker:
                     self._cli.parse_arguments(self._cli.parser, list(args))
                     self._cli.check_ckpt_path_against_config()
             except _Parsed as parsed:
-                self._cli = parsed.cli
+                self._cli, self._checked = parsed.cli, tuple(args)
                 return None
             except (ValueError, FileNotFoundError, MisconfigurationException) as err:
                 return root_message(err)
             except SystemExit:  # --help or --print_config among the arguments
                 return "the arguments print help or a config instead of running"
         return None
+
+
+    def check_setting(self, args: list[str], key: str, value: str) -> Optional[str]:
+        """None when ``args`` followed by ``--key=value`` parse, else why not. ``args`` are parsed in
+        full once (then remembered); the setting is parsed onto that config, its value checked
+        against its setting's type in milliseconds (not the whole config again); a refused one is
+        parsed in full for the run's own message."""
+        if self._checked != tuple(args):
+            reason = self(args)
+            if reason is not None:
+                return reason
+        subcommand = args[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                lightning_private.parse_setting(self._cli, subcommand, f"--{key}={value}")
+                return None
+            except (Exception, SystemExit):  # the full parse below gives the run's own words
+                pass
+        return self([*args, f"--{key}={value}"])
+
+    def parsed(self, key: str) -> Any:
+        """``key`` (``trainer.logger``) of the config :meth:`__call__` parsed last."""
+        return self._cli.config[self._cli.config["subcommand"]][key]
 
 
 def check_arguments(args: list[str]) -> Optional[str]:

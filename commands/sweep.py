@@ -7,8 +7,10 @@
 
 Every point of the grid (the product of the ``--grid`` axes) is one run in
 ``<runs-dir>/<experiment>/<name>/`` with a readable, stable name built from the grid values
-(``alpha_min=0.6,seed=1``): ``run.yaml`` (the loggers' config fragment), the saved config,
-``metrics.csv`` (and TensorBoard events), checkpoints,
+(``alpha_min=0.6,seed=1``): ``run.yaml`` (the loggers' config fragment: the CSV logger the report
+reads, then the loggers the configs chose, W&B runs grouped and MLflow runs filed under the
+experiment, each named after its run; :mod:`commands._run_loggers`), the saved config,
+``metrics.csv`` (and TensorBoard's events), checkpoints,
 pictures and ``sweep.json`` (command, exit status, seconds). Runs go one after another; with
 ``--print`` the commands are printed instead, one line per run, for a cluster array job
 (they neither skip finished runs nor resume: ``shortcutlab sweep`` itself does both).
@@ -27,8 +29,10 @@ the evaluation named ``probe`` (the offline linear probe, the report's "offline 
 with ``--then-set`` as its settings; ``sweep.json`` records every evaluation the same way. A failed run is reported and the others still run; the sweep exits non-zero
 when any run failed.
 
-Before anything starts (or is printed), every point's composed config and its ``--then`` fit are
-parsed: a typo in a key is one line naming the point, exit status 2, no run started. ``sweep.json``
+Before anything starts (or is printed), the first point's composed config and its ``--then`` and
+``--evaluate`` fits are parsed in full, and every other value of every grid key is checked against
+its setting's type on top of it: a typo in a key or a bad value is one line naming the first point
+that has it, exit status 2, no run started. ``sweep.json``
 keeps the settings each run was asked for (its ``fit`` arguments and a digest of each config
 file): a run recorded with other settings (``--run-set trainer.max_epochs=6`` after a 4-epoch
 sweep, an edited config) is neither skipped nor resumed; the sweep stops before anything starts,
@@ -45,12 +49,13 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 # the grid (commands._sweep_grid), the run folder (commands._run_folder) and the supervision of the
 # runs' processes (commands._supervised_run) have modules of their own
 from commands._run_folder import (CHECKPOINT_AT_RUN_TIME, FOLLOW_UP_DIR, newest_checkpoint_shell, record_plan,
                                  resumable_checkpoint, sweep_record, write_logging_fragment)
+from commands._run_loggers import run_loggers
 from commands._supervised_run import STOP_GRACE_SECONDS, Stopped, fit_resuming, shell_line
 from commands._sweep_grid import Evaluation, as_options, grid_points, parse_axis, parse_evaluation, run_name
 import lightning_mods.exit_statuses as exit_statuses
@@ -66,9 +71,16 @@ def fit_arguments(configs: Sequence[str], point: dict[str, str], extra: Sequence
 
 
 def fit_command(configs: Sequence[str], point: dict[str, str], extra: Sequence[str], save_dir: Path,
-                version: str) -> list[str]:
-    """The ``shortcutlab fit`` arguments of one run (without the program)."""
-    return fit_arguments(configs, point, extra) + [f"--config={write_logging_fragment(save_dir, version)}"]
+                version: str, logger: Any) -> list[str]:
+    """The ``shortcutlab fit`` arguments of one run (without the program); ``logger``: the
+    ``trainer.logger`` its configs parse to (:func:`check_points`)."""
+    return fit_arguments(configs, point, extra) + [f"--config={logging_fragment(save_dir, version, logger)}"]
+
+
+def logging_fragment(save_dir: Path, version: str, logger: Any) -> Path:
+    """The run's ``run.yaml``: its CSV logger, then the loggers its configs chose (``logger``), told
+    the sweep (``save_dir``'s name) and the run (``version``)."""
+    return write_logging_fragment(save_dir, version, run_loggers(logger, save_dir, version, save_dir.name))
 
 
 def follow_up_arguments(configs: Sequence[str], checkpoint: Path, point: dict[str, str],
@@ -82,34 +94,46 @@ def follow_up_arguments(configs: Sequence[str], checkpoint: Path, point: dict[st
     return args + as_options(extra)
 
 
-def follow_up_command(configs: Sequence[str], run: Path, checkpoint: Path, point: dict[str, str], extra: Sequence[str],
-                      save_dir: Path, version: str, folder: str = FOLLOW_UP_DIR) -> list[str]:
+def follow_up_command(configs: Sequence[str], checkpoint: Path, point: dict[str, str], extra: Sequence[str],
+                      save_dir: Path, version: str, folder: str, logger: Any) -> list[str]:
     """:func:`follow_up_arguments` logging to ``<run>/<folder>`` (``probe``, or an evaluation's name)."""
     return follow_up_arguments(configs, checkpoint, point, extra) + [
-        f"--config={write_logging_fragment(save_dir, f'{version}/{folder}')}"]
+        f"--config={logging_fragment(save_dir, f'{version}/{folder}', logger)}"]
 
 
-def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -> None:
-    """Parse every point's composed config (and its ``--then`` and ``--evaluate`` fits') as its run would, before any
-    run starts or any line is printed: a bad key or value is a ValueError naming the point (one
-    typo would otherwise fail every run of the grid, each after its start-up)."""
+def check_points(parsed: argparse.Namespace, points: Sequence[dict[str, str]]) -> dict[str, Any]:
+    """Check the grid as its runs would parse it, before any run starts or any line is printed: the
+    first point's composed config (and its ``--then`` and ``--evaluate`` fits') in full, then every
+    other value of every grid key against its setting's type, on top of that config (a bad key or
+    value is a ValueError naming the first point that has it: one typo would otherwise fail every
+    run of the grid, each after its start-up). Returns the ``trainer.logger`` each fit parses
+    to: the runs' under ``""``, each evaluation's under its name."""
     from commands.lightning_cli import ArgumentChecker  # torch and Lightning: only when checking
 
-    check_arguments = ArgumentChecker()  # one parser for every point
-    checked: set[tuple[str, ...]] = set()
-    for point in points:
-        what = [(f"grid point {run_name(point)}", fit_arguments(parsed.config, point, run_settings(parsed)))]
-        for evaluation in parsed.evaluations:  # the run's checkpoint does not exist yet: its path is only parsed
-            what.append((f"the {evaluation.option} fit of {run_name(point)}",
-                         follow_up_arguments(evaluation.configs, Path("checkpoints/last.ckpt"), point,
-                                             [*parsed.set, *evaluation.settings])))
-        for where, args in what:
-            if tuple(args) in checked:
-                continue
-            checked.add(tuple(args))
-            reason = check_arguments(args)
+    for key in points[0]:
+        if key.split(".")[:2] == ["trainer", "logger"]:
+            raise ValueError(f"--grid {key}: every run of a sweep logs to the same loggers; set them in a config "
+                             "or with --set")
+    check = ArgumentChecker()  # one parser for every check
+    first = points[0]
+    arguments = fit_arguments(parsed.config, first, run_settings(parsed))
+    reason = check(arguments)
+    if reason is not None:
+        raise ValueError(f"grid point {run_name(first)}: {reason} (nothing was started)")
+    loggers = {"": check.parsed("trainer")["logger"]}
+    for key in first:
+        for value in dict.fromkeys(point[key] for point in points[1:] if point[key] != first[key]):
+            reason = check.check_setting(arguments, key, value)
             if reason is not None:
-                raise ValueError(f"{where}: {reason} (nothing was started)")
+                where = run_name(next(point for point in points if point[key] == value))
+                raise ValueError(f"grid point {where}: {reason} (nothing was started)")
+    for evaluation in parsed.evaluations:  # the run's checkpoint does not exist yet: its path is only parsed
+        reason = check(follow_up_arguments(evaluation.configs, Path("checkpoints/last.ckpt"), first,
+                                           [*parsed.set, *evaluation.settings]))
+        if reason is not None:
+            raise ValueError(f"the {evaluation.option} fit of {run_name(first)}: {reason} (nothing was started)")
+        loggers[evaluation.name] = check.parsed("trainer")["logger"]
+    return loggers
 
 
 def run_settings(parsed: argparse.Namespace) -> list[str]:
@@ -181,7 +205,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     """The sweep of the parsed arguments (see :func:`main`)."""
     parsed.evaluations = checked_evaluations(parsed)
     points = grid_points([parse_axis(axis) for axis in parsed.grid])
-    check_points(parsed, points)
+    loggers = check_points(parsed, points)
     save_dir = Path(parsed.runs_dir) / parsed.experiment
     if not parsed.print_only:
         check_recorded_settings(parsed, points, save_dir)
@@ -190,9 +214,9 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
     for index, point in enumerate(points, start=1):
         name = run_name(point)
         run = save_dir / name
-        args = fit_command(parsed.config, point, run_settings(parsed), save_dir, name)
+        args = fit_command(parsed.config, point, run_settings(parsed), save_dir, name, loggers[""])
         if parsed.print_only:
-            print(printed_line(parsed, args, run, point, save_dir, name))
+            print(printed_line(parsed, args, run, point, save_dir, name, loggers))
             continue
         record_file = run / "sweep.json"
         record = sweep_record(json.loads(record_file.read_text())) if record_file.is_file() else {}
@@ -213,7 +237,7 @@ def run_sweep(parsed: argparse.Namespace) -> list[dict]:
         else:
             print(f"    done before ({record.get('seconds')} s), skipped", flush=True)
         if parsed.evaluations and record.get("status") == 0:
-            run_evaluations(parsed, run, point, save_dir, name, record, record_file)
+            run_evaluations(parsed, run, point, save_dir, name, record, record_file, loggers)
         records.append(record)
     if parsed.print_only:
         return []
@@ -300,19 +324,20 @@ def checked_evaluations(parsed: argparse.Namespace) -> list[Evaluation]:
 
 
 def printed_line(parsed: argparse.Namespace, args: list[str], run: Path, point: dict[str, str], save_dir: Path,
-                 name: str) -> str:
+                 name: str, loggers: dict[str, Any]) -> str:
     """The shell line of one run for ``--print``: its fit, then ``&&`` each evaluation, whose
     checkpoint the shell picks when the line runs."""
     line = shell_line(args)
     for evaluation in parsed.evaluations:
-        follow = shell_line(follow_up_command(evaluation.configs, run, Path(CHECKPOINT_AT_RUN_TIME), point,
-                                              [*parsed.set, *evaluation.settings], save_dir, name, evaluation.name))
+        follow = shell_line(follow_up_command(evaluation.configs, Path(CHECKPOINT_AT_RUN_TIME), point,
+                                              [*parsed.set, *evaluation.settings], save_dir, name, evaluation.name,
+                                              loggers[evaluation.name]))
         line += " && " + follow.replace(CHECKPOINT_AT_RUN_TIME, newest_checkpoint_shell(run))
     return line
 
 
 def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str], save_dir: Path, name: str,
-                    record: dict, record_file: Path) -> None:
+                    record: dict, record_file: Path, loggers: dict[str, Any]) -> None:
     """Each ``--then`` and ``--evaluate`` fit of ``run`` not yet finished, from its checkpoint, resumed where one
     stopped; its command, exit status and seconds go into ``record["evaluations"][NAME]``."""
     done = record.setdefault("evaluations", {})
@@ -324,8 +349,8 @@ def run_evaluations(parsed: argparse.Namespace, run: Path, point: dict[str, str]
             done[evaluation.name] = {"status": 1}
             print(f"    {evaluation.option}: {run} has no checkpoints/last.ckpt", file=sys.stderr)
         else:
-            follow = follow_up_command(evaluation.configs, run, checkpoint, point, [*parsed.set, *evaluation.settings],
-                                       save_dir, name, evaluation.name)
+            follow = follow_up_command(evaluation.configs, checkpoint, point, [*parsed.set, *evaluation.settings],
+                                       save_dir, name, evaluation.name, loggers[evaluation.name])
             print(f"    {evaluation.option}", flush=True)
             try:
                 follow, status, seconds = fit_resuming(follow, run / evaluation.name, parsed.stop_grace)

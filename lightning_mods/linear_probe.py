@@ -136,6 +136,8 @@ class LinearProbe(ClassificationSteps, LightningModule):
             ``forward_features`` head's.
     """
 
+    probes_a_network = True  # its checkpoints hold a probe of another network, refused as one to evaluate
+
     def __init__(self, backbone: Optional[dict] = None, checkpoint: Optional[str] = None,
                  num_classes: int = 1000, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
                  warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False,

@@ -152,3 +152,17 @@ def test_the_reproducible_mode_row_times_both_modes_in_fresh_interpreters():
 
     rows = run(Settings(quick=True, rounds=1))
     assert len(rows) == 1 and rows[0].median > 0 and "on " in rows[0].detail and "off " in rows[0].detail
+
+
+def test_the_sweep_check_rows_time_both_grid_shapes():
+    """docs/performance.md's sweep-check rows, in quick mode (a 4-point grid of each shape)."""
+    from benchmarks.settings import Settings
+    from benchmarks.sweep_check import grids, run
+
+    shapes = grids(100)
+    assert [len(shape) for shape in shapes.values()] == [4, 2]
+    assert [len(arg.split("=")[1].split(",")) for arg in shapes["10 alpha_min x 10 seeds"][1::2]] == [10, 10]
+    assert len(set(shapes["100 alpha_min"][1].split("=")[1].split(","))) == 100
+    rows = run(Settings(quick=True, rounds=1))
+    assert [row.unit for row in rows] == ["s", "s"] and all(row.median > 0 for row in rows)
+    assert all("points checked a second" in row.detail for row in rows)

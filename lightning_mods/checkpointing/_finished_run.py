@@ -52,11 +52,31 @@ def chosen_checkpoint(checkpoint: Optional[str], owner: str) -> Optional[str]:
     :func:`final_checkpoint`, and the file chosen is said in one line (by the first process)."""
     if checkpoint is None:
         return None
+    given = checkpoint
     if Path(checkpoint).is_dir():
         checkpoint = str(final_checkpoint(checkpoint))
+    refuse_a_probe(given, checkpoint)
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) == 0:
         print(f"{owner}: reading the checkpoint {checkpoint}", flush=True)
     return checkpoint
+
+
+def refuse_a_probe(given: str, checkpoint: str) -> None:
+    """A one-line ValueError when ``checkpoint`` (``given``'s file) was written by a linear probe:
+    what it holds is a probe of another network, not a pre-training to evaluate."""
+    from lightning_mods.checkpointing.rebuild import canonical_class_path, import_path
+
+    hparams = (read_torch_file(Path(checkpoint), "model.checkpoint", mmap=True) or {}).get("hyper_parameters") or {}
+    try:
+        cls = import_path(canonical_class_path(hparams.get("_class_path")))
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return
+    if getattr(cls, "probes_a_network", False):  # LinearProbe's class attribute
+        where = f"'{given}' holds" if given == checkpoint else f"'{given}' is the folder of"
+        probed = hparams.get("checkpoint")
+        raise ValueError(f"model.checkpoint: {where} a linear probe ({cls.__name__}, '{checkpoint}'), not a "
+                         "pre-training; give the pre-training's folder or checkpoint"
+                         + (f" (this probe read '{probed}')" if probed else ""))
 
 
 def why_unfinished(checkpoint: Path, config_file: Path) -> Optional[str]:

@@ -109,3 +109,50 @@ def test_the_repeated_samples_warning_is_answered_only_for_models_that_leave_rep
             answer_repeated_samples_warning(model)
             warnings.warn(message, PossibleUserWarning)
         assert len(caught) == shown, model
+
+
+TINY_MAE = ["--config=configs/digits_mae.yaml", "--model.network.embed_dim=16", "--model.network.depth=2",
+            "--model.network.num_heads=2", "--model.network.decoder_embed_dim=16", "--model.network.decoder_depth=1",
+            "--model.network.decoder_num_heads=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+            "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu",
+            "--trainer.log_every_n_steps=1"]
+
+
+def folder_warnings(args: list[str]) -> list[str]:
+    """Lightning's "exists and is not empty" warnings of a fit of ``args``, in this process."""
+    from commands import lightning_cli
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lightning_cli.run_reporting_stops(["fit", *TINY_MAE, *args])
+    return [str(w.message) for w in caught if "exists and is not empty" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_a_sweeps_run_and_a_resume_get_no_warning_about_their_own_folders(tmp_path, monkeypatch):
+    """A sweep's run folder holds its run.yaml and log before the fit starts; a resumed fit finds
+    its checkpoints and metrics there. Neither is lost (the metrics logged before the checkpoint
+    are put back), so Lightning's "exists and is not empty ... will be deleted" warnings are not
+    printed; a new fit into a used folder still gets both."""
+    from commands._run_folder import write_logging_fragment
+    from commands._run_loggers import run_loggers
+
+    monkeypatch.chdir(REPO)
+    save_dir, name = tmp_path / "experiment", "seed=0"
+    fragment = write_logging_fragment(save_dir, name, run_loggers(None, save_dir, name, "experiment"))
+    (save_dir / name / "sweep.log").write_text("$ shortcutlab fit ...\n")
+    run = [f"--config={fragment}"]
+    assert folder_warnings([*run, "--trainer.max_epochs=1"]) == []
+    first_epoch = (save_dir / name / "metrics.csv").read_text().splitlines()
+    assert folder_warnings([*run, "--trainer.max_epochs=2",
+                            f"--ckpt_path={save_dir / name / 'checkpoints' / 'last.ckpt'}"]) == []
+    resumed = (save_dir / name / "metrics.csv").read_text().splitlines()
+    assert resumed[0] == first_epoch[0] and resumed[1:len(first_epoch)] == first_epoch[1:]  # epoch 0 kept
+    assert len(resumed) > len(first_epoch) and resumed[-1].startswith("1,")
+
+    plain = [f"--trainer.default_root_dir={tmp_path / 'plain'}"]  # the documented --ckpt_path auto
+    assert folder_warnings([*plain, "--trainer.max_epochs=1"]) == []
+    assert folder_warnings([*plain, "--trainer.max_epochs=2", "--ckpt_path=auto"]) == []
+    rerun = folder_warnings([*run, "--trainer.max_epochs=1"])  # a new fit into a used folder: both are true
+    assert len(rerun) == 2 and "Previous log files in this directory will be deleted" in rerun[0]
+    assert rerun[1] == f"Checkpoint directory {save_dir / name / 'checkpoints'} exists and is not empty."

@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -451,6 +452,49 @@ def test_one_parser_checks_every_point_of_a_grid(monkeypatch):
     assert lightning_cli.check_arguments(bad) == reason and len(built) == 2 * one_cli
 
 
+SETTINGS = [("model.network.shortcut.alpha_min", "0.3"), ("model.network.shortcut.alpha_min", "abc"),
+            ("model.network.shortcut.alpah_min", "0.6"), ("model.network.shortcut.kind", "cosine"),
+            ("model.network.shortcut.kind", "cosin"), ("seed_everything", "7"), ("seed_everything", "x"),
+            ("trainer.max_epochs", "5"), ("trainer.max_epochs", "five"), ("data.batch_size", "64"),
+            ("data.batch_size", "1.5"), ("data.init_args.data_dir", "/data"), ("model.network.depth", "x"),
+            ("trainer.callbacks.k", "x"), ("model", "lightning_mods.mae.NoSuchModel")]
+
+
+def test_a_setting_checked_on_a_parsed_config_is_refused_exactly_when_a_full_parse_refuses_it(monkeypatch):
+    """The grid's quick check of one value against its setting's type says what a full parse of the
+    arguments with that value says (the reference), in the full parse's words."""
+    from commands import lightning_cli
+
+    monkeypatch.chdir(ROOT)
+    checker = lightning_cli.ArgumentChecker()
+    base = ["fit", "--config=configs/digits_mae.yaml", "--seed_everything=0"]
+    for key, value in SETTINGS:
+        full = lightning_cli.check_arguments([*base, f"--{key}={value}"])
+        assert checker.check_setting(base, key, value) == full, (key, value, full)
+    assert sum(lightning_cli.check_arguments([*base, f"--{k}={v}"]) is None for k, v in SETTINGS) == 5
+
+
+def test_every_value_of_every_grid_key_is_checked_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """A bad value that only a later point has is refused in one line naming that point, before
+    any line is printed or any run folder written; a grid over the loggers is refused."""
+    monkeypatch.chdir(ROOT)
+    args = ["--experiment", "e", "--config", "configs/digits_mae.yaml", "--runs-dir", str(tmp_path), "--print"]
+    for grid, message in (
+            (["model.network.shortcut.alpha_min=0.6,0.8,0.9", "seed_everything=0,1,x"],
+             "grid point alpha_min=0.6,seed=x: seed_everything: must be of type bool or int; got 'x'"),
+            (["model.network.shortcut.alpha_min=0.6,abc", "seed_everything=0,1"],
+             "grid point alpha_min=abc,seed=0: model.init_args.network.init_args.shortcut.init_args.alpha_min: "
+             "must be of type float; got 'abc'"),
+            (["trainer.logger.init_args.project=a,b"], "--grid trainer.logger.init_args.project: every run of a "
+                                                       "sweep logs to the same loggers")):
+        with pytest.raises(SystemExit) as stop:
+            sweep.main([*args, *(item for axis in grid for item in ("--grid", axis))])
+        out, err = capsys.readouterr()
+        assert stop.value.code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"shortcutlab sweep: error: {message}"), err
+    assert not (tmp_path / "e").exists()
+
+
 def test_evaluations_of_one_pre_training_are_columns_side_by_side(experiment):
     """Table 1's layout: kNN, then each --evaluate fit of the run's checkpoint (ft, lp) as its own
     column, mean ± std over the seeds; a failed evaluation is left out of its column and listed."""
@@ -521,7 +565,7 @@ def test_then_is_the_evaluation_named_probe(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(sweep, "fit_resuming", fake_fit)
     monkeypatch.setattr(sweep, "resumable_checkpoint", lambda run: run / "checkpoints" / "last.ckpt")
-    monkeypatch.setattr(sweep, "check_points", lambda parsed, points: None)
+    monkeypatch.setattr(sweep, "check_points", lambda parsed, points: defaultdict(lambda: None))
     args = ["--experiment", "e", "--runs-dir", str(tmp_path), "--config", "configs/digits_mae.yaml",
             "--then", "configs/linear_probe_digits.yaml", "--then-set", "trainer.max_epochs=2",
             "--evaluate", "ft=configs/finetune_digits.yaml"]
@@ -555,7 +599,7 @@ def test_a_rerun_with_other_settings_is_refused_naming_the_difference(tmp_path, 
         return args, 0, 0.5
 
     monkeypatch.setattr(sweep, "fit_resuming", fake_fit)
-    monkeypatch.setattr(sweep, "check_points", lambda parsed, points: None)
+    monkeypatch.setattr(sweep, "check_points", lambda parsed, points: defaultdict(lambda: None))
     config = tmp_path / "mine.yaml"
     config.write_text("trainer:\n  max_epochs: 4\n")
     args = ["--experiment", "e", "--runs-dir", str(tmp_path), "--config", str(config),

@@ -70,12 +70,24 @@ def _records(path: Path) -> Iterator[Any]:
 
 
 def wandb_run(save_dir: Path) -> dict[str, Any]:
-    """The one offline run under ``save_dir/wandb``: its summary's numbers, latest image of each key
-    and latest table of each key."""
-    [run] = sorted((save_dir / "wandb").glob("offline-run-*"))
+    """The one offline run under ``save_dir/wandb`` (:func:`wandb_runs`)."""
+    [run] = wandb_runs(save_dir)
+    return run
+
+
+def wandb_runs(save_dir: Path) -> list[dict[str, Any]]:
+    """Each offline run under ``save_dir/wandb``: its name and group, its summary's numbers, latest
+    image of each key and latest table of each key."""
+    return [_wandb_offline_run(run) for run in sorted((save_dir / "wandb").glob("offline-run-*"))]
+
+
+def _wandb_offline_run(run: Path) -> dict[str, Any]:
     [log] = run.glob("run-*.wandb")
     summary: dict[tuple, Any] = {}
+    named = {}
     for record in _records(log):
+        if record.WhichOneof("record_type") == "run":
+            named = {"name": record.run.display_name, "group": record.run.run_group}
         if record.WhichOneof("record_type") == "summary":
             for update in record.summary.update:
                 summary[tuple(update.nested_key) or (update.key,)] = json.loads(update.value_json)
@@ -94,19 +106,28 @@ def wandb_run(save_dir: Path) -> dict[str, Any]:
         if entry.get("_type") == "table-file":
             table = json.loads((files / entry["path"]).read_text())
             tables[key] = (table["columns"], table["data"])
-    return {"numbers": numbers, "images": images, "tables": tables, "run_id": log.stem[len("run-"):],
+    return {**named, "numbers": numbers, "images": images, "tables": tables, "run_id": log.stem[len("run-"):],
             "files": {p.relative_to(files).as_posix(): p.read_bytes() for p in files.rglob("*.yaml")}}
 
 
 # --- MLflow ------------------------------------------------------------------------------------
 def mlflow_run(tracking_uri: str, experiment_name: str) -> dict[str, Any]:
-    """The one run of ``experiment_name``: its metrics (latest values), latest image of each key,
+    """The one run of ``experiment_name`` (:func:`mlflow_runs`)."""
+    [run] = mlflow_runs(tracking_uri, experiment_name)
+    return run
+
+
+def mlflow_runs(tracking_uri: str, experiment_name: str) -> list[dict[str, Any]]:
+    """Each run of ``experiment_name``: its name, metrics (latest values), latest image of each key,
     latest table of each name and the files at the artifacts' root."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
     experiment = client.get_experiment_by_name(experiment_name)
-    [run] = client.search_runs([experiment.experiment_id])
+    return [_mlflow_run(client, run) for run in client.search_runs([experiment.experiment_id])]
+
+
+def _mlflow_run(client: Any, run: Any) -> dict[str, Any]:
     run_id = run.info.run_id
     root = Path(client.download_artifacts(run_id, ""))
     images: dict[str, tuple[int, np.ndarray]] = {}
@@ -120,7 +141,7 @@ def mlflow_run(tracking_uri: str, experiment_name: str) -> dict[str, Any]:
         if name not in tables or step > tables[name][0]:
             table = json.loads(path.read_text())
             tables[name] = (step, (table["columns"], table["data"]))
-    return {"numbers": dict(run.data.metrics), "tags": dict(run.data.tags), "run_id": run_id,
+    return {"name": run.info.run_name, "numbers": dict(run.data.metrics), "tags": dict(run.data.tags), "run_id": run_id,
             "images": {key: pixels for key, (_, pixels) in images.items()},
             "tables": {name: table for name, (_, table) in tables.items()},
             "files": sorted(p.name for p in root.iterdir() if p.is_file()),

@@ -10,6 +10,7 @@ import yaml
 
 from commands import lightning_cli as cli
 from lightning_mods.checkpointing._finished_run import final_checkpoint
+from lightning_mods.finetune import FineTuneClassifier
 from lightning_mods.linear_probe import LinearProbe
 
 TINY = ["--config=configs/digits_mae.yaml", "--model.network.depth=2", "--model.network.decoder_depth=1", "--model.network.embed_dim=32",
@@ -65,3 +66,22 @@ def test_a_pre_training_that_did_not_finish_is_one_line_naming_its_checkpoint(re
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="no checkpoint that loads under"):
         final_checkpoint(tmp_path / "empty")
+
+
+def test_a_probe_pointed_at_a_probe_says_it_holds_a_probe(resumed_pretraining, tmp_path):
+    """A probe run's folder (or its checkpoint) given where a pre-training belongs: one line saying
+    it holds a linear probe and which checkpoint that probe read, before anything is built."""
+    probe_run = tmp_path / "probe_run"
+    cli.run_reporting_stops(["fit", "--config=configs/linear_probe_digits.yaml",
+                             f"--model.checkpoint={resumed_pretraining}", "--trainer.max_epochs=1",
+                             "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
+                             "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={probe_run}"])
+    written = final_checkpoint(probe_run)
+    read = resumed_pretraining / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    for given, where in ((probe_run, f"'{probe_run}' is the folder of"), (written, f"'{written}' holds")):
+        for recipe in (LinearProbe, FineTuneClassifier):
+            with pytest.raises(ValueError) as refused:
+                recipe(checkpoint=str(given), num_classes=10)
+            assert str(refused.value) == (
+                f"model.checkpoint: {where} a linear probe (LinearProbe, '{written}'), not a pre-training; give the "
+                f"pre-training's folder or checkpoint (this probe read '{read}')"), recipe
