@@ -94,6 +94,13 @@ def config_syntax_error(args: Optional[list[str]]) -> Optional[str]:
     return None
 
 
+def union_types(messages: list[str], kind: str) -> str:
+    """``"bool or int"`` when jsonargparse's report tried ``kind`` as one type of a Union, else ``kind``."""
+    union = next((m.group(1) for text in messages if (m := re.search(r"Subtypes: \[(.*?)\]", text))), "")
+    kinds = [k for k in re.findall(r"<class '(\w+)'>", union) if k != "NoneType"]
+    return " or ".join(kinds) if kind in kinds else kind
+
+
 def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
     """jsonargparse's nested report -> one line: the full key of the bad field (as written on
     the command line, ``model.init_args.shortcut.init_args.kind``) and the innermost reason.
@@ -122,9 +129,7 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
         reason = f"must be one of {match.group(1)}; got '{match.group(2)}'"
     elif match := _TYPE.match(innermost):
         kind, value = match.groups()
-        union = next((m.group(1) for text in messages if (m := re.search(r"Subtypes: \[(.*?)\]", text))), "")
-        kinds = [k for k in re.findall(r"<class '(\w+)'>", union) if k != "NoneType"]
-        kind = " or ".join(kinds) if kind in kinds else kind  # a Union: every type it takes
+        kind = union_types(messages, kind)
         finite = " finite" if kind == "float" and value.strip().lower().lstrip("+-") in ("nan", "inf") else ""
         reason = f"must be of type{finite} {kind}; got '{value}'"
     elif match := _UNKNOWN_OPTION.match(innermost):
