@@ -43,6 +43,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 import lightning_mods.exit_statuses as exit_statuses
 from lightning_mods.checkpointing.atomic_files import write_bytes_atomically
+from lightning_mods.checkpointing import migration
 from lightning_mods.checkpointing.checkpoint_io import save_torch_atomically
 from lightning_mods.mae import MaskedAutoencoder
 from lightning_mods.checkpointing.rebuild import load_run, read_torch_file
@@ -205,8 +206,10 @@ def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any
     """What ``shortcutlab fit`` writes, minus optimiser and loop state (not resumable with ``fit``)."""
     hparams = dict(model.hparams)
     hparams.update(_class_path=CLASS_PATH, _instantiator="lightning.pytorch.cli.instantiate_module")
-    return {"epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
-            "state_dict": model.state_dict(), "hyper_parameters": hparams, "converted_from": converted_from}
+    checkpoint = {"epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
+                  "state_dict": model.state_dict(), "hyper_parameters": hparams, "converted_from": converted_from}
+    migration.stamp(checkpoint)
+    return checkpoint
 
 
 # --- export --------------------------------------------------------------------------------------

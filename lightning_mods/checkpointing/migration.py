@@ -17,10 +17,12 @@ its ``written_by`` releases must be loaded once by a release before it and saved
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from packaging.version import InvalidVersion, Version
 from torch import nn
 
 from lightning_mods.backbone.residual import SHORTCUT_KEY
@@ -108,9 +110,50 @@ RENAMED_NETWORKS = {
 }
 
 
+def package_version() -> Optional[str]:
+    """The installed shortcutlab's version (None when the package runs uninstalled, from a checkout)."""
+    try:
+        return importlib.metadata.version("shortcutlab")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+VERSION_KEY = "shortcutlab_version"  # the release that wrote a checkpoint (none before 0.3)
+
+
+def stamp(checkpoint: dict[str, Any]) -> None:
+    """Record the installed release in a checkpoint about to be saved (:data:`VERSION_KEY`)."""
+    version = package_version()
+    if version is not None:
+        checkpoint[VERSION_KEY] = version
+
+
+def written_after_every_step(checkpoint: dict[str, Any]) -> bool:
+    """Whether the checkpoint records a release newer than every release an upgrade step reads:
+    its layout is this release's, nothing is guessed from its shape."""
+    written = checkpoint.get(VERSION_KEY)
+    if not isinstance(written, str):
+        return False
+    try:
+        return all(Version(written) > Version(step.written_by) for step in STEPS if _is_release(step.written_by))
+    except InvalidVersion:
+        return False
+
+
+def _is_release(text: str) -> bool:
+    try:
+        Version(text)
+        return True
+    except InvalidVersion:
+        return False
+
+
 def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     """Bring a Lightning checkpoint dictionary to this release's layout, in place; the names of the
-    steps applied (none for a current checkpoint)."""
+    steps applied (none for a current checkpoint: one that records a release newer than every
+    step's, or one whose layout is already this release's)."""
+    if written_after_every_step(checkpoint):
+        return []
     member = _network_member(checkpoint) or _renamed_network(checkpoint)
     applied = [member] if member else []
     hparams = checkpoint.get("hyper_parameters")
@@ -289,8 +332,6 @@ def datamodule_state(state: dict[str, Any]) -> dict[str, Optional[dict]]:
 
 
 def steps_due(version: str) -> list[Step]:
-    """The steps a release ``version`` should no longer have."""
-    def parts(text: str) -> tuple[int, ...]:
-        return tuple(int(p) for p in text.split("."))
-    return [step for step in STEPS if parts(version) >= parts(step.dropped_in)]
+    """The steps a release ``version`` (``0.3.0.dev0`` comes before ``0.3.0``) should no longer have."""
+    return [step for step in STEPS if Version(version) >= Version(step.dropped_in)]
 

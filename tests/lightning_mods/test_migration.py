@@ -28,7 +28,36 @@ def test_no_step_outlives_the_release_that_drops_it():
     assert migration.steps_due(version["metadata"]["version"]) == []
     assert migration.steps_due("0.3.0") == [step for step in migration.STEPS if step.dropped_in == "0.3.0"]
     assert migration.steps_due("0.4.0") == list(migration.STEPS)
+    assert migration.steps_due("0.3.0.dev0") == []  # a development build comes before its release
     assert all(step.written_by and step.what for step in migration.STEPS)
+
+
+def test_a_checkpoint_records_the_release_that_wrote_it_and_is_read_by_it_not_by_its_shape(tmp_path):
+    """Every checkpoint a fit saves carries the installed release; the migration then applies no
+    step, even to a file shaped like an earlier release's (the MAE's settings at the recipe's
+    level, as 0.1.0 wrote them); the same file without the record is upgraded as before."""
+    import copy
+    import importlib.metadata
+
+    from lightning_mods.checkpointing.checkpoint_io import AtomicCheckpointIO
+
+    installed = importlib.metadata.version("shortcutlab")
+    assert installed == configparser_version()
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, tmp_path / "saved.ckpt")
+    assert torch.load(tmp_path / "saved.ckpt", weights_only=True)["shortcutlab_version"] == installed
+    old = torch.load(RELEASE_0_1_0, weights_only=True)
+    assert "shortcutlab_version" not in old
+    assert migration.upgrade(copy.deepcopy(old)) != []  # guessed from its shape: 0.1.0's layout
+    stamped = {**copy.deepcopy(old), "shortcutlab_version": installed}
+    assert migration.upgrade(stamped) == [] and stamped["hyper_parameters"] == old["hyper_parameters"]
+    for written in ("0.2.0", "0.1.0", "not a version"):  # an old release, or a record that cannot be read
+        assert migration.upgrade({**copy.deepcopy(old), "shortcutlab_version": written}) != [], written
+
+
+def configparser_version() -> str:
+    version = configparser.ConfigParser()
+    version.read(ROOT / "setup.cfg")
+    return version["metadata"]["version"]
 
 
 def test_an_effective_rank_history_without_entropies_gets_one_nan_per_block():

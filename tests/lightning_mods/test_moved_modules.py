@@ -68,10 +68,12 @@ def test_the_shims_are_the_config_named_paths_and_go_at_their_release():
 
     version = configparser.ConfigParser()
     version.read(ROOT / "setup.cfg")
-    current = tuple(int(p) for p in version["metadata"]["version"].split("."))
+    from packaging.version import Version
+
+    current = Version(version["metadata"]["version"])
     for old, (new, removed_in) in SHIMS.items():
         assert old.startswith("callbacks.") and new.startswith("callbacks."), old
-        assert current < tuple(int(p) for p in removed_in.split(".")), (old, removed_in)
+        assert current < Version(removed_in), (old, removed_in)
 
 
 def test_the_moved_map_names_real_modules_only():
