@@ -138,7 +138,7 @@ def fill_network_from_data(model, data) -> None:  # noqa: ANN001 (parsed class_p
         data_class = import_path(str(data.get("class_path")))
     except (ImportError, AttributeError, TypeError, ValueError):
         return
-    wanted = {"image_size": "image_size" if "image_size" in accepted else "img_size", "in_chans": "in_chans"}
+    wanted = {"image_size": "img_size", "in_chans": "in_chans"}  # every network spells it as timm does
     if init.get("class_conditional"):
         wanted["num_classes"] = "num_classes"
     values = data_geometry(data_class, data.get("init_args"), list(wanted))
@@ -165,11 +165,11 @@ def data_geometry(data_class: type, settings, keys: list[str]) -> dict[str, int]
     return found
 
 
-def _short_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
+def component_name(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
     return str(component.get("class_path", "")).rpartition(".")[2]
 
 
-def _describe(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
+def describe_component(component) -> str:  # noqa: ANN001 (jsonargparse Namespace of a class_path/init_args)
     """``AdamW(lr=0.001, weight_decay=0.05)``: the class, its ``lr`` and the settings that differ
     from the class's defaults."""
     class_name = str(component.class_path).rpartition(".")[2]

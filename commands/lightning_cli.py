@@ -36,16 +36,17 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 import lightning_mods.exit_statuses as exit_statuses
 from commands import _catalogue as catalogue
 from commands import reproducible_cpu
-from commands.cli_settings import (CKPT_PATH_HELP, DATA_NAMES, DEFAULT_CALLBACKS, LINKED_FROM_DATA, is_progress_bar,
-                                   _describe, _short_name, add_prediction_writer, add_required_callbacks, apply_cadences,
-                                   fill_network_from_data, linked_settings_given, network_by_name)
+from commands.cli_settings import (CKPT_PATH_HELP, DATA_NAMES, DEFAULT_CALLBACKS, LINKED_FROM_DATA,
+                                   add_prediction_writer, add_required_callbacks, apply_cadences, component_name,
+                                   describe_component, fill_network_from_data, is_progress_bar, linked_settings_given,
+                                   network_by_name)
 from commands._run_config import RunConfig
 from commands.cli_checkpoint import (check_ckpt_path, check_weights_fit, continue_logger_versions, merge_kept_metrics,
                                      model_of_checkpoint, resolve_auto_ckpt_path, resolve_folder_ckpt_path)
-from commands.cli_output import (BadInput, answer_folder_warnings, answer_repeated_samples_warning, answer_resume_warnings,
-                                 config_syntax_error, duplicate_callback_message, expect_frozen_eval_modules,
-                                 explain_parse_error,
-                                 info_logs_to_stdout, root_message, silence_third_party_noise, warn_on_slow_precision)
+from commands.cli_output import (BadInput, answer_folder_warnings, answer_repeated_samples_warning,
+                                 answer_resume_warnings, config_syntax_error, duplicate_callback_message,
+                                 expect_frozen_eval_modules, explain_parse_error, info_logs_to_stdout, root_message,
+                                 silence_third_party_noise, warn_on_slow_precision)
 from callbacks.reliability import lost_rank
 from callbacks.reliability.nonfinite_guard import NonFiniteTrainingError
 from callbacks.reliability.preemption import received_signal
@@ -119,9 +120,9 @@ class ShortcutLabCLI(LightningCLI):
         ``--lr_scheduler`` without ``--optimizer``, which LightningCLI would ignore, is an error."""
         cfg = self.config.get(str(self.config.get("subcommand")), self.config)
         optimizer, scheduler, model = cfg.get("optimizer"), cfg.get("lr_scheduler"), cfg.get("model")
-        class_name = _short_name(model) if model is not None else ""
+        class_name = component_name(model) if model is not None else ""
         if optimizer is None and scheduler is not None:
-            raise BadInput(f"lr_scheduler: {_short_name(scheduler)} is used only together with --optimizer; a "
+            raise BadInput(f"lr_scheduler: {component_name(scheduler)} is used only together with --optimizer; a "
                            f"model's own schedule is set by its settings (--model.help {class_name or 'NAME'})")
         if optimizer is None or not class_name:
             return
@@ -130,15 +131,15 @@ class ShortcutLabCLI(LightningCLI):
             return  # no recipe of its own to replace
         if not cfg.get("replace_module_optimizer"):
             raise BadInput(
-                f"optimizer: {_short_name(optimizer)} would replace {class_name}'s own optimiser recipe "
+                f"optimizer: {component_name(optimizer)} would replace {class_name}'s own optimiser recipe "
                 "(configure_optimizers: parameter groups, learning-rate scaling, schedule); set that recipe through "
                 f"the model's settings (--model.help {class_name}), or add --replace_module_optimizer=true to train "
-                f"every parameter with {_short_name(optimizer)} instead")
-        schedule = f"and {_describe(scheduler)}" if scheduler is not None else "at a constant learning rate"
+                f"every parameter with {component_name(optimizer)} instead")
+        schedule = f"and {describe_component(scheduler)}" if scheduler is not None else "at a constant learning rate"
         rank_zero_warn(
             f"--replace_module_optimizer: {class_name}.configure_optimizers is not used; every parameter trains "
-            f"with {_describe(optimizer)} {schedule}, in one group: the module's own parameter groups (no weight "
-            "decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, and the model "
+            f"with {describe_component(optimizer)} {schedule}, in one group: the module's own parameter groups "
+            "(no weight decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, and the model "
             "settings they read, do not apply", category=UserWarning)
         # Lightning's own warning says less (that configure_optimizers is overridden): said once, above
         warnings.filterwarnings("ignore", message=r"`\w+\.configure_optimizers` will be overridden by")

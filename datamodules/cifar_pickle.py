@@ -22,10 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-try:  # numpy >= 2
-    from numpy._core.multiarray import _reconstruct
-except ImportError:  # pragma: no cover - numpy 1
-    from numpy.core.multiarray import _reconstruct
+from lightning_mods._compat.library_private import reconstruct_array
 
 
 class UnsafeDataFileError(ValueError):
@@ -44,7 +41,7 @@ def _plain_array(subtype: type, shape: Any, dtype: Any) -> np.ndarray:
     descr = np.dtype(dtype)
     if subtype is not np.ndarray or descr.hasobject:
         raise pickle.UnpicklingError(f"an array of {subtype.__name__} / dtype {descr} (CIFAR holds uint8 arrays)")
-    return _reconstruct(subtype, shape, dtype)
+    return reconstruct_array(subtype, shape, dtype)
 
 
 _ALLOWED: dict[tuple[str, str], Callable | type] = {

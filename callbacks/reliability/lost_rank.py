@@ -37,10 +37,6 @@ PEER_FAILURE_WORDS = ("Connection reset by peer", "Connection closed by peer", "
 lost_rank_message: Optional[str] = None  # set by LostRankReport.on_exception; read by the CLI
 
 
-class LostRankError(RuntimeError):
-    """A DDP peer was lost; the message is one line."""
-
-
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` on this host has exited (a zombie not yet reaped counts as gone)."""
     try:

@@ -102,9 +102,9 @@ class CompileNetwork(Callback):
         if not isinstance(backend, str) or not backend:
             raise ValueError(f"CompileNetwork: backend must be a backend name, got {backend!r}")
         if mode is not None:
-            from torch._inductor import list_mode_options
+            from lightning_mods._compat.library_private import inductor_mode_options
             try:
-                list_mode_options(mode)
+                inductor_mode_options(mode)
             except Exception as err:  # noqa: BLE001 (torch's message names the modes)
                 raise ValueError(f"CompileNetwork: mode {mode!r} is not an inductor mode ({err})") from None
         self.backend, self.mode, self.fullgraph, self.dynamic = backend, mode, fullgraph, dynamic
@@ -122,8 +122,8 @@ class CompileNetwork(Callback):
             return options  # modes and options are inductor's
         if not self.eager_random:
             return {**options, **({"mode": self.mode} if self.mode is not None else {})}
-        from torch._inductor import list_mode_options
-        mode_options = list_mode_options(self.mode) if self.mode is not None else {}  # None: every mode's
+        from lightning_mods._compat.library_private import inductor_mode_options
+        mode_options = inductor_mode_options(self.mode) if self.mode is not None else {}  # None: every mode's
         return {**options, "options": {**mode_options, "fallback_random": True}}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

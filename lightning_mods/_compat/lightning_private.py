@@ -7,8 +7,9 @@ through a function here, so a Lightning release that moves one breaks this modul
 (``tests/lightning_mods/test_lightning_private.py``) and not a resumed run in silence.
 
 Each function names the private attribute it reaches and the Lightning releases its tests passed
-on (``@reaches``; the table :data:`PRIVATE_USES`); ``TESTED_LIGHTNING`` is the releases every one
-of them passed on, and :func:`untested_lightning_warning` the one line ``ExactResume`` prints at
+on (``@reaches``; the package's one table of private uses,
+:data:`lightning_mods._compat.private_uses.PRIVATE_USES`); ``TESTED_LIGHTNING`` is the releases every
+one of them passed on, and :func:`untested_lightning_warning` the one line ``ExactResume`` prints at
 the start of a fit on any other.
 """
 from __future__ import annotations
@@ -20,18 +21,15 @@ import lightning
 from lightning.pytorch.core.mixins import hparams_mixin
 from torchmetrics import Metric
 
+from lightning_mods._compat import private_uses
+
 # the releases tests/callbacks/test_resume.py, test_preemption.py and test_checkpoint_identity.py pass on
 TESTED_LIGHTNING = ("2.6.6",)
-# function of this module -> (the private attribute it reaches, the Lightning releases its tests passed on)
-PRIVATE_USES: dict[str, tuple[str, tuple[str, ...]]] = {}
 
 
 def reaches(private: str, tested_on: tuple[str, ...] = TESTED_LIGHTNING) -> Callable:
     """Record that the decorated function reaches Lightning's ``private`` (tested on ``tested_on``)."""
-    def record(function: Callable) -> Callable:
-        PRIVATE_USES[function.__name__] = (private, tested_on)
-        return function
-    return record
+    return private_uses.reaches("lightning", private, tested_on)
 
 
 def untested_lightning_warning(version: str = lightning.__version__) -> Optional[str]:
@@ -126,8 +124,8 @@ def set_argument_help(cli: Any, dest: str, help_of: Callable[[str], str]) -> Non
                 action.help = help_of(name)
 
 
-@reaches("LightningCLI._subcommand_parsers, jsonargparse ArgumentParser.parse_args(_skip_validation) "
-         "(tested with jsonargparse 4.53.0)")
+@reaches("LightningCLI._subcommand_parsers, and jsonargparse's ArgumentParser.parse_args(_skip_validation) "
+         "(jsonargparse 4.53.0)")
 def parse_setting(cli: Any, subcommand: str, setting: str) -> None:
     """Parse one ``--key=value`` onto the config ``cli`` parsed, through its ``subcommand``'s parser
     (LightningCLI's private ``_subcommand_parsers``): the value is checked against its setting's

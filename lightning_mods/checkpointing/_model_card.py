@@ -59,7 +59,7 @@ def model_card_text(export: Any, ckpt: dict[str, Any], checkpoint: str | os.Path
                     name: str) -> str:
     """The card's text (``export``: a :class:`~lightning_mods.checkpointing.hub_export.Export`; ``name``:
     the model's name, its folder's)."""
-    from timm.models._hub import generate_readme  # timm's card layout (in timm since 0.6; not re-exported)
+    from lightning_mods._compat.library_private import generate_readme  # timm's card layout
 
     hparams = dict(ckpt.get("hyper_parameters") or {})
     summary = run_summary(checkpoint)

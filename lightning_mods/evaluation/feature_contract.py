@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
-from timm.models._features import feature_take_indices
+
+from lightning_mods._compat.library_private import feature_take_indices
 
 Indices = Optional[Union[int, Sequence[int]]]
 

@@ -52,9 +52,9 @@ def param_groups_weight_decay(
 def fused_kernel_available(params: Iterable[torch.Tensor]) -> bool:
     """Whether torch has fused optimiser kernels for every parameter's device and dtype
     (CUDA, CPU, ... and floating point, per torch's own list)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    from lightning_mods._compat.library_private import fused_kernel_devices
 
-    devices = set(_get_fused_kernels_supported_devices())
+    devices = fused_kernel_devices()
     params = list(params)
     return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 

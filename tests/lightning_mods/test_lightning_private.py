@@ -115,15 +115,53 @@ def test_the_installed_lightning_is_reported_as_it_is():
 
 
 def test_every_private_use_names_what_it_reaches_and_the_releases_it_was_tested_on():
-    """Each function of the fence says which private attribute it reaches and on which Lightning
-    releases its tests passed; the releases said overall are those every use passed on."""
+    """Each function of the fences (Lightning's, and timm's, torch's and numpy's) is in the one table
+    with the private attribute it reaches and the releases of its library its tests passed on; the
+    Lightning releases said overall are those every Lightning use passed on."""
     import inspect
 
-    functions = {name for name, f in inspect.getmembers(lightning_private, inspect.isfunction)
-                 if f.__module__ == lightning_private.__name__}
-    assert functions - {"reaches", "untested_lightning_warning"} == set(lightning_private.PRIVATE_USES)
-    for name, (private, tested_on) in lightning_private.PRIVATE_USES.items():
-        assert "._" in private or "_" in private.split(".")[-1][:1], (name, private)
-        assert tested_on and all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in tested_on), name
-    common = set.intersection(*(set(t) for _, t in lightning_private.PRIVATE_USES.values()))
+    from lightning_mods._compat import library_private
+    from lightning_mods._compat.private_uses import PRIVATE_USES
+
+    functions = {f"{module.__name__}.{name}" for module in (lightning_private, library_private)
+                 for name, f in inspect.getmembers(module, inspect.isfunction) if f.__module__ == module.__name__}
+    fences = {f"{lightning_private.__name__}.{name}" for name in ("reaches", "untested_lightning_warning")}
+    assert functions - fences == set(PRIVATE_USES)
+    for name, use in PRIVATE_USES.items():
+        assert "._" in use.private or "_" in use.private.split(".")[-1][:1], (name, use.private)
+        assert use.tested_on and all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in use.tested_on), name
+        assert use.library in ("lightning", "timm", "torch", "numpy"), name
+    lightning_uses = [use for use in PRIVATE_USES.values() if use.library == "lightning"]
+    common = set.intersection(*(set(use.tested_on) for use in lightning_uses))
     assert set(lightning_private.TESTED_LIGHTNING) == common
+
+
+def test_no_module_outside_the_fences_imports_a_private_name_of_another_library():
+    """A private function of timm, torch, numpy, Lightning or jsonargparse is imported only by
+    lightning_mods/_compat (each through a recorded function); a private module of the package
+    itself is the package's own business."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    own = ("commands", "lightning_mods", "callbacks", "datamodules", "cli")
+    found = []
+    for folder in ("commands", "lightning_mods", "callbacks", "datamodules", "cli.py"):
+        for path in sorted((root / folder).rglob("*.py")) if (root / folder).is_dir() else [root / folder]:
+            if "_compat" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    modules, names = [node.module], [alias.name for alias in node.names]
+                elif isinstance(node, ast.Import):
+                    modules, names = [alias.name for alias in node.names], []
+                else:
+                    continue
+                for module in modules:
+                    if module.split(".")[0] in own:
+                        continue
+                    private = [part for part in module.split(".") + names
+                               if part.startswith("_") and not part.startswith("__")]
+                    if private:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {module} {private}")
+    assert found == []
