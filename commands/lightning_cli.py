@@ -139,8 +139,8 @@ class ShortcutLabCLI(LightningCLI):
         rank_zero_warn(
             f"--replace_module_optimizer: {class_name}.configure_optimizers is not used; every parameter trains "
             f"with {describe_component(optimizer)} {schedule}, in one group: the module's own parameter groups "
-            "(no weight decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, and the model "
-            "settings they read, do not apply", category=UserWarning)
+            "(no weight decay on norms and biases), learning-rate scaling by batch size, warm-up and schedule, "
+            "and the model settings they read, do not apply", category=UserWarning)
         # Lightning's own warning says less (that configure_optimizers is overridden): said once, above
         warnings.filterwarnings("ignore", message=r"`\w+\.configure_optimizers` will be overridden by")
 
