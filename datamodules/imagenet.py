@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import warnings
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -32,9 +31,10 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from datamodules.base import ImageDataModule
 from datamodules._gpu_decode import EncodedCrop, collate_encoded, transfer_encoded
-from datamodules._stored_image import ImageSource, image_bytes, image_name, is_empty, open_image
-from datamodules.streamed_images import (SPLITS, Conversion, StreamedSplit, is_conversion, read_conversion,
-                                         split_location)
+from datamodules._stored_image import (CorruptImageError, ImageSource, first_readable, image_bytes, image_name,
+                                      is_empty, open_image)
+from datamodules.streamed_images import (SPLITS, Conversion, StreamedImages, StreamedSplit, is_conversion,
+                                         read_conversion, split_location)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -58,10 +58,6 @@ def read_class_list(path: str) -> list[str]:
 def subfolders(directory: str) -> list[str]:
     """Sorted names of the folders directly under ``directory`` (none if it does not exist)."""
     return sorted(e.name for e in os.scandir(directory) if e.is_dir()) if os.path.isdir(directory) else []
-
-
-class CorruptImageError(ValueError):
-    """An image file that PIL cannot decode; the message names the file (one line)."""
 
 
 def read_rgb_image(source: ImageSource) -> Image.Image:
@@ -89,37 +85,6 @@ def read_rgb_tensor(source: ImageSource) -> torch.Tensor:
 
 
 DECODERS = {"torchvision": read_rgb_tensor, "pil": read_rgb_image}
-
-
-def first_readable(read: Callable[[int], Any], index: int, count: int, skip_corrupt: bool, where: str) -> Any:
-    """``read(index)``; with ``skip_corrupt`` an unreadable image is replaced, with a warning, by the
-    next readable one (so batch sizes and epoch length stay the same)."""
-    for offset in range(count):
-        try:
-            return read((index + offset) % count)
-        except CorruptImageError as err:
-            if not skip_corrupt:
-                raise
-            warnings.warn(f"{str(err).split('; set data')[0]}; skipped, using the next readable image", stacklevel=3)
-    raise CorruptImageError(f"ImageNet: no readable image under '{where}'")
-
-
-class StreamedImages(Dataset):
-    """A converted split's images decoded by ``loader`` (as :class:`SelectedClassFolder` does a
-    folder's), with the same ``skip_corrupt``."""
-
-    def __init__(self, samples: StreamedSplit, loader: Callable[[ImageSource], Any], skip_corrupt: bool = False) -> None:
-        self.samples, self.loader, self.skip_corrupt = samples, loader, skip_corrupt
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def _read(self, index: int) -> tuple[Any, int]:
-        source, label = self.samples[index]
-        return self.loader(source), label
-
-    def __getitem__(self, index: int) -> tuple[Any, int]:
-        return first_readable(self._read, index, len(self), self.skip_corrupt, self.samples.root)
 
 
 class SelectedClassFolder(ImageFolder):

@@ -4,7 +4,8 @@ large files instead of one file an image, on local disk, a shared filesystem or 
 A conversion is a folder (or URI) holding ``train/`` and ``val/``, each a litdata dataset: chunk
 files of the images' original bytes (no re-encoding), their labels and their file names, and an
 ``index.json`` that also names the class list (the ``shortcutlab`` entry). :class:`StreamedSplit`
-is a map-style dataset over one split, so the package's own samplers decide the order: every
+is a map-style dataset over one split's stored images and labels (:class:`StreamedImages` decodes
+them), so the package's own samplers decide the order: every
 sample once per epoch across ranks and nodes, in an order seeded by epoch, and a mid-epoch resume
 hands out exactly the batches left (:mod:`datamodules.resumable`). litdata reads each sample from
 its chunk: in place on a local or shared disk; from object storage (``s3://``, ``gs://``, ...)
@@ -17,11 +18,11 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch.utils.data import Dataset
 
-from datamodules._stored_image import StoredImage
+from datamodules._stored_image import ImageSource, StoredImage, first_readable
 
 FORMAT = "shortcutlab-shards/1"
 ENTRY = "shortcutlab"  # the conversion's own entry in litdata's index.json
@@ -148,3 +149,21 @@ class StreamedSplit(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:  # a worker opens its own reader
         return {**self.__dict__, "_stream": None}
+
+
+class StreamedImages(Dataset):
+    """A converted split's images decoded by ``loader`` (as :class:`SelectedClassFolder` does a
+    folder's), with the same ``skip_corrupt``."""
+
+    def __init__(self, samples: StreamedSplit, loader: Callable[[ImageSource], Any], skip_corrupt: bool = False) -> None:
+        self.samples, self.loader, self.skip_corrupt = samples, loader, skip_corrupt
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _read(self, index: int) -> tuple[Any, int]:
+        source, label = self.samples[index]
+        return self.loader(source), label
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return first_readable(self._read, index, len(self), self.skip_corrupt, self.samples.root)
