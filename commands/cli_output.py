@@ -165,10 +165,13 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
 def renamed_setting(recipe_path: str, key: str) -> Optional[str]:
     """The name a setting ``key`` of a recipe or network has had since release 0.3 (the classifier's
     ``backbone``: ``network``; the MAE network's ``image_size``: ``img_size``); None for any other key."""
-    from lightning_mods.checkpointing.migration import RENAMED_NETWORKS, renamed_settings_of
+    from lightning_mods.checkpointing.migration import RENAMED_NETWORKS, RENAMED_RECIPE_SETTINGS, renamed_settings_of
 
-    renamed = RENAMED_NETWORKS.get(canonical_class_path(recipe_path))
-    return renamed.settings.get(key) if renamed else renamed_settings_of(canonical_class_path(recipe_path)).get(key)
+    path = canonical_class_path(recipe_path)
+    if key in RENAMED_RECIPE_SETTINGS.get(path, {}):
+        return RENAMED_RECIPE_SETTINGS[path][key]
+    renamed = RENAMED_NETWORKS.get(path)
+    return renamed.settings.get(key) if renamed else renamed_settings_of(path).get(key)
 
 
 def network_takes(recipe_path: str, key: str) -> bool:

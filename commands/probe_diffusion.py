@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -159,11 +160,11 @@ def subset_loader(dataset: Dataset, num: Optional[int], batch_size: int, num_wor
 
 
 def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[str] = (),  # noqa: ANN201
-                        allow_model_override: bool = False):
+                        allow_override: bool = False):
     """Datamodule of a config and the model: with ``ckpt``, the network that wrote it (settings
     from its hyper-parameters, weights, EMA ones when trained with the EMA callback); a model
     setting of the config that disagrees with the checkpoint is a one-line error unless
-    ``allow_model_override``. Without ``ckpt``, the config's untrained model."""
+    ``allow_override``. Without ``ckpt``, the config's untrained model."""
     from lightning.pytorch import LightningDataModule, LightningModule
 
     from commands.lightning_cli import LINKED_FROM_DATA, ShortcutLabCLI
@@ -177,7 +178,7 @@ def load_model_and_data(config: str, ckpt: Optional[str], overrides: Sequence[st
         given = built.config_dump["model"]
         settings = {k: v for k, v in (given.get("init_args") or {}).items()
                     if k not in LINKED_FROM_DATA and v is not None}
-        module, _ = load_run(ckpt, {"class_path": given["class_path"], "init_args": settings}, allow_model_override,
+        module, _ = load_run(ckpt, {"class_path": given["class_path"], "init_args": settings}, allow_override,
                              with_data=False)  # the config's datamodule: its data settings are the ones given
     if not hasattr(module, "noised_block_features"):  # checked on the module returned, the checkpoint's too
         raise ValueError(f"config: the model {type(module).__name__} has no noised_block_features; "
@@ -191,8 +192,10 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--config", required=True, help="the training config (model and data sections)")
     parser.add_argument("--ckpt", default=None, help="checkpoint of `shortcutlab fit`: the model is rebuilt from it "
                         "(default: the config's untrained model)")
-    parser.add_argument("--allow-model-override", action="store_true",
+    parser.add_argument("--allow-override", action="store_true",
                         help="build with the config's model settings where they disagree with the checkpoint")
+    parser.add_argument("--allow-model-override", dest="allow_override", action="store_true",
+                        help=argparse.SUPPRESS)  # its name before release 0.3
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--blocks", type=int, nargs="+", default=None, help="block indices (default: all)")
     parser.add_argument("--timesteps", type=int, nargs="+", default=[0, 25, 50, 100, 200, 400, 700])
@@ -212,7 +215,9 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
                         help="no progress bars (also off when stderr is not a terminal)")
     parsed, overrides = parser.parse_known_args(args)
 
-    module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides, parsed.allow_model_override)
+    if "--allow-model-override" in (args if args is not None else sys.argv[1:]):
+        print("probe_diffusion: --allow-model-override is --allow-override since release 0.3", file=sys.stderr)
+    module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides, parsed.allow_override)
     num_blocks = module.network.num_blocks
     blocks = list(range(num_blocks)) if parsed.blocks is None else parsed.blocks
     bad = [b for b in blocks if not 0 <= b < num_blocks]

@@ -77,7 +77,7 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
             pre-training's folder: the final checkpoint of its finished fit
             (:mod:`lightning_mods.checkpointing._finished_run`).
         network: without a checkpoint, the MAE to build (``class_path``/``init_args``); with one,
-            settings checked against it (``allow_network_override`` builds them on purpose).
+            settings checked against it (``allow_override`` builds them on purpose).
         num_classes: linked from the datamodule by the CLI.
         drop_path_rate: stochastic depth, rising linearly over the blocks.
         head_init_std: std of the head's truncated-normal initialisation.
@@ -97,7 +97,7 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                  weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.999), layer_decay: float = 0.65,
                  warmup_epochs: float = 5.0, min_lr: float = 1e-6, mixup: float = 0.8, cutmix: float = 1.0,
                  mixup_prob: float = 1.0, mixup_switch_prob: float = 0.5, label_smoothing: float = 0.1,
-                 global_pool: Literal["avg", "token"] = "avg", allow_network_override: bool = False) -> None:
+                 global_pool: Literal["avg", "token"] = "avg", allow_override: bool = False) -> None:
         super().__init__()
         checkpoint = chosen_checkpoint(checkpoint, "FineTuneClassifier")
         self.save_hyperparameters(ignore=["network"])
@@ -110,7 +110,7 @@ class FineTuneClassifier(ClassificationSteps, LightningModule):
                              f"mixup_prob in [0, 1], got {mixup}, {cutmix}, {label_smoothing}, {drop_path_rate}, "
                              f"{mixup_prob}")
         if checkpoint is not None:
-            mae, config = load_network(checkpoint, network, allow_network_override, name="network")
+            mae, config = load_network(checkpoint, network, allow_override, name="network")
         elif isinstance(network, dict) and network.get("class_path"):
             mae, config = build_module(network)
             mae, config = network_of(mae), network_config(mae, config)

@@ -114,7 +114,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
             backbone is the network that wrote it: class, architecture and shortcut schedule come
             from its hyper-parameters, the weights (resolved shortcut weights included) from its
             state_dict.
-        allow_backbone_override: build with the given ``backbone`` settings where they disagree
+        allow_override: build with the given ``backbone`` settings where they disagree
             with the checkpoint (a warning says so), on purpose.
         num_classes: linked from the datamodule by the CLI.
         lr: peak learning rate (the decay paper: 1e-2 at batch 1024), cosine to 0 over the run;
@@ -140,7 +140,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
 
     def __init__(self, backbone: Optional[dict] = None, checkpoint: Optional[str] = None,
                  num_classes: int = 1000, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
-                 warmup_epochs: float = 0.0, batch_norm: bool = True, allow_backbone_override: bool = False,
+                 warmup_epochs: float = 0.0, batch_norm: bool = True, allow_override: bool = False,
                  blocks: Union[None, str, list[int]] = None, optimizer: Literal["sgd", "lars"] = "sgd",
                  reference_batch: Optional[int] = None, feature_pool: Optional[Literal["mean", "cls"]] = None) -> None:
         super().__init__()
@@ -155,7 +155,7 @@ class LinearProbe(ClassificationSteps, LightningModule):
             backbone = network_of(backbone)
             config = {"class_path": f"{type(backbone).__module__}.{type(backbone).__qualname__}"}
         elif checkpoint is not None:
-            backbone, config = load_network(checkpoint, backbone, allow_backbone_override)  # the network alone
+            backbone, config = load_network(checkpoint, backbone, allow_override)  # the network alone
         elif isinstance(backbone, dict) and backbone.get("class_path"):
             backbone, config = build_module(backbone)
             backbone, config = network_of(backbone), network_config(backbone, config)

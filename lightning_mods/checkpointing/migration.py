@@ -73,7 +73,7 @@ CLASSIFIER_NETWORK_NAME = Step(
 FINETUNE_NETWORK_NAME = Step(
     "finetune_network_name", "0.2.0", "0.4.0",
     "FineTuneClassifier took its MAE as 'encoder' (allow_encoder_override) and held the network it trains as "
-    "'model'; both are 'network' (allow_network_override)")
+    "'model'; both are 'network' (allow_override)")
 SPIRAL_NETWORK_MEMBER = Step(
     "spiral_network_member", "0.2.0", "0.4.0",
     "SpiralClassifier built its ResidualMLP from its own depth, width and shortcut, held as 'net'; they move "
@@ -81,8 +81,17 @@ SPIRAL_NETWORK_MEMBER = Step(
 MAE_IMG_SIZE = Step(
     "mae_img_size", "0.2.0", "0.4.0",
     "MaskedAutoencoderViT took its input size as 'image_size'; it is timm's 'img_size', as every network's")
+OVERRIDE_FLAG_NAME = Step(
+    "override_flag_name", "0.2.0", "0.4.0",
+    "the switch that builds with given settings where they disagree with the checkpoint was LinearProbe's "
+    "allow_backbone_override and FineTuneClassifier's allow_network_override; it is allow_override everywhere")
 STEPS = (MAE_NETWORK_MEMBER, DIFFUSION_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE,
-         DATA_ORDER, CLASSIFIER_NETWORK_NAME, FINETUNE_NETWORK_NAME, MAE_IMG_SIZE, SPIRAL_NETWORK_MEMBER)
+         DATA_ORDER, CLASSIFIER_NETWORK_NAME, FINETUNE_NETWORK_NAME, MAE_IMG_SIZE, SPIRAL_NETWORK_MEMBER,
+         OVERRIDE_FLAG_NAME)
+# an evaluation recipe's settings renamed: {recipe: {old: new}}
+RENAMED_RECIPE_SETTINGS = {"lightning_mods.linear_probe.LinearProbe": {"allow_backbone_override": "allow_override"},
+                           "lightning_mods.finetune.FineTuneClassifier": {"allow_network_override": "allow_override"}}
+OLD_OVERRIDE_FLAGS = {old: new for renamed in RENAMED_RECIPE_SETTINGS.values() for old, new in renamed.items()}
 SPIRAL_RECIPE = "lightning_mods.spiral_classifier.SpiralClassifier"
 RESIDUAL_MLP = "lightning_mods.backbone.residual_mlp.ResidualMLP"
 # a network's settings renamed: {network class: {old: new}} (a subclass renames them too)
@@ -105,7 +114,7 @@ RENAMED_NETWORKS = {
     "lightning_mods.classifier.ImageClassifier": RenamedNetwork(
         CLASSIFIER_NETWORK_NAME, {"backbone": "network"}, "backbone.", ("label_smoothing", "nesterov")),
     "lightning_mods.finetune.FineTuneClassifier": RenamedNetwork(
-        FINETUNE_NETWORK_NAME, {"encoder": "network", "allow_encoder_override": "allow_network_override"}, "model.",
+        FINETUNE_NETWORK_NAME, {"encoder": "network", "allow_encoder_override": "allow_override"}, "model.",
         ("layer_decay", "mixup_switch_prob")),
 }
 
@@ -159,6 +168,8 @@ def upgrade(checkpoint: dict[str, Any]) -> list[str]:
     hparams = checkpoint.get("hyper_parameters")
     if isinstance(hparams, dict) and rename_network_settings(hparams):
         applied.append(MAE_IMG_SIZE.name)
+    if isinstance(hparams, dict) and rename_override_flag(hparams):
+        applied.append(OVERRIDE_FLAG_NAME.name)
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.startswith("EffectiveRank") and isinstance(state, dict) and isinstance(state.get("history"), list):
             history = effective_rank_history(state["history"])
@@ -188,13 +199,25 @@ def split_settings(recipe: str, settings: dict[str, Any]) -> Optional[tuple[dict
     return None
 
 
+def rename_override_flag(settings: dict[str, Any]) -> bool:
+    """:data:`OVERRIDE_FLAG_NAME`: a probe's or fine-tuning's settings (its checkpoint's
+    hyper-parameters, a saved config's ``init_args``) with ``allow_override``, in place; whether
+    an old name was there."""
+    old = [key for key in OLD_OVERRIDE_FLAGS if key in settings]
+    for key in old:
+        settings.setdefault("allow_override", settings.pop(key))
+    return bool(old)
+
+
 def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
     """A saved config's ``model`` node (``class_path``/``init_args``) in this release's layout: a
     0.1 MAE's or diffusion model's network settings move under ``init_args.network``; a 0.2
     classifier's ``backbone`` and a fine-tuning's ``encoder`` are their ``network``; an MAE network's
-    ``image_size`` is its ``img_size``."""
+    ``image_size`` is its ``img_size``; a probe's or fine-tuning's override switch is ``allow_override``."""
     model = copy.deepcopy(model)
     rename_network_settings(model)
+    if isinstance(model.get("init_args"), dict):
+        rename_override_flag(model["init_args"])
     init = dict(model.get("init_args") or {})
     renamed = RENAMED_NETWORKS.get(str(model.get("class_path", "")))
     if renamed and any(old in init for old in renamed.settings):

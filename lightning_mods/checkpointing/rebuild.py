@@ -344,10 +344,10 @@ def module_from_checkpoint(path: str | os.PathLike, given: Optional[dict] = None
             conflicts.insert(0, ("class_path", given_class, config["class_path"]))
         if conflicts and not allow_override:
             raise ValueError(conflict_message(conflicts, f"{name}.", path)
-                             + f"; drop the setting to use the checkpoint's, or set allow_{name}_override")
+                             + "; drop the setting to use the checkpoint's, or set allow_override")
         if conflicts:
             overridden = True
-            warnings.warn(conflict_message(conflicts, f"{name}.", path) + f"; allow_{name}_override: building "
+            warnings.warn(conflict_message(conflicts, f"{name}.", path) + "; allow_override: building "
                           "with the given settings and the checkpoint's weights", stacklevel=2)
     module = _instantiate(parser, cfg)
     state = ckpt["state_dict"]
@@ -371,21 +371,27 @@ def datamodule_settings(ckpt: dict[str, Any]) -> Optional[dict[str, Any]]:
     return {"class_path": class_path, "init_args": {k: v for k, v in saved.items() if not k.startswith("_")}}
 
 
-def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_model_override: bool = False,
+def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_override: bool = False,
              data: Optional[dict[str, Any]] = None, with_data: bool = True,
-             ckpt: Optional[dict[str, Any]] = None) -> tuple[nn.Module, Optional[Any]]:
+             ckpt: Optional[dict[str, Any]] = None, *,
+             allow_model_override: Optional[bool] = None) -> tuple[nn.Module, Optional[Any]]:
     """The run that wrote the checkpoint at ``path``: ``(module, datamodule)``.
 
     - ``module``: the network that wrote it, weights loaded strictly (:func:`module_from_checkpoint`;
-      ``model`` and ``allow_model_override`` as its ``given`` and ``allow_override``).
+      ``model`` and ``allow_override`` as its ``given`` and ``allow_override``).
     - ``datamodule``: the run's datamodule rebuilt from the settings the checkpoint holds, with
       ``data`` (settings by name, e.g. ``{"data_dir": "/data/cifar"}``) on top; not set up. None
       when ``with_data`` is false or the checkpoint names no datamodule (written outside the CLI).
 
     ``ckpt``: the checkpoint at ``path`` when the caller has read it already.
+    ``allow_model_override``: ``allow_override``'s name before release 0.3 (taken with a FutureWarning).
     """
+    if allow_model_override is not None:
+        warnings.warn("load_run: allow_model_override is allow_override since release 0.3", FutureWarning,
+                      stacklevel=2)
+        allow_override = allow_model_override
     ckpt = load_checkpoint(path) if ckpt is None else ckpt
-    module, _ = module_from_checkpoint(path, model, allow_model_override, name="model", ckpt=ckpt)
+    module, _ = module_from_checkpoint(path, model, allow_override, name="model", ckpt=ckpt)
     written = datamodule_settings(ckpt) if with_data else None
     if written is None:
         return module, None

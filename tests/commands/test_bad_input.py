@@ -135,7 +135,12 @@ CASES = {  # name: (arguments, words the one line must hold)
                                         "--model.init_args.allow_encoder_override=true"],
                                        ["model.init_args.allow_encoder_override: unknown key of "
                                         "lightning_mods.finetune.FineTuneClassifier; it is "
-                                        "model.init_args.allow_network_override since release 0.3"]),
+                                        "model.init_args.allow_override since release 0.3"]),
+    "the probe's backbone override": ([f"--config={ROOT / 'configs' / 'linear_probe_digits.yaml'}",
+                                       "--model.allow_backbone_override=true"],
+                                      ["model.init_args.allow_backbone_override: unknown key of "
+                                       "lightning_mods.linear_probe.LinearProbe; it is "
+                                       "model.init_args.allow_override since release 0.3"]),
     "missing pre-trained file": ([f"--config={ROOT / 'configs' / 'finetune_digits.yaml'}",
                                   "--model.init_args.checkpoint={missing}"], ["checkpoint: no file at '{missing}'"]),
 }

@@ -172,8 +172,8 @@ def test_probe_of_an_alpha_one_checkpoint_with_an_alpha_0_6_setting_is_refused(t
     probe = LinearProbe(checkpoint=str(path), num_classes=3)
     assert shortcut_alphas(probe.backbone) == [1.0] * 4
     assert torch.equal(features(probe.backbone, "mae"), features(writer, "mae"))
-    with pytest.warns(UserWarning, match="allow_backbone_override"):
-        other = LinearProbe(backbone=given, checkpoint=str(path), num_classes=3, allow_backbone_override=True)
+    with pytest.warns(UserWarning, match="allow_override"):
+        other = LinearProbe(backbone=given, checkpoint=str(path), num_classes=3, allow_override=True)
     # on purpose: the 0.6 schedule with the checkpoint's other weights
     np.testing.assert_array_equal(shortcut_alphas(other.backbone), linear_alphas(4, 0.6))
     assert not torch.equal(features(other.backbone, "mae"), features(writer, "mae"))

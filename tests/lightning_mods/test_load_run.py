@@ -49,6 +49,19 @@ def test_a_model_setting_that_disagrees_is_refused():
         load_run(OLD_CKPT, {"init_args": {"network": {"init_args": {"depth": 3}}}}, with_data=False)
 
 
+def test_allow_override_builds_the_given_setting_and_its_old_name_is_taken_with_a_notice():
+    from lightning_mods.backbone.residual import shortcut_alphas
+
+    given = {"init_args": {"network": {"init_args": {"shortcut": {"init_args": {"alpha_min": 1.0}}}}}}
+    with pytest.warns(UserWarning, match="allow_override: building with the given settings"):
+        module, _ = load_run(OLD_CKPT, given, allow_override=True, with_data=False)
+    assert set(shortcut_alphas(module.network)) == {1.0}
+    with pytest.warns(FutureWarning, match="^load_run: allow_model_override is allow_override since release 0.3$"):
+        with pytest.warns(UserWarning, match="allow_override: building"):
+            module, _ = load_run(OLD_CKPT, given, allow_model_override=True, with_data=False)
+    assert set(shortcut_alphas(module.network)) == {1.0}
+
+
 def test_the_snippet_of_the_docs():
     page = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
     snippet = next(block for block in page.split("```python")[1:] if "load_run" in block).split("```")[0]

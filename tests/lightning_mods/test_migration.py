@@ -108,7 +108,7 @@ def test_a_release_0_2_classifier_and_fine_tuning_load_as_the_networks_they_wrot
     torch.save({"state_dict": fine_tuning.state_dict(), "hyper_parameters": dict(fine_tuning.hparams),
                 "pytorch-lightning_version": "2.6.0"}, tmp_path / "ft_now.ckpt")
     cases = [(classifier, "now.ckpt", {"network": "backbone"}, "backbone.", "classifier_network_name"),
-             (fine_tuning, "ft_now.ckpt", {"network": "encoder", "allow_network_override": "allow_encoder_override"},
+             (fine_tuning, "ft_now.ckpt", {"network": "encoder", "allow_override": "allow_encoder_override"},
               "model.", "finetune_network_name")]
     for writer, name, old_names, old_prefix, step in cases:
         old = release_0_2_layout(torch.load(tmp_path / name, weights_only=True), old_names, old_prefix)
@@ -132,7 +132,20 @@ def test_a_saved_config_of_release_0_2_reads_as_this_release_s():
         "init_args": {"network": {"class_path": "lightning_mods.backbone.resnet.ResNet18Cifar"}, "num_classes": 10}}
     tuned = {"class_path": "lightning_mods.finetune.FineTuneClassifier",
              "init_args": {"checkpoint": "mae.ckpt", "allow_encoder_override": True}}
-    assert migration.upgrade_model_config(tuned)["init_args"] == {"checkpoint": "mae.ckpt", "allow_network_override": True}
+    assert migration.upgrade_model_config(tuned)["init_args"] == {"checkpoint": "mae.ckpt", "allow_override": True}
+    for recipe, old in (("lightning_mods.linear_probe.LinearProbe", "allow_backbone_override"),
+                        ("lightning_mods.finetune.FineTuneClassifier", "allow_network_override")):
+        saved = {"class_path": recipe, "init_args": {"checkpoint": "mae.ckpt", old: True}}
+        assert migration.upgrade_model_config(saved)["init_args"] == {"checkpoint": "mae.ckpt", "allow_override": True}
+
+
+def test_a_checkpoint_with_an_earlier_override_switch_loads_with_allow_override():
+    """LinearProbe's allow_backbone_override and FineTuneClassifier's allow_network_override (a
+    development build of 0.3) are allow_override in the checkpoint's settings."""
+    for old in ("allow_backbone_override", "allow_network_override"):
+        checkpoint = {"hyper_parameters": {"checkpoint": "mae.ckpt", old: True, "num_classes": 10}}
+        assert migration.upgrade(checkpoint) == ["override_flag_name"]
+        assert checkpoint["hyper_parameters"] == {"checkpoint": "mae.ckpt", "allow_override": True, "num_classes": 10}
 
 
 def test_a_release_0_2_mae_and_spiral_load_as_the_networks_they_wrote(tmp_path):
