@@ -6,7 +6,7 @@
     shortcutlab convert-mae / feature-reuse / probe-diffusion / encode-latents / sort-imagenet-val
     shortcutlab score-bank FOLDER --k 10 20 100 200         # a saved kNN bank at other settings
     shortcutlab export CHECKPOINT FOLDER                    # the network in timm's hub layout
-    shortcutlab shards SOURCE DEST                          # ImageNet as streaming chunks (litdata)
+    shortcutlab chunks SOURCE DEST                          # ImageNet as streaming chunks (litdata)
 
 Training subcommands go to LightningCLI (:mod:`commands.lightning_cli`); the others each have a
 module in :mod:`commands` (also runnable as ``python -m commands.<name>``). Import arrows run one
@@ -84,9 +84,10 @@ COMMANDS = {
     "probe-diffusion": ("commands.probe_diffusion", "linear probe / kNN of a diffusion model's blocks per noise level"),
     "encode-latents": ("commands.encode_latents", "encode a dataset with the frozen VAE for latent diffusion"),
     "sort-imagenet-val": ("commands.sort_imagenet_val", "sort ImageNet's validation images into class folders"),
-    "shards": ("commands.shards", "convert an ImageFolder tree (ImageNet) into streaming chunks read from local disk, a "
+    "chunks": ("commands.chunks", "convert an ImageFolder tree (ImageNet) into streaming chunks read from local disk, a "
                                   "shared filesystem or object storage"),
 }
+RENAMED_COMMANDS = {"shards": "chunks"}  # old name -> its name since release 0.3 (still run, with a notice)
 # LightningCLI's subcommands (Trainer methods)
 TRAINING = {
     "fit": "train a model (validation and checkpoints as the config sets them)",
@@ -157,6 +158,9 @@ def console_main(argv: Optional[list[str]] = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(overview())
         return
+    if args[0] in RENAMED_COMMANDS:
+        print(f"shortcutlab: '{args[0]}' is '{RENAMED_COMMANDS[args[0]]}' since release 0.3", file=sys.stderr)
+        args[0] = RENAMED_COMMANDS[args[0]]
     if args[0] in COMMANDS:
         run_command(args[0], args[1:])
         return

@@ -9,12 +9,12 @@ ImageNet-100 on a pretrained VAE's 32x32x4 latents; U-ViT extracts them the same
 Both splits are read through the datamodule's eval transform (train: its kNN-bank copy, no
 augmentation), mapped back to ``[-1, 1]`` pixels and encoded. Written to ``--out``:
 
-- ``<split>_<i>.pt`` shards: ``mean``, ``std`` (the unscaled posterior, float16 by default,
+- ``<split>_<i>.pt`` part files: ``mean``, ``std`` (the unscaled posterior, float16 by default,
   ``N x C x h x w``), ``labels`` (int64), and with ``--hflip`` ``flip_mean``/``flip_std`` of
   the mirrored images;
 - ``metadata.json``: ``scaling_factor``, ``shift_factor``, ``latent_channels``,
   ``latent_size``, ``num_classes``, ``class_names`` (the image datamodule's, or null),
-  ``image_size``, the shard names and sizes of each split.
+  ``image_size``, the part files' names and sizes of each split.
 
 A progress bar over each split's batches on a terminal (``--quiet``: none).
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -49,27 +50,27 @@ def to_vae_input(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, va
 
 @torch.no_grad()
 def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std: tuple[float, ...], out_dir: str,
-                 split: str, batch_size: int = 64, num_workers: int = 0, shard_size: int = 10000,
+                 split: str, batch_size: int = 64, num_workers: int = 0, part_size: int = 10000,
                  hflip: bool = False, dtype: torch.dtype = torch.float16,
                  device: torch.device = torch.device("cpu"), progress: Optional[Progress] = None) -> dict:
-    """Encode one split into shards; returns ``{"num_samples", "shards": [{"file", "num_samples"}]}``
+    """Encode one split into parts; returns ``{"num_samples", "parts": [{"file", "num_samples"}]}``
     (with ``progress``, a bar over the batches)."""
-    if shard_size % batch_size:
-        shard_size = max(batch_size, shard_size // batch_size * batch_size)  # whole batches per shard
+    if part_size % batch_size:
+        part_size = max(batch_size, part_size // batch_size * batch_size)  # whole batches per part
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1)
     std_t = torch.tensor(std, device=device).view(1, -1, 1, 1)
     keys = ("mean", "std", "flip_mean", "flip_std") if hflip else ("mean", "std")
     buffer: dict[str, list[torch.Tensor]] = {k: [] for k in (*keys, "labels")}
-    shards: list[dict] = []
+    parts: list[dict] = []
 
     def flush() -> None:
         if not buffer["labels"]:
             return
-        shard = {k: torch.cat(v) for k, v in buffer.items()}
-        name = f"{split}_{len(shards):05d}.pt"
-        torch.save(shard, os.path.join(out_dir, name))
-        shards.append({"file": name, "num_samples": int(shard["labels"].shape[0])})
+        part = {k: torch.cat(v) for k, v in buffer.items()}
+        name = f"{split}_{len(parts):05d}.pt"
+        torch.save(part, os.path.join(out_dir, name))
+        parts.append({"file": name, "num_samples": int(part["labels"].shape[0])})
         for v in buffer.values():
             v.clear()
 
@@ -83,15 +84,15 @@ def encode_split(vae: FrozenVAE, dataset: Dataset, mean: tuple[float, ...], std:
             buffer[key].append(value.to(dtype).cpu())
         buffer["labels"].append(torch.as_tensor(labels, dtype=torch.int64))
         buffered += len(labels)
-        if buffered >= shard_size:
+        if buffered >= part_size:
             flush()
             buffered = 0
     flush()
-    return {"num_samples": sum(s["num_samples"] for s in shards), "shards": shards}
+    return {"num_samples": sum(s["num_samples"] for s in parts), "parts": parts}
 
 
 def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, num_workers: int = 0,  # noqa: ANN001
-                   shard_size: int = 10000, hflip: bool = False, dtype: str = "float16",
+                   part_size: int = 10000, hflip: bool = False, dtype: str = "float16",
                    device: str = "auto", scaling_factor: Optional[float] = None,
                    splits: tuple[str, ...] = SPLITS, progress: Optional[Progress] = None) -> dict:
     """Encode ``splits`` of an image datamodule into ``out``; returns the metadata written."""
@@ -122,7 +123,7 @@ def encode_dataset(vae_path: str, datamodule, out: str, batch_size: int = 64, nu
     for split in splits:
         metadata["splits"][split] = encode_split(
             vae, sources[split], datamodule.mean, datamodule.std, out, split, batch_size=batch_size,
-            num_workers=num_workers, shard_size=shard_size, hflip=hflip, dtype=getattr(torch, dtype),
+            num_workers=num_workers, part_size=part_size, hflip=hflip, dtype=getattr(torch, dtype),
             device=torch_device, progress=progress)
     with open(os.path.join(out, METADATA_FILE), "w") as f:
         json.dump(metadata, f, indent=2)
@@ -137,11 +138,11 @@ def main(args: Optional[list[str]] = None) -> dict:
     parser.add_argument("--vae-path", type=str, required=True, help="local AutoencoderKL folder (save_pretrained)")
     parser.add_subclass_arguments(LightningDataModule, "data", required=True,
                                   help="the image datamodule, e.g. datamodules.imagenet.ImageNet")
-    parser.add_argument("--out", type=str, required=True, help="output folder for shards and metadata.json")
+    parser.add_argument("--out", type=str, required=True, help="output folder for the part files and metadata.json")
     parser.add_argument("--splits", type=list[str], default=list(SPLITS))
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--num-workers", type=int, default=0)
-    parser.add_argument("--shard-size", type=int, default=10000, help="images per shard file")
+    parser.add_argument("--part-size", type=int, default=10000, help="images per part file")
     parser.add_argument("--hflip", type=bool, default=False, help="also encode the mirrored images")
     parser.add_argument("--dtype", type=str, default="float16")
     parser.add_argument("--device", type=str, default="auto")
@@ -149,11 +150,16 @@ def main(args: Optional[list[str]] = None) -> dict:
                         help="latent scale (default: the VAE config's scaling_factor)")
     parser.add_argument("--quiet", type=bool, default=False,
                         help="no progress bars (also off when stderr is not a terminal)")
+    args = list(sys.argv[1:] if args is None else args)
+    for index, arg in enumerate(args):  # its name before release 0.3
+        if arg == "--shard-size" or arg.startswith("--shard-size="):
+            args[index] = arg.replace("--shard-size", "--part-size", 1)
+            print("encode_latents: --shard-size is --part-size since release 0.3", file=sys.stderr)
     cfg = parser.parse_args(args)
     datamodule = parser.instantiate(cfg).data
     with command_progress(show_progress(cfg.quiet)) as progress:
         metadata = encode_dataset(cfg.vae_path, datamodule, cfg.out, batch_size=cfg.batch_size,
-                                  num_workers=cfg.num_workers, shard_size=cfg.shard_size, hflip=cfg.hflip,
+                                  num_workers=cfg.num_workers, part_size=cfg.part_size, hflip=cfg.hflip,
                                   dtype=cfg.dtype, device=cfg.device, scaling_factor=cfg.scaling_factor,
                                   splits=tuple(cfg.splits), progress=progress)
     sizes = ", ".join(f"{s}: {v['num_samples']}" for s, v in metadata["splits"].items())

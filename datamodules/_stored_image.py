@@ -1,4 +1,4 @@
-"""An image file's bytes as a converted dataset stores them (``shortcutlab shards``), read by the
+"""An image file's bytes as a converted dataset stores them (``shortcutlab chunks``), read by the
 same decoders as a file on disk: every loader of :mod:`datamodules.imagenet` takes a path or a
 :class:`StoredImage`; an image none of them can read is a :class:`CorruptImageError`, which
 :func:`first_readable` turns into a warning and the next readable image when asked to."""

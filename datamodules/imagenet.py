@@ -3,7 +3,7 @@ decay paper, section 4, data and evaluation).
 
 Layout: ``data_dir/train/<wnid>/<image>`` and ``data_dir/val/<wnid>/<image>`` (the usual
 ImageFolder layout; the official val images must be sorted into class folders first), or a
-conversion of that tree by ``shortcutlab shards`` (a folder or an object-storage URI: the same
+conversion of that tree by ``shortcutlab chunks`` (a folder or an object-storage URI: the same
 images from a few large files, :mod:`datamodules.streamed_images`; its class list must be the
 one asked for).
 ``class_list`` is a text file with one wnid per line (blank lines ignored): only those classes
@@ -134,7 +134,7 @@ class ImageNet(ImageDataModule):
 
     Args:
         data_dir: folder holding ``train/`` and ``val/`` class folders, or a conversion of them
-            (``shortcutlab shards``): its folder, or the URI it was copied to (``s3://...``).
+            (``shortcutlab chunks``): its folder, or the URI it was copied to (``s3://...``).
         class_list: text file of the wnids to use, one per line (None: every class folder).
         num_classes: number of classes (None: the class list's length, else 1000); checked
             against the folders in ``setup``.
@@ -221,7 +221,7 @@ class ImageNet(ImageDataModule):
 
     @functools.cached_property
     def streamed(self) -> bool:
-        """Whether ``data_dir`` is a conversion (``shortcutlab shards``) rather than class folders."""
+        """Whether ``data_dir`` is a conversion (``shortcutlab chunks``) rather than class folders."""
         return is_conversion(str(self.data_dir))
 
     def conversion(self, train: bool) -> Conversion:
@@ -267,7 +267,7 @@ class ImageNet(ImageDataModule):
                 f"{len(converted)} classes"
             raise ValueError(f"ImageNet: the conversion at '{self.data_dir}' holds {differ}, class_list "
                              f"'{self.class_list}' names {len(self.classes)}; convert with that class list "
-                             "(shortcutlab shards --class_list) or use the conversion's")
+                             "(shortcutlab chunks --class_list) or use the conversion's")
         if self.classes is None and len(converted) != self.num_classes:
             raise ValueError(f"ImageNet: num_classes={self.num_classes} but the conversion at '{self.data_dir}' holds "
                              f"{len(converted)} classes; set num_classes or class_list")

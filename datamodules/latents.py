@@ -4,7 +4,7 @@ latent diffusion on ImageNet-100).
 A sample is ``((z - shift_factor) * scaling_factor, label)`` with ``z`` the stored posterior:
 in training a posterior sample ``mean + std * eps`` (``sample_posterior``) of the image or,
 with ``random_flip`` and latents encoded with ``--hflip``, of its mirror with probability 1/2;
-in evaluation (val, kNN bank) the posterior mean of the image. The shards are memory-mapped.
+in evaluation (val, kNN bank) the posterior mean of the image. The parts are memory-mapped.
 
 As every datamodule (docs/contracts.md): ``num_classes``, ``image_size`` (the latent side),
 ``in_chans`` (latent channels), ``mean``/``std`` (0 and 1: latents are not normalised further)
@@ -34,27 +34,27 @@ def read_metadata(latent_dir: str) -> dict:
 
 
 class LatentDataset(Dataset):
-    """The shards of one split as ``(scaled latent float32 C x h x w, int64 label)``.
+    """The parts of one split as ``(scaled latent float32 C x h x w, int64 label)``.
 
     Args:
-        shards: loaded shard dicts (``mean``, ``std``, ``labels`` [, ``flip_mean``, ``flip_std``]).
+        parts: loaded part dicts (``mean``, ``std``, ``labels`` [, ``flip_mean``, ``flip_std``]).
         scaling_factor, shift_factor: ``(z - shift) * scale``.
         sample_posterior: ``mean + std * eps`` instead of the mean.
         random_flip: use the mirrored image's latents with probability 1/2.
     """
 
-    def __init__(self, shards: list[dict], scaling_factor: float, shift_factor: float = 0.0,
+    def __init__(self, parts: list[dict], scaling_factor: float, shift_factor: float = 0.0,
                  sample_posterior: bool = False, random_flip: bool = False) -> None:
-        if random_flip and any("flip_mean" not in s for s in shards):
-            raise ValueError("random_flip: these latents were encoded without --hflip (no flip_mean in the shards)")
-        self.shards = shards
+        if random_flip and any("flip_mean" not in s for s in parts):
+            raise ValueError("random_flip: these latents were encoded without --hflip (no flip_mean in the parts)")
+        self.parts = parts
         self.scaling_factor = float(scaling_factor)
         self.shift_factor = float(shift_factor)
         self.sample_posterior = sample_posterior
         self.random_flip = random_flip
         self.offsets = [0]
-        for shard in shards:
-            self.offsets.append(self.offsets[-1] + int(shard["labels"].shape[0]))
+        for part in parts:
+            self.offsets.append(self.offsets[-1] + int(part["labels"].shape[0]))
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -63,12 +63,12 @@ class LatentDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         s = bisect.bisect_right(self.offsets, index) - 1
-        shard, i = self.shards[s], index - self.offsets[s]
+        part, i = self.parts[s], index - self.offsets[s]
         prefix = "flip_" if self.random_flip and torch.rand(()) < 0.5 else ""
-        z = shard[prefix + "mean"][i].float()
+        z = part[prefix + "mean"][i].float()
         if self.sample_posterior:
-            z = z + shard[prefix + "std"][i].float() * torch.randn_like(z)
-        return (z - self.shift_factor) * self.scaling_factor, shard["labels"][i]
+            z = z + part[prefix + "std"][i].float() * torch.randn_like(z)
+        return (z - self.shift_factor) * self.scaling_factor, part["labels"][i]
 
 
 class Latents(ImageDataModule):
@@ -103,33 +103,33 @@ class Latents(ImageDataModule):
         self.sample_posterior = sample_posterior
         self.random_flip = bool(meta.get("hflip", False)) if random_flip is None else random_flip
 
-    def load_shards(self, split: str) -> list[dict]:
-        """The shards of ``split``, memory-mapped (weights-only loads)."""
+    def load_parts(self, split: str) -> list[dict]:
+        """The part files of ``split``, memory-mapped (weights-only loads)."""
         info = self.metadata["splits"].get(split)
         if info is None:
             raise FileNotFoundError(f"Latents: '{self.data_dir}' has no {split!r} split; encoded: "
                                     f"{', '.join(self.metadata['splits']) or 'none'}")
-        shards = []
-        for entry in info["shards"]:
+        parts = []
+        for entry in info.get("parts", info.get("shards", [])):  # "shards" before release 0.3
             path = os.path.join(self.data_dir, entry["file"])
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"Latents: shard '{path}' listed in {METADATA_FILE} is missing")
-            shards.append(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-        return shards
+                raise FileNotFoundError(f"Latents: part '{path}' listed in {METADATA_FILE} is missing")
+            parts.append(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        return parts
 
-    def make_dataset(self, shards: list[dict], train: bool) -> LatentDataset:
-        return LatentDataset(shards, self.scaling_factor, self.shift_factor,
+    def make_dataset(self, parts: list[dict], train: bool) -> LatentDataset:
+        return LatentDataset(parts, self.scaling_factor, self.shift_factor,
                              sample_posterior=train and self.sample_posterior,
                              random_flip=train and self.random_flip)
 
     def load_split(self, train: bool) -> Dataset:
         """Evaluation view of a split: posterior means, no flip."""
-        return self.make_dataset(self.load_shards("train" if train else "val"), train=False)
+        return self.make_dataset(self.load_parts("train" if train else "val"), train=False)
 
     def make_train_datasets(self) -> tuple[Dataset, Dataset]:
-        """Bank (posterior means) and train (posterior samples, flips) views of the same shards."""
-        shards = self.load_shards("train")
-        return self.make_dataset(shards, train=False), self.make_dataset(shards, train=True)
+        """Bank (posterior means) and train (posterior samples, flips) views of the same parts."""
+        parts = self.load_parts("train")
+        return self.make_dataset(parts, train=False), self.make_dataset(parts, train=True)
 
     def wrap_eval(self, samples: Dataset) -> Dataset:
         return samples  # no image transform: latents are ready

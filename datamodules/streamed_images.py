@@ -1,4 +1,4 @@
-"""An ImageFolder split read from the chunks ``shortcutlab shards`` wrote (litdata's format): a few
+"""An ImageFolder split read from the chunks ``shortcutlab chunks`` wrote (litdata's format): a few
 large files instead of one file an image, on local disk, a shared filesystem or object storage.
 
 A conversion is a folder (or URI) holding ``train/`` and ``val/``, each a litdata dataset: chunk
@@ -24,7 +24,8 @@ from torch.utils.data import Dataset
 
 from datamodules._stored_image import ImageSource, StoredImage, first_readable
 
-FORMAT = "shortcutlab-shards/1"
+FORMAT = "shortcutlab-chunks/1"
+EARLIER_FORMATS = ("shortcutlab-shards/1",)  # the same layout, written before the command was `chunks`
 ENTRY = "shortcutlab"  # the conversion's own entry in litdata's index.json
 SPLITS = ("train", "val")
 INDEX = "index.json"
@@ -69,8 +70,8 @@ def read_conversion(location: str, cache_dir: Optional[str] = None) -> Conversio
     except (OSError, ValueError) as err:
         raise ValueError(f"ImageNet: '{location}' has an unreadable {INDEX} ({err})") from None
     entry = content.get(ENTRY)
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
-        raise ValueError(f"ImageNet: '{location}' holds litdata chunks but is not a conversion of `shortcutlab shards` "
+    if not isinstance(entry, dict) or entry.get("format") not in (FORMAT, *EARLIER_FORMATS):
+        raise ValueError(f"ImageNet: '{location}' holds litdata chunks but is not a conversion of `shortcutlab chunks` "
                          f"(its {INDEX} has no '{ENTRY}' entry of format {FORMAT})")
     conversion = Conversion(location, list(entry["classes"]), int(entry["num_samples"]), list(content["chunks"]),
                             str(entry.get("source", "")))
@@ -80,7 +81,7 @@ def read_conversion(location: str, cache_dir: Optional[str] = None) -> Conversio
             size = os.path.getsize(path) if os.path.isfile(path) else None
             if size != int(chunk["chunk_bytes"]):
                 state = "missing" if size is None else f"truncated ({size} of {chunk['chunk_bytes']} bytes)"
-                raise ValueError(f"ImageNet: chunk '{path}' is {state}; convert again (`shortcutlab shards`) or copy "
+                raise ValueError(f"ImageNet: chunk '{path}' is {state}; convert again (`shortcutlab chunks`) or copy "
                                  "the conversion again")
     return conversion
 
@@ -94,7 +95,7 @@ def _index_file(location: str, cache_dir: Optional[str]) -> str:
                 if os.path.isdir(location) else []
             if leftovers:
                 raise ValueError(f"ImageNet: '{location}' is an unfinished conversion (no {INDEX}); run "
-                                 "`shortcutlab shards SOURCE DEST` again to finish it")
+                                 "`shortcutlab chunks SOURCE DEST` again to finish it")
             raise FileNotFoundError(f"ImageNet: no conversion at '{location}' (expected its {INDEX})")
         return index
     from litdata import StreamingDataset

@@ -4,9 +4,8 @@ A Lightning checkpoint written through the CLI carries the module's class
 (``hyper_parameters["_class_path"]``), its settings (the other hyper-parameters, the shortcut
 schedule included) and its weights, the resolved shortcut weights of every residual block
 included (``<block>.shortcut_weights``, see :mod:`lightning_mods.backbone.residual`). So the checkpoint
-alone rebuilds the trained network: :func:`module_from_checkpoint`. Settings given on top of it
-are compared with the checkpoint's; one that disagrees is a one-line error naming both values,
-unless the caller allows the override on purpose.
+alone rebuilds the trained network: :func:`module_from_checkpoint`. A setting given on top of it that
+disagrees with the checkpoint's is a one-line error naming both values (``allow_override`` builds it).
 
 Files are read with ``torch.load(weights_only=True)``: a checkpoint never runs code.
 """
@@ -373,8 +372,8 @@ def datamodule_settings(ckpt: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_override: bool = False,
              data: Optional[dict[str, Any]] = None, with_data: bool = True,
-             ckpt: Optional[dict[str, Any]] = None, *,
-             allow_model_override: Optional[bool] = None) -> tuple[nn.Module, Optional[Any]]:
+             ckpt: Optional[dict[str, Any]] = None, *, allow_model_override: Optional[bool] = None
+             ) -> tuple[nn.Module, Optional[Any]]:
     """The run that wrote the checkpoint at ``path``: ``(module, datamodule)``.
 
     - ``module``: the network that wrote it, weights loaded strictly (:func:`module_from_checkpoint`;
@@ -383,12 +382,10 @@ def load_run(path: str | os.PathLike, model: Optional[dict] = None, allow_overri
       ``data`` (settings by name, e.g. ``{"data_dir": "/data/cifar"}``) on top; not set up. None
       when ``with_data`` is false or the checkpoint names no datamodule (written outside the CLI).
 
-    ``ckpt``: the checkpoint at ``path`` when the caller has read it already.
-    ``allow_model_override``: ``allow_override``'s name before release 0.3 (taken with a FutureWarning).
-    """
+    ``ckpt``: the checkpoint at ``path`` when the caller has read it already; ``allow_model_override``:
+    ``allow_override``'s name before release 0.3 (taken with a FutureWarning)."""
     if allow_model_override is not None:
-        warnings.warn("load_run: allow_model_override is allow_override since release 0.3", FutureWarning,
-                      stacklevel=2)
+        warnings.warn("load_run: allow_model_override is allow_override since release 0.3", FutureWarning, 2)
         allow_override = allow_model_override
     ckpt = load_checkpoint(path) if ckpt is None else ckpt
     module, _ = module_from_checkpoint(path, model, allow_override, name="model", ckpt=ckpt)

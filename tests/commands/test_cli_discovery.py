@@ -232,3 +232,14 @@ def test_console_main_with_argv_runs_those_arguments_and_leaves_sys_argv_alone(t
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "no class 'MaskedAutoEncoder'" in err
     assert sys.argv == ["host-program"]
+
+
+def test_a_renamed_command_still_runs_with_a_one_line_notice(capsys):
+    import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.console_main(["shards", "--help"])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 0 and out.startswith("usage: shortcutlab chunks")
+    assert err == "shortcutlab: 'shards' is 'chunks' since release 0.3\n"
+    assert "shards" not in cli.overview() and "chunks" in cli.overview()

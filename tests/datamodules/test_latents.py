@@ -31,22 +31,22 @@ def digits_pixels(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (images * dm.std[0] + dm.mean[0]).clamp(0, 1) * 2 - 1, labels
 
 
-def test_shards_hold_the_vae_posterior_of_each_image_and_its_mirror(encoded):
+def test_the_parts_hold_the_vae_posterior_of_each_image_and_its_mirror(encoded):
     meta = encoded["metadata"]
     assert meta["latent_channels"] == 4 and meta["latent_size"] == 4 and meta["num_classes"] == 10
     assert meta["scaling_factor"] == SCALE and meta["shift_factor"] == pytest.approx(0.1) and meta["hflip"]
     assert meta["splits"]["train"]["num_samples"] == 1437 and meta["splits"]["val"]["num_samples"] == 360
-    assert [s["num_samples"] for s in meta["splits"]["train"]["shards"]] == [512, 512, 413]
-    shard = torch.load(f"{encoded['dir']}/train_00000.pt", weights_only=True)
+    assert [s["num_samples"] for s in meta["splits"]["train"]["parts"]] == [512, 512, 413]
+    part = torch.load(f"{encoded['dir']}/train_00000.pt", weights_only=True)
     pixels, labels = digits_pixels(6)
     with torch.no_grad():
         posterior = encoded["vae"].encode(pixels).latent_dist
         mirrored = encoded["vae"].encode(pixels.flip(-1)).latent_dist
-    assert shard["mean"].dtype == torch.float16 and shard["mean"].shape == (512, 4, 4, 4)
-    torch.testing.assert_close(shard["mean"][:6].float(), posterior.mean, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(shard["std"][:6].float(), posterior.std, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(shard["flip_mean"][:6].float(), mirrored.mean, rtol=2e-3, atol=2e-3)
-    assert torch.equal(shard["labels"][:6], labels)
+    assert part["mean"].dtype == torch.float16 and part["mean"].shape == (512, 4, 4, 4)
+    torch.testing.assert_close(part["mean"][:6].float(), posterior.mean, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(part["std"][:6].float(), posterior.std, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(part["flip_mean"][:6].float(), mirrored.mean, rtol=2e-3, atol=2e-3)
+    assert torch.equal(part["labels"][:6], labels)
 
 
 def test_latents_datamodule_follows_the_contract(encoded):
@@ -55,10 +55,10 @@ def test_latents_datamodule_follows_the_contract(encoded):
     assert dm.mean == (0.0,) * 4 and dm.std == (1.0,) * 4 and dm.random_flip
     dm.setup("fit")
     assert len(dm.bank_dataset) == 1437 and len(dm.val_dataset) == 360
-    shard = torch.load(f"{encoded['dir']}/train_00001.pt", weights_only=True)
-    latent, label = dm.bank_dataset[512 + 7]  # the second shard
-    torch.testing.assert_close(latent, (shard["mean"][7].float() - 0.1) * SCALE, rtol=0, atol=0)
-    assert label == shard["labels"][7]
+    part = torch.load(f"{encoded['dir']}/train_00001.pt", weights_only=True)
+    latent, label = dm.bank_dataset[512 + 7]  # the second part
+    torch.testing.assert_close(latent, (part["mean"][7].float() - 0.1) * SCALE, rtol=0, atol=0)
+    assert label == part["labels"][7]
     torch.manual_seed(0)
     draws = torch.stack([dm.train_dataset[519][0] for _ in range(64)])
     assert draws.std(0).mean() > 0  # posterior samples, half of them of the mirror
@@ -76,9 +76,9 @@ def test_latent_round_trip_decodes_with_the_same_vae(encoded):
     assert module.is_latent and not module.clip_sample and module.vae.scaling_factor == SCALE
     latents = torch.stack([dm.val_dataset[i][0] for i in range(4)])
     assert torch.equal(module.to_model_space(latents), latents)
-    shard = torch.load(f"{encoded['dir']}/val_00000.pt", weights_only=True)
+    part = torch.load(f"{encoded['dir']}/val_00000.pt", weights_only=True)
     with torch.no_grad():
-        expected = ((encoded["vae"].decode(shard["mean"][:4].float()).sample + 1) / 2).clamp(0, 1)
+        expected = ((encoded["vae"].decode(part["mean"][:4].float()).sample + 1) / 2).clamp(0, 1)
     pixels = module.to_pixels(latents)
     assert pixels.shape == (4, 1, 8, 8)
     torch.testing.assert_close(pixels, expected, rtol=0, atol=1e-5)
@@ -118,3 +118,21 @@ def test_mismatches_raise_one_line_errors(encoded, tmp_path):
         to_vae_input(torch.zeros(1, 2, 4, 4), torch.zeros(1, 1, 1, 1), torch.ones(1, 1, 1, 1), 3)
     grey = to_vae_input(torch.zeros(1, 1, 4, 4), torch.full((1, 1, 1, 1), 0.5), torch.ones(1, 1, 1, 1), 3)
     assert grey.shape == (1, 3, 4, 4) and torch.all(grey == 0)
+
+
+def test_a_folder_encoded_before_the_part_files_were_named_so_still_reads(encoded, tmp_path):
+    """metadata.json of release 0.2 lists each split's files under "shards"."""
+    import json
+    import shutil
+
+    old = tmp_path / "old_latents"
+    shutil.copytree(encoded["dir"], old)
+    meta = json.loads((old / "metadata.json").read_text())
+    for split in meta["splits"].values():
+        split["shards"] = split.pop("parts")
+    (old / "metadata.json").write_text(json.dumps(meta))
+    now, before = Latents(encoded["dir"], batch_size=32), Latents(str(old), batch_size=32)
+    now.setup("fit")
+    before.setup("fit")
+    assert len(before.bank_dataset) == len(now.bank_dataset) == 1437
+    torch.testing.assert_close(before.bank_dataset[600][0], now.bank_dataset[600][0], rtol=0, atol=0)

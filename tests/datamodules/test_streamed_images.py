@@ -1,4 +1,4 @@
-"""ImageNet converted to chunks (commands/shards.py) and read back (datamodules/streamed_images.py):
+"""ImageNet converted to chunks (commands/chunks.py) and read back (datamodules/streamed_images.py):
 the conversion keeps every file's bytes and label, in order (checked against the files); a second
 run does nothing and an interrupted one finishes with the uninterrupted conversion; the datamodule
 gives the ImageFolder's samples, pixels, batches and sample counts from it on every decode path;
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commands import shards
+from commands import chunks
 from datamodules.imagenet import ImageNet
 from datamodules.streamed_images import StreamedSplit, read_conversion
 from conftest import IMAGENET_TEST_CLASSES, make_class_list, make_imagefolder
@@ -22,7 +22,7 @@ SMALL = ["--num_workers", "1", "--part_size", "3", "--chunk_bytes", "16KB", "--n
 
 
 def convert(source: Path, dest: Path, *extra: str) -> None:
-    shards.main([str(source), str(dest), *SMALL, *extra])
+    chunks.main([str(source), str(dest), *SMALL, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(folder, tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("shards") / "imagenet"
+    dest = tmp_path_factory.mktemp("chunks") / "imagenet"
     convert(folder, dest, "--num_workers", "2")  # two processes: the parts in any order, the index in order
     return dest
 
@@ -56,6 +56,23 @@ def test_every_file_s_bytes_and_label_in_order(folder, converted, split):
     assert index["shortcutlab"]["classes"] == IMAGENET_TEST_CLASSES and len(index["chunks"]) > 2
 
 
+def test_a_conversion_written_before_the_command_was_chunks_still_reads(folder, converted, tmp_path):
+    """Its index names the format "shortcutlab-shards/1" (the same layout); any other format is refused."""
+    for name, fmt in (("earlier", "shortcutlab-shards/1"), ("unknown", "shortcutlab-chunks/2")):
+        copy = tmp_path / name
+        shutil.copytree(converted, copy)
+        for split in ("train", "val"):
+            index = json.loads((copy / split / "index.json").read_text())
+            assert index["shortcutlab"]["format"] == "shortcutlab-chunks/1"
+            index["shortcutlab"]["format"] = fmt
+            (copy / split / "index.json").write_text(json.dumps(index))
+        if name == "earlier":
+            assert stored(copy, "train") == stored(converted, "train")
+        else:
+            with pytest.raises(ValueError, match="is not a conversion of `shortcutlab chunks`"):
+                read_conversion(str(copy / "train"))
+
+
 def test_a_finished_conversion_says_so_and_does_nothing(folder, converted, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in (converted / "train").iterdir()}
     convert(folder, converted)
@@ -65,7 +82,7 @@ def test_a_finished_conversion_says_so_and_does_nothing(folder, converted, capsy
 
 def test_an_interrupted_conversion_resumes_to_the_uninterrupted_one(folder, converted, tmp_path, monkeypatch, capsys):
     dest, done = tmp_path / "resumed", []
-    real = shards.convert_part
+    real = chunks.convert_part
 
     def interrupted_after_two_parts(task):  # noqa: ANN001
         if len(done) == 2:
@@ -74,10 +91,10 @@ def test_an_interrupted_conversion_resumes_to_the_uninterrupted_one(folder, conv
         done.append(task[1])
         return real(task)
 
-    monkeypatch.setattr(shards, "convert_part", interrupted_after_two_parts)
+    monkeypatch.setattr(chunks, "convert_part", interrupted_after_two_parts)
     with pytest.raises(KeyboardInterrupt):
         convert(folder, dest)
-    monkeypatch.setattr(shards, "convert_part", real)
+    monkeypatch.setattr(chunks, "convert_part", real)
     assert not (dest / "train" / "index.json").exists() and (dest / "train" / "chunk-2-0.bin").exists()
     capsys.readouterr()
     convert(folder, dest)
@@ -150,16 +167,16 @@ def test_bad_conversions_are_one_line_each(converted, tmp_path, monkeypatch):
     chunk = broken / "train" / json.loads((broken / "train" / "index.json").read_text())["chunks"][1]["filename"]
     chunk.write_bytes(chunk.read_bytes()[:100])
     assert check(broken) == f"ImageNet: chunk '{chunk}' is truncated (100 of {os.path.getsize(converted / 'train' / chunk.name)} " \
-                            "bytes); convert again (`shortcutlab shards`) or copy the conversion again"
+                            "bytes); convert again (`shortcutlab chunks`) or copy the conversion again"
     foreign = tmp_path / "foreign"
     shutil.copytree(converted, foreign)
     index = json.loads((foreign / "train" / "index.json").read_text())
     (foreign / "train" / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "shortcutlab"}))
-    assert "holds litdata chunks but is not a conversion of `shortcutlab shards`" in check(foreign)
+    assert "holds litdata chunks but is not a conversion of `shortcutlab chunks`" in check(foreign)
     unfinished = tmp_path / "unfinished"
     shutil.copytree(converted, unfinished)
     (unfinished / "val" / "index.json").unlink()
-    assert check(unfinished).endswith("is an unfinished conversion (no index.json); run `shortcutlab shards SOURCE "
+    assert check(unfinished).endswith("is an unfinished conversion (no index.json); run `shortcutlab chunks SOURCE "
                                       "DEST` again to finish it")
     monkeypatch.setattr("datamodules.streamed_images.REACH_SECONDS", 3.0)
     for name, value in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
@@ -175,12 +192,12 @@ def test_the_command_s_own_bad_input_is_one_line_and_status_2(folder, converted,
         ([str(folder), str(converted), "--class_list", str(make_class_list(tmp_path / "two.txt", IMAGENET_TEST_CLASSES[:2]))],
          "is already a conversion of 4 classes and 20 images, the source has 2 and 10; choose another DEST"),
         ([str(folder), str(tmp_path / "d"), "--class_list", str(make_class_list(tmp_path / "x.txt", ["n9"]))],
-         "shards: class 'n9' has no folder under"),
+         "chunks: class 'n9' has no folder under"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
-            shards.main([*args, *SMALL])
+            chunks.main([*args, *SMALL])
         err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2 and "\n" not in err and err.startswith("shortcutlab: error: shards: "), err
+        assert exit_info.value.code == 2 and "\n" not in err and err.startswith("shortcutlab: error: chunks: "), err
         assert message in err, err
 
 
@@ -193,7 +210,7 @@ def test_a_ddp_fit_of_a_conversion_of_other_classes_stops_in_one_line_before_it_
     code, lines = imagenet100_ddp_fit(monkeypatch, capsys, converted, tmp_path / "run")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0] == (f"shortcutlab: error: ImageNet: the conversion at '{converted}' holds 4 classes, class_list "
-                        "'configs/imagenet100_classes.txt' names 100; convert with that class list (shortcutlab shards "
+                        "'configs/imagenet100_classes.txt' names 100; convert with that class list (shortcutlab chunks "
                         "--class_list) or use the conversion's")
     assert not (tmp_path / "run").exists()
 

@@ -1,4 +1,4 @@
-"""Training from a conversion (shortcutlab shards) at 1 and 2 processes: every epoch visits every
+"""Training from a conversion (shortcutlab chunks) at 1 and 2 processes: every epoch visits every
 training sample exactly once across the ranks, in an order that changes each epoch; the batches
 are the ImageFolder's; and a fit stopped mid-epoch resumes with exactly the batches the
 uninterrupted fit handed out after its checkpoint (as the file loader does)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from commands import shards
+from commands import chunks
 from conftest import IMAGENET_TEST_CLASSES, make_imagefolder
 from helpers import folders
 
@@ -82,9 +82,9 @@ SCRIPT = textwrap.dedent("""
 def trees(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trees")
     make_imagefolder(root / "folder", IMAGENET_TEST_CLASSES, n_per_class=5)
-    shards.main([str(root / "folder"), str(root / "shards"), "--num_workers", "1", "--chunk_bytes", "16KB",
+    chunks.main([str(root / "folder"), str(root / "chunks"), "--num_workers", "1", "--chunk_bytes", "16KB",
                  "--part_size", "6", "--no_progress"])
-    return {"folder": root / "folder", "shards": root / "shards"}
+    return {"folder": root / "folder", "chunks": root / "chunks"}
 
 
 def run(script: Path, data_dir: Path, out: Path, devices: int, warm: list[str]) -> None:
@@ -120,9 +120,9 @@ def test_every_sample_once_an_epoch_and_a_mid_epoch_resume_continues_exactly(tre
                                                                              warm_shortcutlab):
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT.format(tests=folders.PATHS))
-    run(script, trees["shards"], tmp_path / "shards", devices, warm_shortcutlab)
-    full = batches(tmp_path / "shards", "full", devices)
-    everything = sorted(json.loads((tmp_path / "shards" / "bank.json").read_text()))
+    run(script, trees["chunks"], tmp_path / "chunks", devices, warm_shortcutlab)
+    full = batches(tmp_path / "chunks", "full", devices)
+    everything = sorted(json.loads((tmp_path / "chunks" / "bank.json").read_text()))
     assert len(everything) == 20 == len(set(everything))  # the pixel sums name the samples
     orders = []
     for epoch in (0, 1):
@@ -134,7 +134,7 @@ def test_every_sample_once_an_epoch_and_a_mid_epoch_resume_continues_exactly(tre
     saved = (7 // steps_per_epoch, 7 % steps_per_epoch)  # the batch after the checkpoint: mid-epoch
     assert saved[1] != 0
     after = [b for b in full if (b[0], b[1]) >= saved]
-    assert batches(tmp_path / "shards", "resumed", devices) == after
+    assert batches(tmp_path / "chunks", "resumed", devices) == after
     if devices == 1:  # the ImageFolder itself gives the same batches
         run(script, trees["folder"], tmp_path / "folder", devices, warm_shortcutlab)
         assert batches(tmp_path / "folder", "full", devices) == full

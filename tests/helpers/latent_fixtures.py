@@ -33,5 +33,5 @@ def make_tiny_latents(root: str | Path) -> dict:
     vae = make_tiny_vae(root / "vae")
     metadata = encode_latents(["--vae-path", str(root / "vae"), "--data", "datamodules.digits.Digits",
                                "--data.image_size", "8", "--out", str(root / "latents"), "--hflip", "true",
-                               "--batch-size", "256", "--shard-size", "512", "--device", "cpu"])
+                               "--batch-size", "256", "--part-size", "512", "--device", "cpu"])
     return {"vae": vae, "vae_path": str(root / "vae"), "latent_dir": str(root / "latents"), "metadata": metadata}

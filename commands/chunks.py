@@ -1,7 +1,7 @@
 """Convert an ImageFolder split tree (ImageNet's ``train/`` and ``val/``) into streaming chunks, once.
 
-    shortcutlab shards data/imagenet data/imagenet-shards
-    shortcutlab shards data/imagenet data/imagenet100-shards --class_list configs/data/imagenet100.txt
+    shortcutlab chunks data/imagenet data/imagenet-chunks
+    shortcutlab chunks data/imagenet data/imagenet100-chunks --class_list configs/data/imagenet100.txt
 
 Each split becomes a litdata dataset (``DEST/train``, ``DEST/val``): chunk files of about
 ``--chunk_bytes`` holding every image's original bytes (no re-encoding), its label (its class's
@@ -36,7 +36,7 @@ from lightning_mods.checkpointing.atomic_files import write_text_atomically
 Sample = tuple[str, int, str]  # (file, label, name relative to SOURCE)
 
 
-class ShardsError(ValueError):
+class ConversionError(ValueError):
     """A source, class list or destination the conversion cannot use (one line)."""
 
 
@@ -46,11 +46,11 @@ def split_samples(source: Path, split: str, classes: list[str]) -> list[Sample]:
     for label, name in enumerate(classes):
         folder = source / split / name
         if not folder.is_dir():
-            raise ShardsError(f"shards: class '{name}' has no folder under '{source / split}'")
+            raise ConversionError(f"chunks: class '{name}' has no folder under '{source / split}'")
         files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMG_EXTENSIONS))
         samples += [(str(folder / f), label, f"{split}/{name}/{f}") for f in files]
     if not samples:
-        raise ShardsError(f"shards: no images under '{source / split}'")
+        raise ConversionError(f"chunks: no images under '{source / split}'")
     return samples
 
 
@@ -82,7 +82,7 @@ def convert_part(task: tuple[str, int, list[Sample], int]) -> int:
         try:
             data = Path(path).read_bytes()
         except OSError as err:
-            raise ShardsError(f"shards: cannot read '{path}' ({err.strerror or err})") from None
+            raise ConversionError(f"chunks: cannot read '{path}' ({err.strerror or err})") from None
         writer[i] = {"image": data, "label": label, "name": name.encode()}
     writer.done()
     return len(samples)
@@ -112,7 +112,7 @@ def existing_conversion(split_dir: Path, classes: list[str], num_samples: int) -
         return None
     entry = index.get(ENTRY) or {}
     if entry.get("classes") != classes or entry.get("num_samples") != num_samples:
-        raise ShardsError(f"shards: '{split_dir}' is already a conversion of {len(entry.get('classes') or [])} classes "
+        raise ConversionError(f"chunks: '{split_dir}' is already a conversion of {len(entry.get('classes') or [])} classes "
                           f"and {entry.get('num_samples')} images, the source has {len(classes)} and {num_samples}; "
                           "choose another DEST")
     return len(index["chunks"])
@@ -130,7 +130,7 @@ def convert_split(source: Path, dest: Path, split: str, classes: list[str], args
     pending = [p for p in range(len(parts)) if finished_part(split_dir, p) is None]
     tasks = [(str(split_dir), p, parts[p], args.chunk_bytes) for p in pending]
     kept = sum(len(parts[p]) for p in range(len(parts)) if p not in pending)
-    columns = (TextColumn(f"shards {split}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    columns = (TextColumn(f"chunks {split}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not args.progress) as progress:
         bar = progress.add_task(split, total=len(samples), completed=kept)
         workers = max(1, min(args.num_workers or os.cpu_count() or 1, len(tasks)))
@@ -148,7 +148,7 @@ def convert_split(source: Path, dest: Path, split: str, classes: list[str], args
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="shortcutlab shards", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="shortcutlab chunks", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="the ImageFolder split tree: SOURCE/train/<class>/<image>, SOURCE/val/...")
     parser.add_argument("dest", type=Path, help="the conversion's folder (DEST/train, DEST/val)")
     parser.add_argument("--class_list", default=None, help="a file of the classes to convert, one per line, in label "
@@ -164,16 +164,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         if args.part_size < 1:
-            raise ShardsError(f"shards: --part_size must be >= 1, got {args.part_size}")
+            raise ConversionError(f"chunks: --part_size must be >= 1, got {args.part_size}")
         source, dest = args.source.resolve(), args.dest
         if not (source / "train").is_dir() or not (source / "val").is_dir():
-            raise ShardsError(f"shards: '{source}' has no train/ and val/ class folders")
+            raise ConversionError(f"chunks: '{source}' has no train/ and val/ class folders")
         classes = read_class_list(args.class_list) if args.class_list else subfolders(str(source / "train"))
         lines = [convert_split(source, dest, split, classes, args) for split in SPLITS]
-    except (ShardsError, ValueError, FileNotFoundError) as err:
-        print(f"shortcutlab: error: {str(err).replace('ImageNet: ', 'shards: ', 1)}", file=sys.stderr)
+    except (ConversionError, ValueError, FileNotFoundError) as err:
+        print(f"shortcutlab: error: {str(err).replace('ImageNet: ', 'chunks: ', 1)}", file=sys.stderr)
         sys.exit(exit_statuses.BAD_INPUT)
-    print(f"shortcutlab shards: {dest} holds {len(classes)} classes; " + "; ".join(lines))
+    print(f"shortcutlab chunks: {dest} holds {len(classes)} classes; " + "; ".join(lines))
 
 
 if __name__ == "__main__":
