@@ -13,7 +13,7 @@ The step rate assumed: Zhang et al. (shared/papers, section 4.1) trained the ViT
 ImageNet-1K (1,281,167 images) for 800 epochs in 200 hours on 4 NVIDIA A40 GPUs:
 1,423 images/s in all, 356 per GPU. A faster GPU needs proportionally more workers.
 
-The same JPEGs converted by ``shortcutlab shards`` (a few chunk files instead of a file an image)
+The same JPEGs converted by ``shortcutlab chunks`` (a few chunk files instead of a file an image)
 are read through the same train dataset from the chunks: their images/s against the folder's,
 and the number of files each holds.
 """
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from commands import shards
+from commands import chunks
 from datamodules.imagenet import ImageNet, read_rgb_tensor
 
 from .official_loops import mae_loader
@@ -91,8 +91,8 @@ def run(settings: Settings) -> list[Row]:
                 data.setup("fit")
                 datasets[decoder] = data.train_dataset
             datasets["official"] = mae_loader(Path(root) / "train", 224, 1, 0).dataset
-            converted = os.path.join(root, "shards")
-            shards.main([root, converted, "--num_workers", "1", "--no_progress", "--chunk_bytes", "16MB"])
+            converted = os.path.join(root, "chunks")
+            chunks.main([root, converted, "--num_workers", "1", "--no_progress", "--chunk_bytes", "16MB"])
             data = ImageNet(data_dir=converted, num_classes=2, image_size=224)
             data.setup("fit")
             datasets["chunks"] = data.train_dataset
@@ -121,13 +121,13 @@ def run(settings: Settings) -> list[Row]:
         ratio_row(SECTION, f"default decoder ({default}) / the other, images/s",
                   [(a / b if default == "torchvision" else b / a) for a, b in zip(rates["torchvision"], rates["pil"])],
                   ">= 1.00", "the faster decoder is ImageNet's default"),
-        ratio_row(SECTION, "images decoded per second from chunks (shortcutlab shards) / from the ImageFolder",
+        ratio_row(SECTION, "images decoded per second from chunks (shortcutlab chunks) / from the ImageFolder",
                   [a / b for a, b in zip(rates["decoded, chunks"], rates["decoded, folder"])], ">= 1.00",
                   "the same JPEGs read and decoded to RGB (torchvision decode_image), no transform"),
         ratio_row(SECTION, "images/s per worker from chunks / from the ImageFolder, with the train transform",
                   [a / b for a, b in zip(rates["chunks"], rates["torchvision"])], None,
                   "the same JPEG bytes, decoder and 224 px transform; read from litdata chunk files"),
-        Row(SECTION, "files holding the train and val images: ImageFolder / chunks (shortcutlab shards)",
+        Row(SECTION, "files holding the train and val images: ImageFolder / chunks (shortcutlab chunks)",
             files["folder"] / files["chunks"], files["folder"] / files["chunks"], None, "x",
             f"{files['folder']} image files against {files['chunks']} chunk and index files (ImageNet-1K: "
             "1,331,167 files against about 2,300 chunks of 64 MB)"),

@@ -206,10 +206,9 @@ def lightning_checkpoint(model: MaskedAutoencoder, converted_from: dict[str, Any
     """What ``shortcutlab fit`` writes, minus optimiser and loop state (not resumable with ``fit``)."""
     hparams = dict(model.hparams)
     hparams.update(_class_path=CLASS_PATH, _instantiator="lightning.pytorch.cli.instantiate_module")
-    checkpoint = {"epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
-                  "state_dict": model.state_dict(), "hyper_parameters": hparams, "converted_from": converted_from}
-    migration.stamp(checkpoint)
-    return checkpoint
+    return migration.stamped({"epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
+                              "state_dict": model.state_dict(), "hyper_parameters": hparams,
+                              "converted_from": converted_from})
 
 
 # --- export --------------------------------------------------------------------------------------

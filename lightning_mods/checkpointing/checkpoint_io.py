@@ -58,7 +58,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options (as TorchCheckpointIO)")
-        migration.stamp(checkpoint)
+        checkpoint = migration.stamped(checkpoint)
         if get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_files.last_good_checkpoint = save_torch_atomically(checkpoint, path)
@@ -169,7 +169,7 @@ class BackgroundCheckpointIO(AtomicCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         self.wait()  # one write at a time (and the buffers free again); a failed one is raised here
-        migration.stamp(checkpoint)
+        checkpoint = migration.stamped(checkpoint)
         if storage_options is not None or get_protocol(str(path)) != "file" or not self.background:
             return super().save_checkpoint(checkpoint, path, storage_options)
         with contextlib.suppress(OSError):  # now, as a write in the loop would: Lightning links last.ckpt into it

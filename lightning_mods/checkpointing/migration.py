@@ -130,11 +130,11 @@ def package_version() -> Optional[str]:
 VERSION_KEY = "shortcutlab_version"  # the release that wrote a checkpoint (none before 0.3)
 
 
-def stamp(checkpoint: dict[str, Any]) -> None:
-    """Record the installed release in a checkpoint about to be saved (:data:`VERSION_KEY`)."""
+def stamped(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint about to be saved with the installed release recorded (:data:`VERSION_KEY`; a
+    shallow copy: the caller's dictionary is left as it was)."""
     version = package_version()
-    if version is not None:
-        checkpoint[VERSION_KEY] = version
+    return checkpoint if version is None else {**checkpoint, VERSION_KEY: version}
 
 
 def written_after_every_step(checkpoint: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers.line_module import Line
 
-from lightning_mods.checkpointing import atomic_files, checkpoint_io
+from lightning_mods.checkpointing import atomic_files, checkpoint_io, migration
 from lightning_mods.checkpointing.atomic_files import DiskWriteError
 from lightning_mods.checkpointing.checkpoint_io import BackgroundCheckpointIO, host_snapshot
 
@@ -73,7 +73,8 @@ def test_one_write_at_a_time_and_a_removal_after_the_write_before_it(tmp_path, m
     io.teardown()
     assert held.written == [str(tmp_path / "new.ckpt"), str(tmp_path / "next.ckpt")]
     assert not (tmp_path / "old.ckpt").exists()
-    assert torch.load(tmp_path / "next.ckpt", weights_only=False) == {"step": 2}
+    assert torch.load(tmp_path / "next.ckpt", weights_only=False) == {"step": 2, "shortcutlab_version":
+                                                                      migration.package_version()}
 
 
 def test_buffers_reused_by_the_next_snapshot_never_change_a_written_file(tmp_path):
