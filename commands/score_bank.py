@@ -9,6 +9,8 @@ The folder is what ``KNNEvaluator(save_features=...)`` wrote at its last evaluat
 bank rows per rank (``bank-rank*-of-*.pt``) and the queries (``queries.pt``). The shards are read
 one at a time and their top-k merged, as the ranks' are during a run, so the command needs the
 memory of one shard, not of the whole bank; the accuracies equal the run's at the same settings.
+The scoring runs on ``--device`` (a GPU when there is one): the queries live there, and each
+shard's rows are brought over from host memory a part at a time, within ``--scoring-mib``.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import lightning_mods.exit_statuses as exit_statuses
 from commands._progress import command_progress, show_progress, tracked
 
 if TYPE_CHECKING:
+    import torch
     from rich.progress import Progress
 
 
@@ -34,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blocks", nargs="+", default=None,
                         help="also score these blocks: all, or indices (1 = nearest the input, -1 = the last)")
     parser.add_argument("--scoring-mib", type=int, default=256, help="work memory of the scoring (default 256)")
+    parser.add_argument("--device", default="auto",
+                        help="where to score: auto (the first GPU when there is one, else the CPU), cpu, cuda, cuda:N")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn off a terminal either)")
     return parser
 
@@ -66,9 +71,29 @@ def chosen_blocks(given: Optional[list[str]], count: int) -> list[int]:
     return resolve_blocks("shortcutlab score-bank --blocks", check_blocks("shortcutlab score-bank --blocks", blocks), count)
 
 
+def scoring_device(name: str) -> "torch.device":
+    """``--device``: ``auto`` is the first GPU when there is one, else the CPU; a GPU asked for on a
+    machine without one is a ValueError (one line)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"--device {name}: no such CUDA device here ({torch.cuda.device_count()} visible)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
 def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list[str]],
-          budget_bytes: int, progress: Optional["Progress"] = None) -> list[tuple[str, dict[str, float]]]:
-    """``[(what, {"top1@k=..": ..., "top5@k=..": ...}), ...]`` for the features and each chosen block."""
+          budget_bytes: int, progress: Optional["Progress"] = None,
+          device: str = "cpu") -> list[tuple[str, dict[str, float]]]:
+    """``[(what, {"top1@k=..": ..., "top5@k=..": ...}), ...]`` for the features and each chosen block,
+    scored on ``device`` (:func:`scoring_device`)."""
     import torch
 
     from callbacks.measurement.knn_bank import QUERIES_FILE, shard_index
@@ -82,7 +107,8 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
     num_classes = int(queries.get("num_classes") or int(queries["labels"].max()) + 1)
     chosen = chosen_blocks(blocks, len(queries["blocks"] or []))
     matrices = [("features", queries["features"])] + [(f"block {b}", queries["blocks"][b - 1]) for b in chosen]
-    normalized = [normalized_queries(q, torch.device("cpu")) for _, q in matrices]
+    where = scoring_device(device)
+    normalized = [normalized_queries(q, where) for _, q in matrices]
     totals = set()
     found: list[Optional[tuple]] = [None] * len(matrices)
     kmax = max(ks)
@@ -102,7 +128,8 @@ def score(folder: Path, ks: list[int], temperature: float, blocks: Optional[list
     results = []
     for (what, _), neighbours in zip(matrices, found):
         sims, labels = neighbours.sims[:, :neighbour_count(ks, total)], neighbours.labels[:, :neighbour_count(ks, total)]
-        counts = correct_counts(sims, labels, queries["labels"], num_classes, used, temperature, tops, budget_bytes)
+        counts = correct_counts(sims, labels, queries["labels"].to(where), num_classes, used, temperature, tops,
+                                budget_bytes)
         names = [f"top{top}@k={k}" for k in ks for top in tops]
         results.append((what, {name: int(c) / len(queries["labels"]) for name, c in zip(names, counts.tolist())}))
     return results
@@ -120,7 +147,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         with command_progress(show_progress(args.quiet)) as progress:
-            results = score(args.folder, args.k, args.temperature, args.blocks, args.scoring_mib * 2 ** 20, progress)
+            results = score(args.folder, args.k, args.temperature, args.blocks, args.scoring_mib * 2 ** 20, progress,
+                            args.device)
     except (ValueError, OSError) as err:
         print(f"shortcutlab score-bank: error: {err}", file=sys.stderr)
         sys.exit(exit_statuses.BAD_INPUT)

@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from commands import lightning_cli as cli
 from commands import score_bank
@@ -42,3 +43,16 @@ def test_the_documented_commands_score_a_saved_bank_as_a_run_does(tmp_path, monk
     logged = float(trainer.callback_metrics["knn/top1"])
     saved = dict(score_bank.score(tmp_path / "runs/digits_mae/bank", [20], 0.07, None, 2 ** 24))
     assert round(saved["features"]["top1@k=20"] * 360) == round(logged * 360)
+    # on the device --device names (auto: the CPU here, a GPU where there is one): the same figures
+    for device in ("cpu", "auto"):
+        assert dict(score_bank.score(tmp_path / "runs/digits_mae/bank", [20], 0.07, None, 2 ** 24,
+                                     device=device)) == saved
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as stop:
+            score_bank.main([str(tmp_path / "runs/digits_mae/bank"), "--device", "cuda"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == ("shortcutlab score-bank: error: --device cuda: no such CUDA device here "
+                                           "(0 visible)\n")
+    with pytest.raises(SystemExit):
+        score_bank.main([str(tmp_path / "runs/digits_mae/bank"), "--device", "tpu"])
+    assert "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
