@@ -143,5 +143,32 @@ def memory_rows(settings: Settings) -> list[Row]:
             for w in (2, 4)]
 
 
+def imagenet_rows(settings: Settings) -> list[Row]:
+    """ImageNet-1K's kNN on a GPU: a 1,281,167 x 768 bank (ViT-B's features, float32, on the GPU as a
+    fit keeps it) scored against 50,000 queries at k = 20, one pass; ``blocks: all`` of a ViT-B is 13
+    such passes (the features and 12 blocks)."""
+    section = "kNN bank at scale"
+    name = "kNN scoring on CUDA, ImageNet-1K: 1,281,167 x 768 bank, 50,000 queries, k=20 (seconds a pass)"
+    if not settings.on_cuda:
+        return [skipped(section, name, "needs a CUDA device (python -m benchmarks --device cuda --only knn)")]
+    bank_rows, queries_count = settings.pick((1_281_167, 50_000), (20_000, 1_000))
+    g = torch.Generator().manual_seed(0)
+    device = settings.torch_device
+    bank = F.normalize(torch.randn(bank_rows, 768, generator=g), dim=1).to(device)
+    labels = torch.randint(0, 1000, (bank_rows,), generator=g).to(device)
+    queries = F.normalize(torch.randn(queries_count, 768, generator=g), dim=1).to(device)
+    query_labels = torch.randint(0, 1000, (queries_count,), generator=g).to(device)
+    budget = 4096 * 2 ** 20  # a GPU's budget: KNNEvaluator(scoring_mib=4096)
+
+    def one_pass() -> None:
+        sims, found, _ = local_neighbours(bank, labels, queries, 20, budget)
+        correct_counts(sims, found, query_labels, 1000, [20], 0.07, (1, 5), budget)
+
+    seconds = interleaved({"pass": one_pass}, rounds=settings.pick(3, 1), warmup=1, device=device)["pass"]
+    return [ratio_row(section, name, seconds, None,
+                      f"{bank_rows:,} x {queries_count:,}; blocks: all of a ViT-B (13 passes) "
+                      f"{13 * statistics.median(seconds):.0f} s; scoring_mib 4096", unit="s")]
+
+
 def run(settings: Settings) -> list[Row]:
-    return scoring_rows(settings) + dtype_rows(settings) + memory_rows(settings)
+    return scoring_rows(settings) + imagenet_rows(settings) + dtype_rows(settings) + memory_rows(settings)

@@ -144,6 +144,20 @@ def test_the_knn_bank_rows_measure_in_quick_mode():
     assert "% of the 20 neighbours differ" in rows[1].detail
 
 
+def test_the_imagenet_knn_row_runs_on_cuda_and_says_so_elsewhere():
+    """The ImageNet-1K scoring row times a pass on a GPU; without one it is skipped with the command."""
+    import torch
+
+    from benchmarks.knn_at_scale import imagenet_rows
+    from benchmarks.settings import Settings
+
+    [row] = imagenet_rows(Settings(quick=True, rounds=1))
+    assert row.status == "SKIP" and "--device cuda --only knn" in row.detail
+    if torch.cuda.is_available():
+        [row] = imagenet_rows(Settings(device="cuda", quick=True, rounds=1))
+        assert row.median > 0 and row.unit == "s" and "blocks: all" in row.detail
+
+
 @pytest.mark.slow
 def test_the_reproducible_mode_row_times_both_modes_in_fresh_interpreters():
     """docs/performance.md's reproducible-mode row, in quick mode (a small quickstart each way)."""
