@@ -35,15 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCORING_MIB = 256
 
 
-def scoring_rows(settings: Settings) -> list[Row]:
-    section = "kNN bank at scale"
-    bank_rows, queries_count = settings.pick((200_000, 10_000), (5_000, 200))
+def synthetic_bank(bank_rows: int, queries_count: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Unit-length random ``bank_rows x 768`` bank rows and queries with labels of 1000 classes (seed 0)."""
     g = torch.Generator().manual_seed(0)
-    device = settings.torch_device
     bank = F.normalize(torch.randn(bank_rows, 768, generator=g), dim=1).to(device)
     labels = torch.randint(0, 1000, (bank_rows,), generator=g).to(device)
     queries = F.normalize(torch.randn(queries_count, 768, generator=g), dim=1).to(device)
-    query_labels = torch.randint(0, 1000, (queries_count,), generator=g).to(device)
+    return bank, labels, queries, torch.randint(0, 1000, (queries_count,), generator=g).to(device)
+
+
+def scoring_rows(settings: Settings) -> list[Row]:
+    section = "kNN bank at scale"
+    bank_rows, queries_count = settings.pick((200_000, 10_000), (5_000, 200))
+    device = settings.torch_device
+    bank, labels, queries, query_labels = synthetic_bank(bank_rows, queries_count, device)
     budget = SCORING_MIB * 2 ** 20
     rows = query_rows(budget, bank_rows)
 
@@ -152,12 +157,8 @@ def imagenet_rows(settings: Settings) -> list[Row]:
     if not settings.on_cuda:
         return [skipped(section, name, "needs a CUDA device (python -m benchmarks --device cuda --only knn)")]
     bank_rows, queries_count = settings.pick((1_281_167, 50_000), (20_000, 1_000))
-    g = torch.Generator().manual_seed(0)
     device = settings.torch_device
-    bank = F.normalize(torch.randn(bank_rows, 768, generator=g), dim=1).to(device)
-    labels = torch.randint(0, 1000, (bank_rows,), generator=g).to(device)
-    queries = F.normalize(torch.randn(queries_count, 768, generator=g), dim=1).to(device)
-    query_labels = torch.randint(0, 1000, (queries_count,), generator=g).to(device)
+    bank, labels, queries, query_labels = synthetic_bank(bank_rows, queries_count, device)
     budget = 4096 * 2 ** 20  # a GPU's budget: KNNEvaluator(scoring_mib=4096)
 
     def one_pass() -> None:
