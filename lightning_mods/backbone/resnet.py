@@ -19,16 +19,21 @@ from .residual import DecayedResidual, apply_shortcut_schedule
 from .shortcut import ShortcutSchedule
 
 
-class DecayedBasicBlock(DecayedResidual, BasicBlock):
-    """timm ``BasicBlock`` with a weighted shortcut."""
+class DecayedResNetBlock(DecayedResidual):
+    """What the decayed blocks add to timm's ``BasicBlock`` and ``Bottleneck`` (listed after this
+    mixin): ``act(a * shortcut(x) + b * branch(x))`` in place of timm's ``act(shortcut(x) + f(x))``.
+    A subclass gives :meth:`branch` (timm's layers up to the last norm) and :attr:`final_act`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reset_shortcut()
 
-    def branch(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act1(self.drop_block(self.bn1(self.conv1(x))))
-        x = self.bn2(self.conv2(self.aa(x)))
+    @property
+    def final_act(self) -> nn.Module:
+        raise NotImplementedError
+
+    def branch_end(self, x: torch.Tensor) -> torch.Tensor:
+        """timm's end of every ResNet branch: squeeze-excitation, then drop path (each where set)."""
         if self.se is not None:
             x = self.se(x)
         if self.drop_path is not None:
@@ -37,35 +42,35 @@ class DecayedBasicBlock(DecayedResidual, BasicBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shortcut = x if self.downsample is None else self.downsample(x)
-        return self.act2(self.residual(0, shortcut, self.branch(x), inplace=True))  # timm: x += shortcut
+        return self.final_act(self.residual(0, shortcut, self.branch(x), inplace=True))  # timm: x += shortcut
 
     def extra_repr(self) -> str:
         return self.shortcut_extra_repr()
 
 
-class DecayedBottleneck(DecayedResidual, Bottleneck):
+class DecayedBasicBlock(DecayedResNetBlock, BasicBlock):
+    """timm ``BasicBlock`` with a weighted shortcut."""
+
+    @property
+    def final_act(self) -> nn.Module:
+        return self.act2
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act1(self.drop_block(self.bn1(self.conv1(x))))
+        return self.branch_end(self.bn2(self.conv2(self.aa(x))))
+
+
+class DecayedBottleneck(DecayedResNetBlock, Bottleneck):
     """timm ``Bottleneck`` with a weighted shortcut."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.reset_shortcut()
+    @property
+    def final_act(self) -> nn.Module:
+        return self.act3
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         x = self.act1(self.bn1(self.conv1(x)))
         x = self.aa(self.act2(self.drop_block(self.bn2(self.conv2(x)))))
-        x = self.bn3(self.conv3(x))
-        if self.se is not None:
-            x = self.se(x)
-        if self.drop_path is not None:
-            x = self.drop_path(x)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shortcut = x if self.downsample is None else self.downsample(x)
-        return self.act3(self.residual(0, shortcut, self.branch(x), inplace=True))  # timm: x += shortcut
-
-    def extra_repr(self) -> str:
-        return self.shortcut_extra_repr()
+        return self.branch_end(self.bn3(self.conv3(x)))
 
 
 _DECAYED = {BasicBlock: DecayedBasicBlock, Bottleneck: DecayedBottleneck}
