@@ -17,13 +17,14 @@ again, keeps the finished parts and converts the rest; a finished one says so an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import queue
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -32,6 +33,8 @@ import lightning_mods.exit_statuses as exit_statuses
 from datamodules.imagenet import read_class_list, subfolders
 from datamodules.streamed_images import ENTRY, FORMAT, INDEX, SPLITS
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
+
+RANK_VARIABLE = "DATA_OPTIMIZER_GLOBAL_RANK"  # litdata's writer names a part's chunks and index by it
 
 Sample = tuple[str, int, str]  # (file, label, name relative to SOURCE)
 
@@ -76,16 +79,32 @@ def convert_part(task: tuple[str, int, list[Sample], int]) -> int:
     split_dir, part, samples, chunk_bytes = task
     for leftover in Path(split_dir).glob(f"chunk-{part}-*"):  # an interrupted run's
         leftover.unlink()
-    os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = str(part)  # the writer names its chunks and index by it
-    writer = BinaryWriter(split_dir, chunk_bytes=chunk_bytes, msg_queue=queue.SimpleQueue())  # its notes: not printed
-    for i, (path, label, name) in enumerate(samples):
-        try:
-            data = Path(path).read_bytes()
-        except OSError as err:
-            raise ConversionError(f"chunks: cannot read '{path}' ({err.strerror or err})") from None
-        writer[i] = {"image": data, "label": label, "name": name.encode()}
-    writer.done()
+    with writer_rank(part):  # the writer names its chunks and index by it
+        writer = BinaryWriter(split_dir, chunk_bytes=chunk_bytes, msg_queue=queue.SimpleQueue())  # notes: not printed
+        for i, (path, label, name) in enumerate(samples):
+            try:
+                data = Path(path).read_bytes()
+            except OSError as err:
+                raise ConversionError(f"chunks: cannot read '{path}' ({err.strerror or err})") from None
+            writer[i] = {"image": data, "label": label, "name": name.encode()}
+        writer.done()
     return len(samples)
+
+
+@contextlib.contextmanager
+def writer_rank(part: int) -> Iterator[None]:
+    """litdata's ``DATA_OPTIMIZER_GLOBAL_RANK`` set to ``part`` while a part is written, as it was
+    afterwards (with one worker the part is written in the command's own process, whose
+    environment ``StreamingDataset`` reads later)."""
+    before = os.environ.get(RANK_VARIABLE)
+    os.environ[RANK_VARIABLE] = str(part)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RANK_VARIABLE, None)
+        else:
+            os.environ[RANK_VARIABLE] = before
 
 
 def write_index(split_dir: Path, parts: int, classes: list[str], num_samples: int, source: Path) -> int:

@@ -73,6 +73,18 @@ def test_a_conversion_written_before_the_command_was_chunks_still_reads(folder, 
                 read_conversion(str(copy / "train"))
 
 
+def test_a_one_worker_conversion_leaves_the_calling_process_environment_as_it_was(folder, tmp_path, monkeypatch):
+    """With one worker the parts are written in the command's own process: litdata's rank variable,
+    which its StreamingDataset reads later in that process, is put back afterwards."""
+    monkeypatch.delenv("DATA_OPTIMIZER_GLOBAL_RANK", raising=False)
+    convert(folder, tmp_path / "one")
+    assert "DATA_OPTIMIZER_GLOBAL_RANK" not in os.environ
+    monkeypatch.setenv("DATA_OPTIMIZER_GLOBAL_RANK", "7")
+    convert(folder, tmp_path / "two")
+    assert os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] == "7"
+    assert stored(tmp_path / "one", "train") == stored(tmp_path / "two", "train")
+
+
 def test_a_finished_conversion_says_so_and_does_nothing(folder, converted, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in (converted / "train").iterdir()}
     convert(folder, converted)
