@@ -18,12 +18,15 @@ import re
 import sys
 import typing
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from commands import _catalogue as catalogue
+from lightning_mods._compat import lightning_private
 from lightning_mods.checkpointing.rebuild import canonical_class_path, import_path, init_parameters
 
 
@@ -347,12 +350,6 @@ def answer_folder_warnings(trainer: Any, subcommand: str, ckpt_path: Optional[st
     ``run.yaml`` and log, a resumed fit has set its metrics aside to put them back), and, when a fit
     resumes, the folder of the checkpoint it resumes from. Call it once the loggers' versions are
     set (:func:`commands.cli_checkpoint.continue_logger_versions`)."""
-    from pathlib import Path
-
-    from lightning.pytorch.loggers import CSVLogger
-
-    from lightning_mods._compat import lightning_private
-
     for logger in trainer.loggers:  # an unversioned one takes a new folder: its version is not read early
         if (isinstance(logger, CSVLogger) and lightning_private.logger_version_given(logger)
                 and not (Path(logger.log_dir) / "metrics.csv").exists()):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -32,6 +31,7 @@ from rich.progress import Progress
 from torch.utils.data import DataLoader, Dataset
 
 from commands._progress import command_progress, show_progress, tracked
+from commands._renamed_options import renamed_options
 from datamodules.latents import METADATA_FILE
 from lightning_mods._generation.latent_vae import FrozenVAE
 
@@ -150,12 +150,7 @@ def main(args: Optional[list[str]] = None) -> dict:
                         help="latent scale (default: the VAE config's scaling_factor)")
     parser.add_argument("--quiet", type=bool, default=False,
                         help="no progress bars (also off when stderr is not a terminal)")
-    args = list(sys.argv[1:] if args is None else args)
-    for index, arg in enumerate(args):  # its name before release 0.3
-        if arg == "--shard-size" or arg.startswith("--shard-size="):
-            args[index] = arg.replace("--shard-size", "--part-size", 1)
-            print("encode_latents: --shard-size is --part-size since release 0.3", file=sys.stderr)
-    cfg = parser.parse_args(args)
+    cfg = parser.parse_args(renamed_options(args, {"--shard-size": "--part-size"}, "encode_latents"))
     datamodule = parser.instantiate(cfg).data
     with command_progress(show_progress(cfg.quiet)) as progress:
         metadata = encode_dataset(cfg.vae_path, datamodule, cfg.out, batch_size=cfg.batch_size,

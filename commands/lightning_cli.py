@@ -274,7 +274,6 @@ class ArgumentChecker:
                 return "the arguments print help or a config instead of running"
         return None
 
-
     def check_setting(self, args: list[str], key: str, value: str) -> Optional[str]:
         """None when ``args`` followed by ``--key=value`` parse, else why not. ``args`` are parsed in
         full once (then remembered); the setting is parsed onto that config, its value checked

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -31,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from callbacks.measurement.knn import knn_predict
 from commands._progress import command_progress, show_progress, tracked
+from commands._renamed_options import renamed_options
 from lightning_mods.pictures.grids import figure_to_array, save_png
 from lightning_mods.checkpointing.rebuild import load_run
 from lightning_mods.linear_probe import topk_accuracy, train_linear_probe_on_features
@@ -194,8 +194,6 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
                         "(default: the config's untrained model)")
     parser.add_argument("--allow-override", action="store_true",
                         help="build with the config's model settings where they disagree with the checkpoint")
-    parser.add_argument("--allow-model-override", dest="allow_override", action="store_true",
-                        help=argparse.SUPPRESS)  # its name before release 0.3
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--blocks", type=int, nargs="+", default=None, help="block indices (default: all)")
     parser.add_argument("--timesteps", type=int, nargs="+", default=[0, 25, 50, 100, 200, 400, 700])
@@ -213,10 +211,9 @@ def main(args: Optional[list[str]] = None) -> list[dict]:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bars (also off when stderr is not a terminal)")
+    args = renamed_options(args, {"--allow-model-override": "--allow-override"}, "probe_diffusion")
     parsed, overrides = parser.parse_known_args(args)
 
-    if "--allow-model-override" in (args if args is not None else sys.argv[1:]):
-        print("probe_diffusion: --allow-model-override is --allow-override since release 0.3", file=sys.stderr)
     module, datamodule = load_model_and_data(parsed.config, parsed.ckpt, overrides, parsed.allow_override)
     num_blocks = module.network.num_blocks
     blocks = list(range(num_blocks)) if parsed.blocks is None else parsed.blocks

@@ -137,24 +137,23 @@ def stamped(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint if version is None else {**checkpoint, VERSION_KEY: version}
 
 
+def _release(text: str) -> Optional[Version]:
+    try:
+        return Version(text)
+    except InvalidVersion:  # "development builds before 0.1.0"
+        return None
+
+
+# the newest release whose checkpoints an upgrade step reads
+NEWEST_OLD_LAYOUT = max(v for v in (_release(step.written_by) for step in STEPS) if v is not None)
+
+
 def written_after_every_step(checkpoint: dict[str, Any]) -> bool:
     """Whether the checkpoint records a release newer than every release an upgrade step reads:
     its layout is this release's, nothing is guessed from its shape."""
     written = checkpoint.get(VERSION_KEY)
-    if not isinstance(written, str):
-        return False
-    try:
-        return all(Version(written) > Version(step.written_by) for step in STEPS if _is_release(step.written_by))
-    except InvalidVersion:
-        return False
-
-
-def _is_release(text: str) -> bool:
-    try:
-        Version(text)
-        return True
-    except InvalidVersion:
-        return False
+    release = _release(written) if isinstance(written, str) else None
+    return release is not None and release > NEWEST_OLD_LAYOUT
 
 
 def upgrade(checkpoint: dict[str, Any]) -> list[str]:
@@ -205,7 +204,7 @@ def rename_override_flag(settings: dict[str, Any]) -> bool:
     an old name was there."""
     old = [key for key in OLD_OVERRIDE_FLAGS if key in settings]
     for key in old:
-        settings.setdefault("allow_override", settings.pop(key))
+        settings.setdefault(OLD_OVERRIDE_FLAGS[key], settings.pop(key))
     return bool(old)
 
 

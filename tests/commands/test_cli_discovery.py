@@ -243,3 +243,14 @@ def test_a_renamed_command_still_runs_with_a_one_line_notice(capsys):
     assert stop.value.code == 0 and out.startswith("usage: shortcutlab chunks")
     assert err == "shortcutlab: 'shards' is 'chunks' since release 0.3\n"
     assert "shards" not in cli.overview() and "chunks" in cli.overview()
+
+
+def test_a_renamed_option_is_taken_under_its_new_name_with_a_one_line_notice(capsys):
+    from commands._renamed_options import renamed_options
+
+    args = ["--out", "x", "--shard-size=512", "--shard-sizes", "3", "--shard-size", "64"]
+    assert renamed_options(args, {"--shard-size": "--part-size"}, "encode_latents") == [
+        "--out", "x", "--part-size=512", "--shard-sizes", "3", "--part-size", "64"]
+    assert capsys.readouterr().err == "encode_latents: --shard-size is --part-size since release 0.3\n" * 2
+    assert renamed_options(["--out", "x"], {"--shard-size": "--part-size"}, "encode_latents") == ["--out", "x"]
+    assert capsys.readouterr().err == ""
