@@ -12,8 +12,9 @@ from typing import Callable
 
 import torch
 
-from . import (data_pipeline, depth_evaluation_cost, fit_breakdown, knn_at_scale, models, op_counts, probe_accuracy,
-               quickstart_training, reproducible_mode, results_page, several_settings, startup, sweep_check)
+from . import (data_pipeline, depth_evaluation_cost, fit_breakdown, knn_at_scale, models, object_storage, op_counts,
+               probe_accuracy, quickstart_training, reproducible_mode, results_page, several_settings, startup,
+               sweep_check)
 from .settings import Settings
 from .timing import skipped
 
@@ -22,7 +23,7 @@ GROUPS = {"models": models.run, "training": quickstart_training.run, "several": 
           "depth": depth_evaluation_cost.run, "startup": startup.run, "data": data_pipeline.run,
           "probe-accuracy": probe_accuracy.run, "breakdown": fit_breakdown.run, "ops": op_counts.run,
           "knn": knn_at_scale.run, "reproducible": reproducible_mode.run,
-          "sweep": sweep_check.run}
+          "sweep": sweep_check.run, "storage": object_storage.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

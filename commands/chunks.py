@@ -1,42 +1,43 @@
 """Convert an ImageFolder split tree (ImageNet's ``train/`` and ``val/``) into streaming chunks, once.
 
     shortcutlab chunks data/imagenet data/imagenet-chunks
+    shortcutlab chunks data/imagenet s3://bucket/imagenet-chunks
     shortcutlab chunks data/imagenet data/imagenet100-chunks --class_list configs/data/imagenet100.txt
 
-Each split becomes a litdata dataset (``DEST/train``, ``DEST/val``): chunk files of about
+Each split becomes a litdata dataset (``DEST/train``, ``DEST/val``), written by ``litdata.optimize``
+straight to a folder or to object storage (``s3://``, ``gs://``): chunk files of about
 ``--chunk_bytes`` holding every image's original bytes (no re-encoding), its label (its class's
 position in the class list, or in the sorted class folders) and its file name, and an
-``index.json`` that also records the class list. ``data.init_args.data_dir: DEST`` (or the URI
-it is copied to) then trains, validates and builds the kNN bank from the chunks
-(:mod:`datamodules.streamed_images`).
+``index.json`` that also records the class list. ``data.init_args.data_dir: DEST`` then trains,
+validates and builds the kNN bank from the chunks (:mod:`datamodules.streamed_images`).
 
-The images are converted in parts of ``--part_size`` images by ``--num_workers`` processes, with a
-progress bar. A part is finished once its index is written; an interrupted conversion, run
-again, keeps the finished parts and converts the rest; a finished one says so and does nothing.
+The chunks hold the images spread over the classes (:func:`datamodules.streamed_images.spread_stride`),
+so that a chunk, and a batch read from one, mixes every class; the datamodule still gives sample
+``i`` of the ImageFolder as sample ``i``. ``--num_workers`` processes convert with litdata's
+progress bar; an interrupted conversion, run again, resumes from litdata's checkpoints
+(``use_checkpoint``); a finished one says so and does nothing.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import multiprocessing
 import os
-import queue
+import shutil
 import sys
+import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 import lightning_mods.exit_statuses as exit_statuses
 from datamodules.imagenet import read_class_list, subfolders
-from datamodules.streamed_images import ENTRY, FORMAT, INDEX, SPLITS
+from datamodules.streamed_images import (ENTRY, FORMAT, INDEX, SPLITS, is_uri, spread_stride, split_location,
+                                         stored_position_source)
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 
-RANK_VARIABLE = "DATA_OPTIMIZER_GLOBAL_RANK"  # litdata's writer names a part's chunks and index by it
-
 Sample = tuple[str, int, str]  # (file, label, name relative to SOURCE)
+CHECKPOINTS = ".checkpoints"  # litdata's resume state, beside the chunks while a conversion runs
 
 
 class ConversionError(ValueError):
@@ -54,127 +55,152 @@ def split_samples(source: Path, split: str, classes: list[str]) -> list[Sample]:
         samples += [(str(folder / f), label, f"{split}/{name}/{f}") for f in files]
     if not samples:
         raise ConversionError(f"chunks: no images under '{source / split}'")
+    unreadable = next((path for path, _, _ in samples if not os.access(path, os.R_OK)), None)
+    if unreadable is not None:
+        raise ConversionError(f"chunks: cannot read '{unreadable}' (permission denied)")
     return samples
 
 
-def finished_part(split_dir: Path, part: int) -> Optional[dict]:
-    """Part ``part``'s index when the part is finished (its index reads and every chunk it names
-    has its full size), else None."""
-    try:
-        index = json.loads((split_dir / f"{part}.{INDEX}").read_text())
-    except (OSError, ValueError):
-        return None
-    for chunk in index.get("chunks", []):
-        path = split_dir / chunk["filename"]
-        if not path.is_file() or path.stat().st_size != int(chunk["chunk_bytes"]):
+class ReadSample:
+    """litdata's ``fn``: the stored sample at a position (the image of the ImageFolder sample that
+    position holds). A file that cannot be read is written down in ``failures`` (a local folder)
+    instead of raised: litdata's workers would wait for it forever."""
+
+    def __init__(self, samples: list[Sample], failures: str) -> None:
+        self.samples, self.failures = samples, failures
+
+    def __call__(self, position: int) -> dict[str, Any]:
+        path, label, name = self.samples[stored_position_source(position, len(self.samples))]
+        try:
+            data = Path(path).read_bytes()
+        except OSError as err:
+            Path(self.failures, str(position)).write_text(f"cannot read '{path}' ({err.strerror or err})")
+            data, label = b"", -1
+        return {"image": data, "label": label, "name": name.encode()}
+
+
+class Destination:
+    """A split's folder or URI: its ``index.json`` read, written and removed where it lives."""
+
+    def __init__(self, location: str, storage_options: dict[str, Any]) -> None:
+        self.location, self.storage_options = location, storage_options
+        self.store = None
+        if is_uri(location):
+            from lightning_mods._compat.library_private import object_store
+
+            self.store = object_store(location, storage_options)
+
+    def path(self, name: str) -> str:
+        return f"{self.location.rstrip('/')}/{name}" if self.store else os.path.join(self.location, name)
+
+    def exists(self, name: str) -> bool:
+        return self.store.exists(self.path(name)) if self.store else os.path.exists(self.path(name))
+
+    def read_index(self) -> Optional[dict[str, Any]]:
+        if not self.exists(INDEX):
             return None
-    return index
+        if not self.store:
+            return json.loads(Path(self.path(INDEX)).read_text())
+        with tempfile.TemporaryDirectory() as folder:
+            self.store.download_file(self.path(INDEX), os.path.join(folder, INDEX))
+            return json.loads(Path(folder, INDEX).read_text())
 
+    def write_index(self, content: dict[str, Any]) -> None:
+        text = json.dumps(content)
+        if not self.store:
+            write_text_atomically(Path(self.path(INDEX)), text)
+            return
+        with tempfile.TemporaryDirectory() as folder:  # one PUT: the object is whole or not there
+            Path(folder, INDEX).write_text(text)
+            self.store.upload_file(os.path.join(folder, INDEX), self.path(INDEX))
 
-def convert_part(task: tuple[str, int, list[Sample], int]) -> int:
-    """Write one part's chunks and its index (litdata's ``BinaryWriter``, chunk files named by the
-    part); returns its number of images."""
-    from litdata.streaming.writer import BinaryWriter
-
-    split_dir, part, samples, chunk_bytes = task
-    for leftover in Path(split_dir).glob(f"chunk-{part}-*"):  # an interrupted run's
-        leftover.unlink()
-    with writer_rank(part):  # the writer names its chunks and index by it
-        writer = BinaryWriter(split_dir, chunk_bytes=chunk_bytes, msg_queue=queue.SimpleQueue())  # notes: not printed
-        for i, (path, label, name) in enumerate(samples):
-            try:
-                data = Path(path).read_bytes()
-            except OSError as err:
-                raise ConversionError(f"chunks: cannot read '{path}' ({err.strerror or err})") from None
-            writer[i] = {"image": data, "label": label, "name": name.encode()}
-        writer.done()
-    return len(samples)
-
-
-@contextlib.contextmanager
-def writer_rank(part: int) -> Iterator[None]:
-    """litdata's ``DATA_OPTIMIZER_GLOBAL_RANK`` set to ``part`` while a part is written, as it was
-    afterwards (with one worker the part is written in the command's own process, whose
-    environment ``StreamingDataset`` reads later)."""
-    before = os.environ.get(RANK_VARIABLE)
-    os.environ[RANK_VARIABLE] = str(part)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(RANK_VARIABLE, None)
+    def remove_index(self) -> None:
+        if self.store:
+            self.store.delete_file_or_directory(self.path(INDEX))
         else:
-            os.environ[RANK_VARIABLE] = before
+            Path(self.path(INDEX)).unlink(missing_ok=True)
 
 
-def write_index(split_dir: Path, parts: int, classes: list[str], num_samples: int, source: Path) -> int:
-    """The split's ``index.json``: the parts' chunks in order, with the conversion's entry; then
-    the parts' own indexes go (a kill in between leaves a finished split). Returns its chunks."""
-    chunks, config = [], None
-    for part in range(parts):
-        index = finished_part(split_dir, part)
-        chunks += index["chunks"]
-        config = config or index["config"]
-    entry = {"format": FORMAT, "classes": classes, "num_samples": num_samples, "source": str(source)}
-    write_text_atomically(split_dir / INDEX, json.dumps({"chunks": chunks, "config": config, ENTRY: entry}))
-    for part in range(parts):
-        (split_dir / f"{part}.{INDEX}").unlink(missing_ok=True)
-    return len(chunks)
-
-
-def existing_conversion(split_dir: Path, classes: list[str], num_samples: int) -> Optional[int]:
-    """The number of chunks of a finished conversion of this split at ``split_dir``; None when
-    there is none; a one-line error when it converted other classes or another number of images."""
-    try:
-        index = json.loads((split_dir / INDEX).read_text())
-    except (OSError, ValueError):
-        return None
-    entry = index.get(ENTRY) or {}
+def finished(index: Optional[dict[str, Any]], classes: list[str], num_samples: int, location: str) -> bool:
+    """Whether ``index`` is this conversion finished (a one-line error when it converted other
+    classes or another number of images)."""
+    if index is None or ENTRY not in index:
+        return False
+    entry = index[ENTRY]
     if entry.get("classes") != classes or entry.get("num_samples") != num_samples:
-        raise ConversionError(f"chunks: '{split_dir}' is already a conversion of {len(entry.get('classes') or [])} classes "
-                          f"and {entry.get('num_samples')} images, the source has {len(classes)} and {num_samples}; "
-                          "choose another DEST")
-    return len(index["chunks"])
+        raise ConversionError(f"chunks: '{location}' is already a conversion of {len(entry.get('classes') or [])} "
+                              f"classes and {entry.get('num_samples')} images, the source has {len(classes)} and "
+                              f"{num_samples}; choose another DEST")
+    return True
 
 
-def convert_split(source: Path, dest: Path, split: str, classes: list[str], args: argparse.Namespace) -> str:
+def optimize(samples: list[Sample], location: str, args: argparse.Namespace) -> None:
+    """litdata writes the split's chunks and index (resuming from its checkpoints); a file that
+    could not be read leaves no index and is one line."""
+    import litdata
+
+    failures = tempfile.mkdtemp(prefix="shortcutlab-chunks-")
+    before = dict(os.environ)
+    try:
+        litdata.optimize(fn=ReadSample(samples, failures), inputs=list(range(len(samples))), output_dir=location,
+                         chunk_bytes=args.chunk_bytes, num_workers=args.num_workers or os.cpu_count() or 1,
+                         use_checkpoint=True, reorder_files=False, verbose=args.progress,
+                         start_method="fork" if sys.platform == "linux" else "spawn",
+                         storage_options=args.storage_options)
+        failed = sorted(os.listdir(failures), key=int)
+        if failed:
+            Destination(location, args.storage_options).remove_index()
+            raise ConversionError(f"chunks: {Path(failures, failed[0]).read_text()}; "
+                                  f"{len(failed)} image(s) not converted, nothing finished")
+    finally:
+        shutil.rmtree(failures, ignore_errors=True)
+        os.environ.clear()  # litdata sets its optimizer's variables in the calling process
+        os.environ.update(before)
+
+
+def convert_split(source: Path, dest: str, split: str, classes: list[str], args: argparse.Namespace) -> str:
     """Convert one split (what is not finished yet); the line that says what was done."""
     samples = split_samples(source, split, classes)
-    split_dir = dest / split
-    done = existing_conversion(split_dir, classes, len(samples))
-    if done is not None:
-        return f"{split}: already converted ({len(samples)} images in {done} chunks)"
-    split_dir.mkdir(parents=True, exist_ok=True)
-    parts = [samples[i:i + args.part_size] for i in range(0, len(samples), args.part_size)]
-    pending = [p for p in range(len(parts)) if finished_part(split_dir, p) is None]
-    tasks = [(str(split_dir), p, parts[p], args.chunk_bytes) for p in pending]
-    kept = sum(len(parts[p]) for p in range(len(parts)) if p not in pending)
-    columns = (TextColumn(f"chunks {split}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=not args.progress) as progress:
-        bar = progress.add_task(split, total=len(samples), completed=kept)
-        workers = max(1, min(args.num_workers or os.cpu_count() or 1, len(tasks)))
-        if workers == 1:
-            for task in tasks:
-                progress.advance(bar, convert_part(task))
-        else:
-            context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-            with context.Pool(workers) as pool:
-                for converted in pool.imap_unordered(convert_part, tasks):
-                    progress.advance(bar, converted)
-    chunks = write_index(split_dir, len(parts), classes, len(samples), source)
-    resumed = f", {len(parts) - len(pending)} of {len(parts)} parts kept from an earlier run" if kept else ""
-    return f"{split}: {len(samples)} images in {chunks} chunks{resumed}"
+    location = split_location(dest, split)
+    try:
+        return write_split(source, samples, location, split, classes, args)
+    except (ConversionError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001 (the storage clients' many errors: one line naming the destination)
+        lines = str(err).strip().splitlines() or [""]
+        raise ConversionError(f"chunks: cannot write to '{location}' ({type(err).__name__}: {lines[-1][:300]})") \
+            from None
+
+
+def write_split(source: Path, samples: list[Sample], location: str, split: str, classes: list[str],
+                args: argparse.Namespace) -> str:
+    destination = Destination(location, args.storage_options)
+    index = destination.read_index()
+    if finished(index, classes, len(samples), location):
+        return f"{split}: already converted ({len(samples)} images in {len(index['chunks'])} chunks)"
+    resumed = destination.exists(f"{CHECKPOINTS}/config.json")
+    if index is None or sum(int(c["chunk_size"]) for c in index["chunks"]) != len(samples):
+        if not is_uri(location):
+            Path(location).mkdir(parents=True, exist_ok=True)
+        optimize(samples, location, args)
+        index = destination.read_index()
+    entry = {"format": FORMAT, "classes": classes, "num_samples": len(samples), "source": str(source),
+             "stride": spread_stride(len(samples))}
+    destination.write_index({**index, ENTRY: entry})
+    return f"{split}: {len(samples)} images in {len(index['chunks'])} chunks" + \
+        (", resumed from an interrupted run" if resumed else "")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="shortcutlab chunks", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, help="the ImageFolder split tree: SOURCE/train/<class>/<image>, SOURCE/val/...")
-    parser.add_argument("dest", type=Path, help="the conversion's folder (DEST/train, DEST/val)")
+    parser.add_argument("dest", help="the conversion's folder or URI (DEST/train, DEST/val)")
     parser.add_argument("--class_list", default=None, help="a file of the classes to convert, one per line, in label "
                                                             "order (ImageNet-100's); default: every train class folder")
     parser.add_argument("--num_workers", type=int, default=None, help="processes (default: the cores)")
     parser.add_argument("--chunk_bytes", default="64MB", help="the size of a chunk file (litdata's chunk_bytes)")
-    parser.add_argument("--part_size", type=int, default=5000, help="images a part (what a resumed run keeps)")
+    parser.add_argument("--storage_options", type=json.loads, default={},
+                        help="litdata's storage_options for a URI, as JSON (default: the storage's usual environment)")
     parser.add_argument("--no_progress", dest="progress", action="store_false", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -182,9 +208,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
-        if args.part_size < 1:
-            raise ConversionError(f"chunks: --part_size must be >= 1, got {args.part_size}")
-        source, dest = args.source.resolve(), args.dest
+        source, dest = args.source.resolve(), args.dest if is_uri(args.dest) else str(Path(args.dest))
         if not (source / "train").is_dir() or not (source / "val").is_dir():
             raise ConversionError(f"chunks: '{source}' has no train/ and val/ class folders")
         classes = read_class_list(args.class_list) if args.class_list else subfolders(str(source / "train"))

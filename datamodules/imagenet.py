@@ -33,7 +33,8 @@ from datamodules.base import ImageDataModule
 from datamodules._gpu_decode import EncodedCrop, collate_encoded, transfer_encoded
 from datamodules._stored_image import (CorruptImageError, ImageSource, first_readable, image_bytes, image_name,
                                       is_empty, open_image)
-from datamodules.streamed_images import (SPLITS, Conversion, StreamedImages, StreamedSplit, is_conversion,
+from datamodules.chunk_order import ChunkOrder
+from datamodules.streamed_images import (SPLITS, Conversion, StreamedImages, StreamedSplit, is_conversion, is_uri,
                                          read_conversion, split_location)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -153,7 +154,13 @@ class ImageNet(ImageDataModule):
         num_workers: loader workers per process (default: from the host's cores, :func:`host_workers`).
         pin_memory: default on (page-locked batches; applied only when they go to a CUDA device).
         cache_dir: where a conversion's chunks read from object storage are kept (None: litdata's
-            default); max_cache_size: the most they may take (e.g. ``"100GB"``).
+            default); max_cache_size: the most they may take (e.g. ``"100GB"``); past it a chunk is
+            deleted once read. storage_options: litdata's options of the object store (an endpoint,
+            credentials; None: the storage's usual environment variables).
+        train_order: how a conversion's training order is drawn: ``"chunks"`` chunk by chunk
+            (:class:`datamodules.chunk_order.ChunkOrder`: from object storage each chunk is fetched
+            once an epoch), ``"samples"`` a permutation of every sample (the ImageFolder's order),
+            ``"auto"``: chunks from object storage, samples from a folder.
         Others as ``ImageDataModule``; eval resizes to ``image_size / eval_crop_ratio`` then
         centre-crops.
     """
@@ -172,9 +179,13 @@ class ImageNet(ImageDataModule):
                  persistent_workers: bool = True, rand_augment: str | None = None,
                  random_erasing: float = 0.0, skip_corrupt: bool = False,
                  decoder: Literal["torchvision", "pil", "gpu"] = "torchvision", decode_ahead: bool = True,
-                 cache_dir: str | None = None, max_cache_size: str = "100GB") -> None:
+                 cache_dir: str | None = None, max_cache_size: str = "100GB",
+                 storage_options: dict[str, Any] | None = None,
+                 train_order: Literal["auto", "chunks", "samples"] = "auto") -> None:
         if decoder not in (*DECODERS, "gpu"):
             raise ValueError(f"ImageNet: decoder must be one of {(*DECODERS, 'gpu')}, got {decoder!r}")
+        if train_order not in ("auto", "chunks", "samples"):
+            raise ValueError(f"ImageNet: train_order must be 'auto', 'chunks' or 'samples', got {train_order!r}")
         if decoder == "gpu" and (rand_augment is not None or not train_augmentation):
             raise ValueError("ImageNet: decoder='gpu' does the MAE pre-training augmentation on the device; "
                              "use decoder='torchvision' with rand_augment or without train_augmentation")
@@ -197,6 +208,7 @@ class ImageNet(ImageDataModule):
         self.decoder = decoder
         self.decode_ahead = decode_ahead
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        self.storage_options, self.train_order = storage_options, train_order
         self._conversions: dict[str, Conversion] = {}
         self.workers_from_host = num_workers is None  # set in setup, once the processes per host are known
         self.classes: list[str] | None = classes
@@ -228,7 +240,8 @@ class ImageNet(ImageDataModule):
         """The converted split, read (and checked) once."""
         split = SPLITS[0] if train else SPLITS[1]
         if split not in self._conversions:
-            self._conversions[split] = read_conversion(split_location(str(self.data_dir), split), self.cache_dir)
+            self._conversions[split] = read_conversion(split_location(str(self.data_dir), split), self.cache_dir,
+                                                        self.storage_options)
         return self._conversions[split]
 
     def split_dir(self, train: bool) -> str:
@@ -283,6 +296,22 @@ class ImageNet(ImageDataModule):
         return self.wrap_eval(samples), encoded
 
     def train_loader_options(self) -> dict[str, Any]:
+        sampler = self.chunk_order()
+        options = {} if sampler is None else {"sampler": sampler}
+        return {**options, **self.decoder_loader_options()}
+
+    def chunk_order(self) -> ChunkOrder | None:
+        """The conversion's chunk-by-chunk training order, when ``train_order`` asks for it."""
+        if not self.streamed or self.train_order == "samples":
+            return None
+        conversion = self.conversion(train=True)
+        if self.train_order == "auto" and not is_uri(conversion.location):
+            return None
+        trainer = getattr(self, "trainer", None)
+        world, rank = (int(trainer.world_size), int(trainer.global_rank)) if trainer is not None else (1, 0)
+        return ChunkOrder([int(c["chunk_size"]) for c in conversion.chunks], conversion.source_index, world, rank)
+
+    def decoder_loader_options(self) -> dict[str, Any]:
         # encoded batches: bytes that stay on the host (decode_jpeg reads them there), decoded on
         # the device one batch ahead while the step runs (datamodules/_decode_ahead.py)
         if self.decoder != "gpu":
@@ -303,8 +332,8 @@ class ImageNet(ImageDataModule):
         classes = self.resolve_classes()
         decoder = DECODERS["torchvision" if self.decoder == "gpu" else self.decoder]
         if self.streamed:
-            return StreamedImages(StreamedSplit(self.conversion(train), self.cache_dir, self.max_cache_size), decoder,
-                                  self.skip_corrupt)
+            split = StreamedSplit(self.conversion(train), self.cache_dir, self.max_cache_size, self.storage_options)
+            return StreamedImages(split, decoder, self.skip_corrupt)
         self.class_folders(train)
         try:
             return SelectedClassFolder(self.split_dir(train), classes, skip_corrupt=self.skip_corrupt,

@@ -145,14 +145,15 @@ class ResumableTrainData:
     _resume_order: Optional[dict[str, int]] = None  # what that position counts in (see data_order)
 
     def resumable_train_loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> ResumableLoader:
-        """An epoch-shuffled :class:`ResumableLoader` of ``dataset`` (DataLoader ``kwargs``)."""
+        """An epoch-shuffled :class:`ResumableLoader` of ``dataset`` (DataLoader ``kwargs``; a
+        ``sampler`` given there must draw its order from its ``set_epoch``, as :class:`EpochShuffle`)."""
         resume, self._resume_position = self._resume_position, None
         written, self._resume_order = self._resume_order, None
         if resume is not None and written is not None:
             check_same_data_order(written, data_order(batch_size, self._world_size(), len(dataset)),
                                   mid_epoch=int(resume.get("batches", 0)) > 0)
-        return ResumableLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(dataset), resume=resume,
-                               **kwargs)
+        sampler = kwargs.pop("sampler", None) or EpochShuffle(dataset)  # another epoch-seeded order, if given
+        return ResumableLoader(dataset, batch_size=batch_size, sampler=sampler, resume=resume, **kwargs)
 
     def _world_size(self) -> int:
         trainer = getattr(self, "trainer", None)

@@ -14,6 +14,7 @@ through its cache of downloaded chunks (``cache_dir``, ``max_cache_size``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional
 from torch.utils.data import Dataset
 
 from datamodules._stored_image import ImageSource, StoredImage, first_readable
+from lightning_mods._compat.library_private import read_whole_chunks
 
 FORMAT = "shortcutlab-chunks/1"
 EARLIER_FORMATS = ("shortcutlab-shards/1",)  # the same layout, written before the command was `chunks`
@@ -30,6 +32,21 @@ ENTRY = "shortcutlab"  # the conversion's own entry in litdata's index.json
 SPLITS = ("train", "val")
 INDEX = "index.json"
 REACH_SECONDS = 120.0  # how long reaching object storage's index may take before it is a one-line error
+
+
+def spread_stride(num_samples: int) -> int:
+    """The stride a conversion stores its samples at: position ``s`` holds ImageFolder sample
+    ``s * stride mod n``. Coprime with ``n`` (every sample once) and near ``n / golden ratio``, so
+    that consecutive positions, and so every chunk, spread over the whole class-sorted tree."""
+    stride = max(1, round(num_samples / (1 + 5 ** 0.5) * 2))
+    while math.gcd(stride, num_samples) != 1:
+        stride += 1
+    return stride
+
+
+def stored_position_source(position: int, num_samples: int, stride: Optional[int] = None) -> int:
+    """The ImageFolder index of the sample stored at ``position``."""
+    return position * (spread_stride(num_samples) if stride is None else stride) % num_samples
 
 
 def is_uri(location: str) -> bool:
@@ -58,12 +75,22 @@ class Conversion:
     num_samples: int
     chunks: list[dict[str, Any]]
     source: str
+    stride: int = 1  # see spread_stride (1: stored in ImageFolder order, as conversions before 0.3)
+
+    def position(self, index: int) -> int:
+        """Where ImageFolder sample ``index`` is stored."""
+        return index * pow(self.stride, -1, self.num_samples) % self.num_samples if self.stride != 1 else index
+
+    def source_index(self, position: int) -> int:
+        """The ImageFolder sample stored at ``position``."""
+        return stored_position_source(position, self.num_samples, self.stride)
 
 
-def read_conversion(location: str, cache_dir: Optional[str] = None) -> Conversion:
+def read_conversion(location: str, cache_dir: Optional[str] = None,
+                    storage_options: Optional[dict[str, Any]] = None) -> Conversion:
     """The conversion at ``location`` (a split's folder or URI), checked: a one-line error when it
     cannot be reached, is not a finished conversion, or a local chunk is missing or truncated."""
-    index = _index_file(location, cache_dir)
+    index = _index_file(location, cache_dir, storage_options)
     try:
         with open(index) as f:
             content = json.load(f)
@@ -74,7 +101,7 @@ def read_conversion(location: str, cache_dir: Optional[str] = None) -> Conversio
         raise ValueError(f"ImageNet: '{location}' holds litdata chunks but is not a conversion of `shortcutlab chunks` "
                          f"(its {INDEX} has no '{ENTRY}' entry of format {FORMAT})")
     conversion = Conversion(location, list(entry["classes"]), int(entry["num_samples"]), list(content["chunks"]),
-                            str(entry.get("source", "")))
+                            str(entry.get("source", "")), int(entry.get("stride", 1)))
     if not is_uri(location):
         for chunk in conversion.chunks:
             path = os.path.join(location, chunk["filename"])
@@ -86,7 +113,7 @@ def read_conversion(location: str, cache_dir: Optional[str] = None) -> Conversio
     return conversion
 
 
-def _index_file(location: str, cache_dir: Optional[str]) -> str:
+def _index_file(location: str, cache_dir: Optional[str], storage_options: Optional[dict[str, Any]]) -> str:
     """The local path of the split's ``index.json`` (downloaded into litdata's cache for a URI)."""
     if not is_uri(location):
         index = os.path.join(location, INDEX)
@@ -104,7 +131,8 @@ def _index_file(location: str, cache_dir: Optional[str]) -> str:
 
     def fetch() -> None:  # the storage client retries an unreachable endpoint for minutes: a deadline
         try:
-            found["index"] = os.path.join(StreamingDataset(location, cache_dir=cache_dir).input_dir.path, INDEX)
+            found["index"] = os.path.join(StreamingDataset(location, cache_dir=cache_dir,
+                                                           storage_options=storage_options).input_dir.path, INDEX)
         except Exception as err:  # noqa: BLE001 (the storage client's many errors: one line naming the URI)
             found["error"] = (str(err).strip().splitlines() or [type(err).__name__])[0]
 
@@ -118,38 +146,77 @@ def _index_file(location: str, cache_dir: Optional[str]) -> str:
 
 
 class StreamedSplit(Dataset):
-    """The ``(StoredImage, label)`` samples of one converted split, in the conversion's order; the
-    litdata reader is opened in each process that reads (the loader's workers included).
+    """The ``(StoredImage, label)`` samples of one converted split, sample ``i`` the ImageFolder's
+    sample ``i``; the litdata reader is opened in each process that reads (the loader's workers included).
+
+    From a folder a sample is read in place. From object storage its whole chunk is downloaded
+    into litdata's cache once and read from there (a sample alone would cost one request), so
+    the reading order should go chunk by chunk (:class:`datamodules.chunk_order.ChunkOrder`).
 
     Args:
         conversion: the split (:func:`read_conversion`).
         cache_dir: where chunks downloaded from object storage are kept (None: litdata's default).
-        max_cache_size: the most those may take on disk (litdata's ``max_cache_size``, e.g. ``"100GB"``).
+        max_cache_size: the most those may take on disk (litdata's ``max_cache_size``, e.g. ``"100GB"``);
+            past it a chunk is deleted once read.
+        storage_options: litdata's options of the object store (endpoint, credentials; None: the
+            storage's usual environment variables).
     """
 
-    def __init__(self, conversion: Conversion, cache_dir: Optional[str] = None, max_cache_size: str = "100GB") -> None:
+    def __init__(self, conversion: Conversion, cache_dir: Optional[str] = None, max_cache_size: str = "100GB",
+                 storage_options: Optional[dict[str, Any]] = None) -> None:
         self.conversion, self.cache_dir, self.max_cache_size = conversion, cache_dir, max_cache_size
+        self.storage_options = storage_options
         self.root = conversion.location
+        self.remote = is_uri(conversion.location)
         self._stream: Any = None
         self._reader_pid: Optional[int] = None  # the process that opened it
 
     def __len__(self) -> int:
         return self.conversion.num_samples
 
-    def __getitem__(self, index: int) -> tuple[StoredImage, int]:
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """The samples of each chunk, in stored order."""
+        return [int(chunk["chunk_size"]) for chunk in self.conversion.chunks]
+
+    def _reader(self) -> Any:
         if self._stream is None or self._reader_pid != os.getpid():  # a forked worker opens its own
             from litdata import StreamingDataset
 
             self._reader_pid = os.getpid()
-
             self._stream = StreamingDataset(self.conversion.location, cache_dir=self.cache_dir,
-                                            max_cache_size=self.max_cache_size)
-        item = self._stream[int(index)]
+                                            max_cache_size=self.max_cache_size, storage_options=self.storage_options)
+            if self.remote:
+                read_whole_chunks(self._stream)
+        return self._stream
+
+    def __getitem__(self, index: int) -> tuple[StoredImage, int]:
+        position = self.conversion.position(int(index))
+        from litdata.exceptions import ChunkWaitTimeoutError
+
+        try:
+            item = self._reader()[position]
+        except ChunkWaitTimeoutError as err:
+            raise ChunkError(self._unarrived(err)) from None
         name = f"{self.conversion.location} sample {index} ({item['name'].decode()})"
         return StoredImage(name, item["image"]), int(item["label"])
 
     def __getstate__(self) -> dict[str, Any]:  # a worker opens its own reader
         return {**self.__dict__, "_stream": None}
+
+    def _unarrived(self, err: Any) -> str:
+        """The one line for a chunk that did not arrive whole within litdata's ``MAX_WAIT_TIME``."""
+        name = os.path.basename(err.path)
+        expected = next((int(c["chunk_bytes"]) for c in self.conversion.chunks if c["filename"] == name), None)
+        size = os.path.getsize(err.path) if os.path.isfile(err.path) else None
+        state = f"truncated ({size} of {expected} bytes)" if size is not None and expected and size < expected \
+            else f"not downloaded within {err.waited_s:.0f} s (litdata's MAX_WAIT_TIME)"
+        return (f"ImageNet: chunk '{self.conversion.location}/{name}' is {state}; convert again "
+                "(`shortcutlab chunks`) or copy the conversion again")
+
+
+class ChunkError(ValueError):
+    """A chunk of a conversion in object storage that cannot be read whole (one line)."""
 
 
 class StreamedImages(Dataset):

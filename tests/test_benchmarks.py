@@ -180,3 +180,16 @@ def test_the_sweep_check_rows_time_both_grid_shapes():
     rows = run(Settings(quick=True, rounds=1))
     assert [row.unit for row in rows] == ["s", "s"] and all(row.median > 0 for row in rows)
     assert all("points checked a second" in row.detail for row in rows)
+
+
+@pytest.mark.slow
+def test_the_object_storage_rows_read_an_epoch_from_a_real_s3_server():
+    """docs/multi-gpu.md's object-storage rows, in quick mode (16 JPEGs): an epoch from the server
+    fetches each chunk once, no more bytes than the conversion's."""
+    from benchmarks.object_storage import run
+    from benchmarks.settings import Settings
+
+    rows = {row.name: row for row in run(Settings(quick=True, rounds=1))}
+    assert rows["requests for chunks in an epoch / the conversion's train chunks"].median == 1.0
+    assert 0.9 < rows["bytes fetched in an epoch / the conversion's train chunks"].median <= 1.1
+    assert rows["images/s per worker from the S3 server"].median > 0

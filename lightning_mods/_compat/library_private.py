@@ -52,3 +52,26 @@ def reconstruct_array(subtype: type, shape: Any, dtype: Any) -> Any:
     except ImportError:  # pragma: no cover - numpy 1
         from numpy.core.multiarray import _reconstruct
     return _reconstruct(subtype, shape, dtype)
+
+
+TESTED_LITDATA = ("0.2.76",)
+
+
+@reaches("litdata", "litdata.streaming.fs_provider._get_fs_provider", TESTED_LITDATA)
+def object_store(url: str, storage_options: Optional[dict] = None) -> Any:
+    """litdata's client of the object store ``url`` names (``s3://``, ``gs://``, ``r2://``), built from
+    ``storage_options`` as litdata's own reads and writes build it (``upload_file``, ``download_file``,
+    ``exists``, ``delete_file_or_directory``)."""
+    from litdata.streaming.fs_provider import _get_fs_provider
+
+    return _get_fs_provider(url, storage_options or {})
+
+
+@reaches("litdata", "litdata.StreamingDataset._on_demand_bytes", TESTED_LITDATA)
+def read_whole_chunks(stream: Any) -> Any:
+    """``stream`` (a ``StreamingDataset`` not read yet) fetching a sample's whole chunk into its
+    cache when it reads the sample by index, as it does when iterated, rather than the sample's
+    bytes alone (its public ``on_demand_bytes`` can be set only once its cache exists, which the
+    first read makes; a slice, which also fetches whole chunks, counts the rank's share only)."""
+    stream._on_demand_bytes = False
+    return stream

@@ -8,6 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,8 +21,11 @@ from commands import chunks
 from datamodules.imagenet import ImageNet
 from datamodules.streamed_images import StreamedSplit, read_conversion
 from conftest import IMAGENET_TEST_CLASSES, make_class_list, make_imagefolder
+from helpers import folders
 
-SMALL = ["--num_workers", "1", "--part_size", "3", "--chunk_bytes", "16KB", "--no_progress"]
+REPO = Path(__file__).resolve().parents[2]
+
+SMALL = ["--num_workers", "1", "--chunk_bytes", "8KB", "--no_progress"]
 
 
 def convert(source: Path, dest: Path, *extra: str) -> None:
@@ -74,8 +81,8 @@ def test_a_conversion_written_before_the_command_was_chunks_still_reads(folder, 
 
 
 def test_a_one_worker_conversion_leaves_the_calling_process_environment_as_it_was(folder, tmp_path, monkeypatch):
-    """With one worker the parts are written in the command's own process: litdata's rank variable,
-    which its StreamingDataset reads later in that process, is put back afterwards."""
+    """litdata's optimizer sets its variables in the calling process (its rank, which its
+    StreamingDataset reads later in that process): the command puts the environment back."""
     monkeypatch.delenv("DATA_OPTIMIZER_GLOBAL_RANK", raising=False)
     convert(folder, tmp_path / "one")
     assert "DATA_OPTIMIZER_GLOBAL_RANK" not in os.environ
@@ -92,29 +99,37 @@ def test_a_finished_conversion_says_so_and_does_nothing(folder, converted, capsy
     assert {p.name: p.stat().st_mtime_ns for p in (converted / "train").iterdir()} == before
 
 
-def test_an_interrupted_conversion_resumes_to_the_uninterrupted_one(folder, converted, tmp_path, monkeypatch, capsys):
-    dest, done = tmp_path / "resumed", []
-    real = chunks.convert_part
+KILLED_AT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path[:0] = {paths!r}
+    from commands import chunks
+    read = chunks.ReadSample.__call__
 
-    def interrupted_after_two_parts(task):  # noqa: ANN001
-        if len(done) == 2:
-            Path(task[0], f"chunk-{task[1]}-0.bin").write_bytes(b"half a chunk")  # a kill mid-write
-            raise KeyboardInterrupt
-        done.append(task[1])
-        return real(task)
+    def killed_at_position_12(self, position):  # litdata's worker, mid-split: the whole job dies
+        if position == 12:
+            os.killpg(0, signal.SIGKILL)
+        return read(self, position)
 
-    monkeypatch.setattr(chunks, "convert_part", interrupted_after_two_parts)
-    with pytest.raises(KeyboardInterrupt):
-        convert(folder, dest)
-    monkeypatch.setattr(chunks, "convert_part", real)
-    assert not (dest / "train" / "index.json").exists() and (dest / "train" / "chunk-2-0.bin").exists()
-    capsys.readouterr()
+    chunks.ReadSample.__call__ = killed_at_position_12
+    chunks.main(sys.argv[1:])
+""")
+
+
+def test_an_interrupted_conversion_resumes_to_the_uninterrupted_one(folder, converted, tmp_path, capsys):
+    """A conversion killed mid-split (every process at once) and run again finishes from litdata's
+    checkpoints with the uninterrupted conversion's samples."""
+    dest, script = tmp_path / "resumed", tmp_path / "killed.py"
+    script.write_text(KILLED_AT.format(paths=[str(REPO), *folders.PATHS]))
+    killed = subprocess.run([sys.executable, str(script), str(folder), str(dest), *SMALL], cwd=REPO,
+                            start_new_session=True, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (dest / "train" / "index.json").exists() and list((dest / "train").glob("chunk-*.bin"))
     convert(folder, dest)
     out = capsys.readouterr().out
-    assert "train: 20 images in" in out and "2 of 7 parts kept from an earlier run" in out, out
+    assert "train: 20 images in" in out and "resumed from an interrupted run" in out, out
     for split in ("train", "val"):
         assert stored(dest, split) == stored(converted, split)
-    assert sorted(p.name for p in (dest / "train").glob("*index.json")) == ["index.json"]  # the parts' indexes merged
+    assert not (dest / "train" / ".checkpoints").exists()
 
 
 def eval_samples(data: ImageNet, which: str) -> list[tuple[torch.Tensor, int]]:

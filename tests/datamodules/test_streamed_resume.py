@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 # a fit of 2 epochs that records every batch's samples (each image's pixel sum names it), saving a
 # checkpoint after optimiser step SAVE_AT; then, with "resume", the fit resumed from it
 SCRIPT = textwrap.dedent("""
-    import json, sys, warnings
+    import json, os, sys, warnings
     from pathlib import Path
     sys.path[:0] = {tests!r}
     warnings.filterwarnings("ignore")
@@ -55,6 +55,7 @@ SCRIPT = textwrap.dedent("""
         seed_everything(0)
         model = Recorder()
         data = ImageNet(data_dir=data_dir, num_classes=4, batch_size=2, image_size=8, num_workers=0,
+                        cache_dir=os.environ.get("TEST_CHUNK_CACHE"),
                         train_augmentation=False, persistent_workers=False)
         trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                           max_epochs=2, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
@@ -83,7 +84,7 @@ def trees(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trees")
     make_imagefolder(root / "folder", IMAGENET_TEST_CLASSES, n_per_class=5)
     chunks.main([str(root / "folder"), str(root / "chunks"), "--num_workers", "1", "--chunk_bytes", "16KB",
-                 "--part_size", "6", "--no_progress"])
+                 "--no_progress"])
     return {"folder": root / "folder", "chunks": root / "chunks"}
 
 

@@ -130,7 +130,7 @@ def test_every_private_use_names_what_it_reaches_and_the_releases_it_was_tested_
     for name, use in PRIVATE_USES.items():
         assert "._" in use.private or "_" in use.private.split(".")[-1][:1], (name, use.private)
         assert use.tested_on and all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in use.tested_on), name
-        assert use.library in ("lightning", "timm", "torch", "numpy"), name
+        assert use.library in ("lightning", "timm", "torch", "numpy", "litdata"), name
     lightning_uses = [use for use in PRIVATE_USES.values() if use.library == "lightning"]
     common = set.intersection(*(set(use.tested_on) for use in lightning_uses))
     assert set(lightning_private.TESTED_LIGHTNING) == common
