@@ -42,7 +42,7 @@ SLOWEST_FIRST = ["test_docs.py", "commands/test_slurm_requeue.py", "test_example
                  "callbacks/test_compile.py", "lightning_mods/test_disk_faults.py", "callbacks/test_preemption.py",
                  "lightning_mods/test_distributed_evaluation.py", "commands/test_imagenet_commands.py",
                  "callbacks/test_multinode.py", "callbacks/test_nonfinite_guard.py", "callbacks/test_callbacks_ddp.py",
-                 "commands/test_cli.py", "commands/test_sweep_loggers.py"]
+                 "commands/test_cli.py", "commands/test_sweep_loggers.py", "datamodules/test_streamed_s3.py"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 (pytest's)

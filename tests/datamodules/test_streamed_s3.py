@@ -131,20 +131,31 @@ def test_an_epoch_from_object_storage_fetches_each_chunk_once(server, trees, tmp
 
 
 @pytest.mark.slow
-def test_a_fit_from_object_storage_at_two_processes_resumes_exactly(server, trees, tmp_path, warm_shortcutlab,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_fit_from_object_storage_resumes_exactly_and_fetches_each_chunk_once(server, trees, tmp_path, devices,
+                                                                              warm_shortcutlab, monkeypatch):
+    """Two epochs, a mid-epoch checkpoint and the fit resumed from it, every process sharing one
+    cache that holds the split: each sample once an epoch across the ranks, the resumed fit's
+    batches exactly the uninterrupted fit's after the checkpoint, each train chunk fetched once."""
     from test_streamed_resume import SCRIPT, batches, run
 
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT.format(tests=folders.PATHS))
     monkeypatch.setenv("TEST_CHUNK_CACHE", str(tmp_path / "cache"))
-    run(script, URI, tmp_path / "run", 2, warm_shortcutlab)
-    full = batches(tmp_path / "run", "full", 2)
+    server.served.reset()
+    run(script, URI, tmp_path / "run", devices, warm_shortcutlab)
+    fetched = [path for path, _ in server.served.gets(f"/{BUCKET}/imagenet/train/chunk-")]
+    index = json.loads((trees["local"] / "train" / "index.json").read_text())
+    assert sorted(fetched) == sorted(f"/{BUCKET}/imagenet/train/{c['filename']}" for c in index["chunks"])
+    full = batches(tmp_path / "run", "full", devices)
     everything = sorted(json.loads((tmp_path / "run" / "bank.json").read_text()))
+    assert len(everything) == 20 == len(set(everything))  # the pixel sums name the samples
     for epoch in (0, 1):
         assert sorted(i for e, _, _, ids in full if e == epoch for i in ids) == everything
-    saved = (7 // 5, 7 % 5)  # 5 steps an epoch: the checkpoint is mid-epoch
-    assert batches(tmp_path / "run", "resumed", 2) == [b for b in full if (b[0], b[1]) >= saved]
+    steps = 20 // (2 * devices)
+    saved = (7 // steps, 7 % steps)  # the batch after the checkpoint at step 7: mid-epoch
+    assert saved[1] != 0
+    assert batches(tmp_path / "run", "resumed", devices) == [b for b in full if (b[0], b[1]) >= saved]
 
 
 def last_line(text: str) -> str:
