@@ -183,6 +183,7 @@ def test_the_sweep_check_rows_time_both_grid_shapes():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:unclosed file <_io.FileIO name=.*chunk-.*:ResourceWarning")  # litdata's reader
 def test_the_object_storage_rows_read_an_epoch_from_a_real_s3_server():
     """docs/multi-gpu.md's object-storage rows, in quick mode (16 JPEGs): an epoch from the server
     fetches each chunk once, no more bytes than the conversion's."""

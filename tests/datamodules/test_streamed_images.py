@@ -228,6 +228,24 @@ def test_the_command_s_own_bad_input_is_one_line_and_status_2(folder, converted,
         assert message in err, err
 
 
+def test_an_image_that_cannot_be_read_while_converting_is_one_line_and_leaves_no_finished_split(folder, tmp_path,
+                                                                                               capsys):
+    """litdata's worker meets a file it cannot read (here a folder named like an image): the
+    command says which in one line, status 2, and the split has no index (nothing finished)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(folder, tree)
+    broken = sorted((tree / "train" / IMAGENET_TEST_CLASSES[1]).iterdir())[2]
+    broken.unlink()
+    broken.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        convert(tree, tmp_path / "dest", "--num_workers", "2")
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err, err
+    assert err.startswith(f"shortcutlab: error: chunks: cannot read '{broken}' (Is a directory); 1 image(s) not "
+                          "converted, nothing finished"), err
+    assert not (tmp_path / "dest" / "train" / "index.json").exists()
+
+
 def test_a_ddp_fit_of_a_conversion_of_other_classes_stops_in_one_line_before_it_starts(converted, tmp_path,
                                                                                       monkeypatch, capsys):
     """configs/data/imagenet100.yaml's class list (100 classes) against a 4-class conversion: one line

@@ -43,19 +43,19 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trees(server, tmp_path_factory) -> dict[str, Path]:
+def trees(server, warm_shortcutlab, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trees")
     make_imagefolder(root / "folder", IMAGENET_TEST_CLASSES, n_per_class=5)
-    convert(root / "folder", URI)
+    convert(warm_shortcutlab, root / "folder", URI)
     chunks.main([str(root / "folder"), str(root / "local"), *SMALL])
     return {"folder": root / "folder", "local": root / "local"}
 
 
-def convert(source: Path, dest: str, *extra: str, status: int = 0) -> subprocess.CompletedProcess:
-    """``shortcutlab chunks`` in its own process (litdata's uploads leave asyncio loops to the
-    interpreter's end)."""
-    done = subprocess.run([sys.executable, "-m", "commands.chunks", str(source), dest, *SMALL, *extra], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+def convert(warm: list[str], source: Path, dest: str, *extra: str, status: int = 0) -> subprocess.CompletedProcess:
+    """``shortcutlab chunks`` in its own process (a warm fork: litdata's uploads leave asyncio loops
+    to the interpreter's end)."""
+    done = subprocess.run([*warm, "chunks", str(source), dest, *SMALL, *extra], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert done.returncode == status, done.stderr[-3000:]
     return done
 
@@ -65,7 +65,8 @@ def samples(location: str, cache: Path) -> list[tuple[bytes, int]]:
     return [(source.data, label) for source, label in (split[i] for i in range(len(split)))]
 
 
-def test_a_conversion_written_to_object_storage_holds_the_image_folder_s_samples(server, trees, tmp_path, capsys):
+def test_a_conversion_written_to_object_storage_holds_the_image_folder_s_samples(server, trees, tmp_path,
+                                                                                 warm_shortcutlab):
     for split in ("train", "val"):
         expected = [(path.read_bytes(), label) for label, name in enumerate(IMAGENET_TEST_CLASSES)
                     for path in sorted((trees["folder"] / split / name).iterdir())]
@@ -73,7 +74,7 @@ def test_a_conversion_written_to_object_storage_holds_the_image_folder_s_samples
     keys = {o["Key"] for o in server.client().list_objects_v2(Bucket=BUCKET)["Contents"]}
     assert {"imagenet/train/index.json", "imagenet/val/index.json"} <= keys
     assert not any(".checkpoints" in key for key in keys)  # litdata's resume state goes once finished
-    assert "train: already converted (20 images in" in convert(trees["folder"], URI).stdout
+    assert "train: already converted (20 images in" in convert(warm_shortcutlab, trees["folder"], URI).stdout
 
 
 def chunk_of(position: int, sizes: list[int]) -> int:
@@ -162,8 +163,8 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-def test_a_bad_bucket_and_missing_credentials_are_one_line_each(server, trees, monkeypatch):
-    bad = convert(trees["folder"], "s3://no-such-bucket/imagenet", status=2)
+def test_a_bad_bucket_and_missing_credentials_are_one_line_each(server, trees, monkeypatch, warm_shortcutlab):
+    bad = convert(warm_shortcutlab, trees["folder"], "s3://no-such-bucket/imagenet", status=2)
     assert last_line(bad.stderr) == bad.stderr.strip()
     assert "chunks: cannot write to 's3://no-such-bucket/imagenet/train' (NoSuchBucket" in bad.stderr
     with pytest.raises(FileNotFoundError) as caught:
@@ -174,7 +175,7 @@ def test_a_bad_bucket_and_missing_credentials_are_one_line_each(server, trees, m
         monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance to ask for credentials either
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(REPO / "no-such-file"))
-    anonymous = convert(trees["folder"], f"s3://{BUCKET}/other", status=2)
+    anonymous = convert(warm_shortcutlab, trees["folder"], f"s3://{BUCKET}/other", status=2)
     assert last_line(anonymous.stderr) == anonymous.stderr.strip()
     assert f"cannot write to 's3://{BUCKET}/other/train' (NoCredentialsError: Unable to locate credentials)" \
         in anonymous.stderr
@@ -205,3 +206,19 @@ def test_a_truncated_chunk_in_object_storage_stops_a_fit_in_one_line(server, tre
     assert last_line(fit.stderr) == (f"shortcutlab: error: ImageNet: chunk 's3://{BUCKET}/truncated/train/"
                                      f"{key.rsplit('/', 1)[1]}' is truncated ({len(whole) // 2} of {len(whole)} bytes); "
                                      "convert again (`shortcutlab chunks`) or copy the conversion again"), fit.stderr[-3000:]
+
+
+def test_storage_options_name_the_store_without_the_environment(server, trees, tmp_path, monkeypatch,
+                                                               warm_shortcutlab):
+    """litdata's ``storage_options`` (boto3's client arguments) given to the command and to the
+    datamodule reach the store when the environment names no endpoint."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = {"endpoint_url": server.endpoint}
+    convert(warm_shortcutlab, trees["folder"], f"s3://{BUCKET}/with-options", "--storage_options", json.dumps(options))
+    data = ImageNet(data_dir=f"s3://{BUCKET}/with-options", num_classes=4, image_size=8, train_augmentation=False,
+                    cache_dir=str(tmp_path / "cache"), storage_options=options)
+    data.setup("fit")
+    split = data.val_dataset.samples.samples
+    assert [(split[i][0].data, split[i][1]) for i in range(len(split))] == \
+        [(path.read_bytes(), label) for label, name in enumerate(IMAGENET_TEST_CLASSES)
+         for path in sorted((trees["folder"] / "val" / name).iterdir())]
