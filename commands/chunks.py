@@ -38,6 +38,7 @@ from lightning_mods.checkpointing.atomic_files import write_text_atomically
 
 Sample = tuple[str, int, str]  # (file, label, name relative to SOURCE)
 CHECKPOINTS = ".checkpoints"  # litdata's resume state, beside the chunks while a conversion runs
+DATA_FORMAT = ["bytes", "int", "bytes"]  # how litdata's index records a sample's image, label and name
 
 
 class ConversionError(ValueError):
@@ -178,6 +179,8 @@ def write_split(source: Path, samples: list[Sample], location: str, split: str, 
     index = destination.read_index()
     if finished(index, classes, len(samples), location):
         return f"{split}: already converted ({len(samples)} images in {len(index['chunks'])} chunks)"
+    if index is not None and index.get("config", {}).get("data_format") != DATA_FORMAT:
+        raise ConversionError(f"chunks: '{location}' already holds another litdata dataset; choose another DEST")
     resumed = destination.exists(f"{CHECKPOINTS}/config.json")
     if index is None or sum(int(c["chunk_size"]) for c in index["chunks"]) != len(samples):
         if not is_uri(location):

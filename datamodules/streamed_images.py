@@ -3,13 +3,15 @@ large files instead of one file an image, on local disk, a shared filesystem or 
 
 A conversion is a folder (or URI) holding ``train/`` and ``val/``, each a litdata dataset: chunk
 files of the images' original bytes (no re-encoding), their labels and their file names, and an
-``index.json`` that also names the class list (the ``shortcutlab`` entry). :class:`StreamedSplit`
-is a map-style dataset over one split's stored images and labels (:class:`StreamedImages` decodes
-them), so the package's own samplers decide the order: every
+``index.json`` that also names the class list and the stride the samples are stored at (the
+``shortcutlab`` entry, :func:`spread_stride`). :class:`StreamedSplit` is a map-style dataset over
+one split's stored images and labels, sample ``i`` the ImageFolder's sample ``i``
+(:class:`StreamedImages` decodes them), so the package's own samplers decide the order: every
 sample once per epoch across ranks and nodes, in an order seeded by epoch, and a mid-epoch resume
 hands out exactly the batches left (:mod:`datamodules.resumable`). litdata reads each sample from
-its chunk: in place on a local or shared disk; from object storage (``s3://``, ``gs://``, ...)
-through its cache of downloaded chunks (``cache_dir``, ``max_cache_size``).
+its chunk: in place on a local or shared disk; from object storage (``s3://``, ``gs://``, ...) it
+fetches the whole chunk into its cache (``cache_dir``, ``max_cache_size``), which the chunk-by-chunk
+training order (:mod:`datamodules.chunk_order`) reads before moving on.
 """
 from __future__ import annotations
 

@@ -213,6 +213,15 @@ def test_bad_conversions_are_one_line_each(converted, tmp_path, monkeypatch):
     assert message.startswith("ImageNet: cannot read the conversion at 's3://shortcutlab-nowhere/imagenet/train' (")
 
 
+def other_litdata_dataset(dest: Path) -> Path:
+    """A litdata dataset of 20 samples (as many as a split of the tree) that is not a conversion."""
+    import litdata
+
+    litdata.optimize(fn=lambda i: {"value": i}, inputs=list(range(20)), output_dir=str(dest / "train"),
+                     chunk_bytes="1KB", num_workers=1, verbose=False, start_method="fork")
+    return dest
+
+
 def test_the_command_s_own_bad_input_is_one_line_and_status_2(folder, converted, tmp_path, capsys):
     for args, message in [
         ([str(tmp_path / "absent"), str(tmp_path / "d")], "has no train/ and val/ class folders"),
@@ -220,6 +229,7 @@ def test_the_command_s_own_bad_input_is_one_line_and_status_2(folder, converted,
          "is already a conversion of 4 classes and 20 images, the source has 2 and 10; choose another DEST"),
         ([str(folder), str(tmp_path / "d"), "--class_list", str(make_class_list(tmp_path / "x.txt", ["n9"]))],
          "chunks: class 'n9' has no folder under"),
+        ([str(folder), str(other_litdata_dataset(tmp_path / "other"))], "already holds another litdata dataset"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             chunks.main([*args, *SMALL])

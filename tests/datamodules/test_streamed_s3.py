@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -184,7 +183,7 @@ def test_a_bad_bucket_and_missing_credentials_are_one_line_each(server, trees, m
 
 
 @pytest.mark.slow
-def test_a_truncated_chunk_in_object_storage_stops_a_fit_in_one_line(server, trees, tmp_path):
+def test_a_truncated_chunk_in_object_storage_stops_a_fit_in_one_line(server, trees, tmp_path, warm_shortcutlab):
     from test_cli import TINY_MAE
 
     client = server.client()
@@ -194,8 +193,9 @@ def test_a_truncated_chunk_in_object_storage_stops_a_fit_in_one_line(server, tre
     key = f"truncated/train/{json.loads((trees['local'] / 'train' / 'index.json').read_text())['chunks'][1]['filename']}"
     whole = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
     client.put_object(Bucket=BUCKET, Key=key, Body=whole[: len(whole) // 2])
-    env = dict(os.environ, PYTHONPATH=str(REPO), MAX_WAIT_TIME="3")  # litdata's wait for a chunk
-    fit = subprocess.run([sys.executable, "-m", "cli", "fit", *TINY_MAE, "--data=datamodules.imagenet.ImageNet",
+    env = dict(os.environ, PYTHONPATH=str(REPO), MAX_WAIT_TIME="3")  # litdata's wait for a chunk (read when
+    # litdata is imported: the warm CLI has not imported it)
+    fit = subprocess.run([*warm_shortcutlab, "fit", *TINY_MAE, "--data=datamodules.imagenet.ImageNet",
                           f"--data.init_args.data_dir=s3://{BUCKET}/truncated", "--data.init_args.num_classes=4",
                           "--data.init_args.image_size=16", "--data.init_args.batch_size=4",
                           "--data.init_args.num_workers=0", f"--data.init_args.cache_dir={tmp_path / 'cache'}",
