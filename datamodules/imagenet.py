@@ -309,7 +309,7 @@ class ImageNet(ImageDataModule):
             return None
         trainer = getattr(self, "trainer", None)
         world, rank = (int(trainer.world_size), int(trainer.global_rank)) if trainer is not None else (1, 0)
-        return ChunkOrder([int(c["chunk_size"]) for c in conversion.chunks], conversion.source_index, world, rank)
+        return ChunkOrder([int(c["chunk_size"]) for c in conversion.chunks], conversion.index_at, world, rank)
 
     def decoder_loader_options(self) -> dict[str, Any]:
         # encoded batches: bytes that stay on the host (decode_jpeg reads them there), decoded on

@@ -79,9 +79,21 @@ class Conversion:
     source: str
     stride: int = 1  # see spread_stride (1: stored in ImageFolder order, as conversions before 0.3)
 
+    @property
+    def numbered_as_stored(self) -> bool:
+        """Whether sample ``i`` is the one stored at position ``i`` (in object storage: a pass in
+        index order then reads chunk by chunk) rather than the ImageFolder's sample ``i`` (a folder)."""
+        return is_uri(self.location)
+
     def position(self, index: int) -> int:
-        """Where ImageFolder sample ``index`` is stored."""
-        return index * pow(self.stride, -1, self.num_samples) % self.num_samples if self.stride != 1 else index
+        """Where sample ``index`` is stored."""
+        if self.numbered_as_stored or self.stride == 1:
+            return index
+        return index * pow(self.stride, -1, self.num_samples) % self.num_samples
+
+    def index_at(self, position: int) -> int:
+        """The sample number of the sample stored at ``position``."""
+        return position if self.numbered_as_stored else self.source_index(position)
 
     def source_index(self, position: int) -> int:
         """The ImageFolder sample stored at ``position``."""
@@ -148,12 +160,14 @@ def _index_file(location: str, cache_dir: Optional[str], storage_options: Option
 
 
 class StreamedSplit(Dataset):
-    """The ``(StoredImage, label)`` samples of one converted split, sample ``i`` the ImageFolder's
-    sample ``i``; the litdata reader is opened in each process that reads (the loader's workers included).
+    """The ``(StoredImage, label)`` samples of one converted split; the litdata reader is opened in
+    each process that reads (the loader's workers included).
 
-    From a folder a sample is read in place. From object storage its whole chunk is downloaded
-    into litdata's cache once and read from there (a sample alone would cost one request), so
-    the reading order should go chunk by chunk (:class:`datamodules.chunk_order.ChunkOrder`).
+    From a folder sample ``i`` is the ImageFolder's sample ``i``, read in place. From object
+    storage sample ``i`` is the one stored at position ``i`` (the same samples, numbered chunk by
+    chunk, so that an evaluation pass in index order reads each chunk once): its whole chunk is
+    downloaded into litdata's cache once and read from there (a sample alone would cost one
+    request), and the training order goes chunk by chunk (:class:`datamodules.chunk_order.ChunkOrder`).
 
     Args:
         conversion: the split (:func:`read_conversion`).

@@ -59,17 +59,24 @@ def convert(warm: list[str], source: Path, dest: str, *extra: str, status: int =
     return done
 
 
-def samples(location: str, cache: Path) -> list[tuple[bytes, int]]:
-    split = StreamedSplit(read_conversion(location, str(cache)), str(cache))
-    return [(source.data, label) for source, label in (split[i] for i in range(len(split)))]
+def folder_samples(folder: Path, split: str) -> list[tuple[bytes, int]]:
+    return [(path.read_bytes(), label) for label, name in enumerate(IMAGENET_TEST_CLASSES)
+            for path in sorted((folder / split / name).iterdir())]
+
+
+def in_folder_order(split: StreamedSplit) -> list[tuple[bytes, int]]:
+    """The split's samples put in ImageFolder order (from object storage they are numbered as stored)."""
+    stored = [(source.data, label) for source, label in (split[i] for i in range(len(split)))]
+    return [stored[position] for position in sorted(range(len(stored)), key=split.conversion.source_index)]
 
 
 def test_a_conversion_written_to_object_storage_holds_the_image_folder_s_samples(server, trees, tmp_path,
                                                                                  warm_shortcutlab):
     for split in ("train", "val"):
-        expected = [(path.read_bytes(), label) for label, name in enumerate(IMAGENET_TEST_CLASSES)
-                    for path in sorted((trees["folder"] / split / name).iterdir())]
-        assert samples(f"{URI}/{split}", tmp_path / split) == expected
+        stream = StreamedSplit(read_conversion(f"{URI}/{split}", str(tmp_path)), str(tmp_path))
+        assert in_folder_order(stream) == folder_samples(trees["folder"], split)
+        stored = [stream[i][1] for i in range(len(stream))]
+        assert stored != sorted(stored)  # numbered as stored: each chunk mixes the classes
     keys = {o["Key"] for o in server.client().list_objects_v2(Bucket=BUCKET)["Contents"]}
     assert {"imagenet/train/index.json", "imagenet/val/index.json"} <= keys
     assert not any(".checkpoints" in key for key in keys)  # litdata's resume state goes once finished
@@ -128,6 +135,19 @@ def test_an_epoch_from_object_storage_fetches_each_chunk_once(server, trees, tmp
                                                           for c in index["chunks"])
     assert sum(size for _, size in fetched) <= 1.1 * size
     assert len(server.served.gets(f"/{BUCKET}/")) <= len(index["chunks"]) + 4 < 20
+
+
+def test_an_evaluation_pass_from_object_storage_fetches_each_chunk_once(server, trees, tmp_path):
+    """The validation and bank loaders, in index order, with a cache of two chunks."""
+    data = ImageNet(data_dir=URI, num_classes=4, batch_size=2, image_size=8, num_workers=0,
+                    cache_dir=str(tmp_path / "cache"), max_cache_size="14KB")
+    data.setup("fit")
+    for split, loader in (("val", data.val_dataloader()), ("train", data.bank_dataloader())):
+        server.served.reset()
+        assert sum(len(labels) for _, labels in loader) == 20
+        index = json.loads((trees["local"] / split / "index.json").read_text())
+        assert sorted(path for path, _ in server.served.gets(f"/{BUCKET}/imagenet/{split}/chunk-")) == \
+            sorted(f"/{BUCKET}/imagenet/{split}/{c['filename']}" for c in index["chunks"])
 
 
 @pytest.mark.slow
@@ -218,7 +238,4 @@ def test_storage_options_name_the_store_without_the_environment(server, trees, t
     data = ImageNet(data_dir=f"s3://{BUCKET}/with-options", num_classes=4, image_size=8, train_augmentation=False,
                     cache_dir=str(tmp_path / "cache"), storage_options=options)
     data.setup("fit")
-    split = data.val_dataset.samples.samples
-    assert [(split[i][0].data, split[i][1]) for i in range(len(split))] == \
-        [(path.read_bytes(), label) for label, name in enumerate(IMAGENET_TEST_CLASSES)
-         for path in sorted((trees["folder"] / "val" / name).iterdir())]
+    assert in_folder_order(data.val_dataset.samples.samples) == folder_samples(trees["folder"], "val")
