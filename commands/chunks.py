@@ -32,8 +32,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 import lightning_mods.exit_statuses as exit_statuses
 from datamodules.imagenet import read_class_list, subfolders
-from datamodules.streamed_images import (ENTRY, FORMAT, INDEX, SPLITS, is_uri, spread_stride, split_location,
-                                         stored_position_source)
+from datamodules.streamed_images import ENTRY, FORMAT, INDEX, SPLITS, is_uri, spread_stride, split_location
 from lightning_mods.checkpointing.atomic_files import write_text_atomically
 
 Sample = tuple[str, int, str]  # (file, label, name relative to SOURCE)
@@ -69,9 +68,10 @@ class ReadSample:
 
     def __init__(self, samples: list[Sample], failures: str) -> None:
         self.samples, self.failures = samples, failures
+        self.stride = spread_stride(len(samples))
 
     def __call__(self, position: int) -> dict[str, Any]:
-        path, label, name = self.samples[stored_position_source(position, len(self.samples))]
+        path, label, name = self.samples[position * self.stride % len(self.samples)]
         try:
             data = Path(path).read_bytes()
         except OSError as err:
@@ -135,7 +135,7 @@ def finished(index: Optional[dict[str, Any]], classes: list[str], num_samples: i
     return True
 
 
-def optimize(samples: list[Sample], location: str, args: argparse.Namespace) -> None:
+def optimize(samples: list[Sample], destination: Destination, args: argparse.Namespace) -> None:
     """litdata writes the split's chunks and index (resuming from its checkpoints); a file that
     could not be read leaves no index and is one line."""
     import litdata
@@ -143,14 +143,15 @@ def optimize(samples: list[Sample], location: str, args: argparse.Namespace) -> 
     failures = tempfile.mkdtemp(prefix="shortcutlab-chunks-")
     before = dict(os.environ)
     try:
-        litdata.optimize(fn=ReadSample(samples, failures), inputs=list(range(len(samples))), output_dir=location,
+        litdata.optimize(fn=ReadSample(samples, failures), inputs=list(range(len(samples))),
+                         output_dir=destination.location,
                          chunk_bytes=args.chunk_bytes, num_workers=args.num_workers or os.cpu_count() or 1,
                          use_checkpoint=True, reorder_files=False, verbose=args.progress,
                          start_method="fork" if sys.platform == "linux" else "spawn",
                          storage_options=args.storage_options)
         failed = sorted(os.listdir(failures), key=int)
         if failed:
-            Destination(location, args.storage_options).remove_index()
+            destination.remove_index()
             raise ConversionError(f"chunks: {Path(failures, failed[0]).read_text()}; "
                                   f"{len(failed)} image(s) not converted, nothing finished")
     finally:
@@ -185,7 +186,7 @@ def write_split(source: Path, samples: list[Sample], location: str, split: str, 
     if index is None or sum(int(c["chunk_size"]) for c in index["chunks"]) != len(samples):
         if not is_uri(location):
             Path(location).mkdir(parents=True, exist_ok=True)
-        optimize(samples, location, args)
+        optimize(samples, destination, args)
         index = destination.read_index()
     entry = {"format": FORMAT, "classes": classes, "num_samples": len(samples), "source": str(source),
              "stride": spread_stride(len(samples))}

@@ -5,8 +5,8 @@ A conversion is a folder (or URI) holding ``train/`` and ``val/``, each a litdat
 files of the images' original bytes (no re-encoding), their labels and their file names, and an
 ``index.json`` that also names the class list and the stride the samples are stored at (the
 ``shortcutlab`` entry, :func:`spread_stride`). :class:`StreamedSplit` is a map-style dataset over
-one split's stored images and labels, sample ``i`` the ImageFolder's sample ``i``
-(:class:`StreamedImages` decodes them), so the package's own samplers decide the order: every
+one split's stored images and labels (:class:`StreamedImages` decodes them; numbered as the
+ImageFolder from a folder, as stored from object storage), so the package's own samplers decide the order: every
 sample once per epoch across ranks and nodes, in an order seeded by epoch, and a mid-epoch resume
 hands out exactly the batches left (:mod:`datamodules.resumable`). litdata reads each sample from
 its chunk: in place on a local or shared disk; from object storage (``s3://``, ``gs://``, ...) it
@@ -15,6 +15,7 @@ training order (:mod:`datamodules.chunk_order`) reads before moving on.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -44,11 +45,6 @@ def spread_stride(num_samples: int) -> int:
     while math.gcd(stride, num_samples) != 1:
         stride += 1
     return stride
-
-
-def stored_position_source(position: int, num_samples: int, stride: Optional[int] = None) -> int:
-    """The ImageFolder index of the sample stored at ``position``."""
-    return position * (spread_stride(num_samples) if stride is None else stride) % num_samples
 
 
 def is_uri(location: str) -> bool:
@@ -85,11 +81,15 @@ class Conversion:
         index order then reads chunk by chunk) rather than the ImageFolder's sample ``i`` (a folder)."""
         return is_uri(self.location)
 
+    @functools.cached_property
+    def _inverse_stride(self) -> int:
+        return pow(self.stride, -1, self.num_samples)
+
     def position(self, index: int) -> int:
         """Where sample ``index`` is stored."""
         if self.numbered_as_stored or self.stride == 1:
             return index
-        return index * pow(self.stride, -1, self.num_samples) % self.num_samples
+        return index * self._inverse_stride % self.num_samples
 
     def index_at(self, position: int) -> int:
         """The sample number of the sample stored at ``position``."""
@@ -97,7 +97,7 @@ class Conversion:
 
     def source_index(self, position: int) -> int:
         """The ImageFolder sample stored at ``position``."""
-        return stored_position_source(position, self.num_samples, self.stride)
+        return position * self.stride % self.num_samples
 
 
 def read_conversion(location: str, cache_dir: Optional[str] = None,

@@ -5,6 +5,7 @@ processes sees every sample once an epoch and resumes mid-epoch exactly; a bad b
 credentials and a truncated chunk are one line each."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -84,7 +85,7 @@ def test_a_conversion_written_to_object_storage_holds_the_image_folder_s_samples
 
 
 def chunk_of(position: int, sizes: list[int]) -> int:
-    for chunk, end in enumerate(__import__("itertools").accumulate(sizes)):
+    for chunk, end in enumerate(itertools.accumulate(sizes)):
         if position < end:
             return chunk
     raise AssertionError(position)
