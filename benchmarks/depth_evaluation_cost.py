@@ -10,7 +10,7 @@ import tempfile
 from lightning.pytorch import seed_everything
 
 from callbacks.measurement.knn import KNNEvaluator
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import DepthHeads, OnlineLinearProbe
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.patch_features import PatchFeaturePicture
 from lightning_mods.mae import MaskedAutoencoder
@@ -41,7 +41,7 @@ def run(settings: Settings) -> list[Row]:
         callbacks = clocked(pairs, one=UnsharedKNN(every_n_epochs=1),
                             every=UnsharedKNN(every_n_epochs=1, blocks="all", name="blocks"),
                             one_head=OnlineLinearProbe(every_n_steps=1, max_samples=32),
-                            block_heads=OnlineLinearProbe(every_n_steps=1, max_samples=32, blocks="all", name="blocks"))
+                            block_heads=OnlineLinearProbe(every_n_steps=1, max_samples=32, depth=DepthHeads("all"), name="blocks"))
         seed_everything(0, verbose=False)
         tr = trainer(settings, root, callbacks, epochs + 1, 1, logger=False)
         tr.fit(vit_tiny_mae(settings), datamodule=quickstart_data(settings))
@@ -51,7 +51,7 @@ def run(settings: Settings) -> list[Row]:
         clock.watch("picture", picture, ["on_validation_epoch_end"])
         clock.span("validation", "on_validation_start", "on_validation_end")
         shipped = [picture, EffectiveRank(every_n_epochs=1, per_block=True), KNNEvaluator(every_n_epochs=1, blocks="all"),
-                   OnlineLinearProbe(blocks="all"), clock]
+                   OnlineLinearProbe(depth=DepthHeads("all")), clock]
         seed_everything(0, verbose=False)
         tr = trainer(settings, root, shipped, epochs + 1, 1, logger=False)
         tr.fit(quickstart_model(settings), datamodule=quickstart_data(settings))

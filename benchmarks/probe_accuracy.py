@@ -16,7 +16,7 @@ import tempfile
 
 from lightning.pytorch import seed_everything
 
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import LinearHeads, OnlineLinearProbe
 from lightning_mods.evaluation import metric_names
 
 from .settings import Settings
@@ -31,8 +31,8 @@ HIGHER_RATE = 3e-2  # the best of the every-batch probe's rates tried (1e-2, 2e-
 def every_batch_settings(shipped_lr: float) -> dict:
     """lightly's cadence (one step on each fresh batch, no replay) at the shipped rate first,
     then the earlier default and a higher rate: one forward per batch feeds the three heads."""
-    return dict(every_n_steps=1, max_samples=None, replay_samples=None, lr=[shipped_lr, EARLIER_RATE, HIGHER_RATE],
-                name="every_batch")
+    return dict(every_n_steps=1, max_samples=None, replay=None,
+                heads=LinearHeads(lr=[shipped_lr, EARLIER_RATE, HIGHER_RATE]), name="every_batch")
 
 
 def probe_val_top1(probe: OnlineLinearProbe, metrics: dict) -> list[float]:
@@ -44,7 +44,7 @@ def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[R
     if settings.quick:
         return [skipped(SECTION, "shipped probe - every-batch probe, val top-1", "quick mode (a 100-epoch run)")]
     shipped = OnlineLinearProbe(name="shipped")
-    reference = OnlineLinearProbe(**every_batch_settings(shipped.lr))
+    reference = OnlineLinearProbe(**every_batch_settings(shipped.lrs[0]))
     others = {label: OnlineLinearProbe(name=label, **kwargs) for label, kwargs in (candidates or {}).items()}
     with quiet(), tempfile.TemporaryDirectory() as root:
         seed_everything(0, verbose=False)
@@ -55,8 +55,8 @@ def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[R
         metrics = dict(tr.callback_metrics)
     ours = probe_val_top1(shipped, metrics)[0]
     same_rate, earlier, higher = probe_val_top1(reference, metrics)
-    cadence = f"every {shipped.every_n_steps} steps, {shipped.max_samples} images, lr {shipped.lr:g}"
-    rows = [Row(SECTION, f"shipped probe - every-batch probe at the same lr ({shipped.lr:g}), final val top-1",
+    cadence = f"every {shipped.every_n_steps} steps, {shipped.max_samples} images, lr {shipped.lrs[0]:g}"
+    rows = [Row(SECTION, f"shipped probe - every-batch probe at the same lr ({shipped.lrs[0]:g}), final val top-1",
                 100 * (ours - same_rate), 100 * (ours - same_rate), ">= -2", "points",
                 f"shipped ({cadence}) {100 * ours:.1f} %, every batch (all 128 images) {100 * same_rate:.1f} % "
                 f"after {SHIPPED_EPOCHS} epochs"),
@@ -68,6 +68,6 @@ def run(settings: Settings, candidates: dict[str, dict] | None = None) -> list[R
                 f"every batch at lr {HIGHER_RATE:g}: {100 * higher:.1f} %")]
     for label, probe in others.items():
         value = probe_val_top1(probe, metrics)[0]
-        rows.append(Row(SECTION, f"{label} - every-batch probe at {shipped.lr:g} (points)", 100 * (value - same_rate),
+        rows.append(Row(SECTION, f"{label} - every-batch probe at {shipped.lrs[0]:g} (points)", 100 * (value - same_rate),
                         100 * (value - same_rate), None, "points", f"{label} {100 * value:.1f} %"))
     return rows

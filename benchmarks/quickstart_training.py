@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks._utils.feature_collection import collect_features
 from callbacks.measurement.knn import KNNEvaluator
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import DepthHeads, OnlineLinearProbe
 from callbacks.training.residual_droppath import ResidualDroppath
 from callbacks.reporting.run_summary import RunSummary
 from datamodules.digits import Digits
@@ -272,7 +272,7 @@ def quickstart_evaluations(blocks: Optional[str] = None) -> dict[str, object]:
     """The evaluation callbacks at every validation, in the order of configs/digits_mae.yaml (the
     pictures are the module's own): at their defaults, or with ``blocks="all"`` a probe head and
     a kNN per encoder block as that config sets them."""
-    return {"online probe": OnlineLinearProbe(blocks=blocks), "kNN": KNNEvaluator(k=20, every_n_epochs=1, blocks=blocks),
+    return {"online probe": OnlineLinearProbe(depth=DepthHeads(blocks) if blocks else None), "kNN": KNNEvaluator(k=20, every_n_epochs=1, blocks=blocks),
             "effective rank": EffectiveRank(every_n_epochs=1, per_block=True), "run summary": RunSummary()}
 
 
@@ -331,7 +331,7 @@ def _shares(settings: Settings, blocks: Optional[str]) -> list[Row]:
             if blocks is None:
                 floors.append(forwards_share(model, shipped, settings, per_epoch))
     cadences = {"online probe": f"{shipped.max_samples} images embedded every {shipped.every_n_steps} steps, "
-                                f"{shipped.every_n_steps} head steps on its {shipped.replay_samples}-sample replay; "
+                                f"{shipped.every_n_steps} head steps on its {shipped.replay.samples}-sample replay; "
                                 f"validation every {SHIPPED_EVAL_EVERY} epochs",
                 "run summary": f"once per {SHIPPED_EPOCHS}-epoch run"}
     together = [sum(parts) for parts in zip(*shares.values())]

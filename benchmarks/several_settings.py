@@ -12,7 +12,7 @@ from lightning.pytorch import seed_everything
 
 from callbacks.measurement.knn import KNNEvaluator
 from callbacks.measurement.shared_features import SharedEvaluation
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import LinearHeads, OnlineLinearProbe
 
 from .settings import Settings
 from .hook_clock import HookClock
@@ -47,7 +47,7 @@ def run(settings: Settings) -> list[Row]:
         callbacks = clocked(clock, one_k=UnsharedKNN(k=20, every_n_epochs=1),
                             four_k=UnsharedKNN(k=FOUR_K, every_n_epochs=1),
                             one_rate=OnlineLinearProbe(every_n_steps=1, max_samples=32),
-                            four_rates=OnlineLinearProbe(lr=FOUR_RATES, every_n_steps=1, max_samples=32))
+                            four_rates=OnlineLinearProbe(heads=LinearHeads(lr=FOUR_RATES), every_n_steps=1, max_samples=32))
         seed_everything(0, verbose=False)
         tr = trainer(settings, root, callbacks, epochs + 1, 1, logger=False)
         tr.fit(quickstart_model(settings), datamodule=quickstart_data(settings))

@@ -65,11 +65,16 @@ class SettingsKeyed(Callback):
 
     def automatic_tag(self, exclude: tuple[str, ...] = ()) -> str:
         """The settings of :meth:`identity` that differ from the ``__init__`` defaults, ``k=v,...``."""
-        defaults = {name: p.default for name, p in inspect.signature(type(self).__init__).parameters.items()}
+        defaults = self.default_identity()
         parts = [f"{key}={format_setting(value)}" for key, value in self.identity().items()
                  if key not in exclude and key not in self.untagged_settings
                  and (key not in defaults or _differs(value, defaults[key]))]
         return ",".join(parts)
+
+    def default_identity(self) -> dict[str, Any]:
+        """:meth:`identity`'s settings at their defaults (override where they are not ``__init__``'s
+        own arguments); a setting missing here always counts as differing."""
+        return {name: p.default for name, p in inspect.signature(type(self).__init__).parameters.items()}
 
     def tag_exclusions(self) -> tuple[str, ...]:
         """Settings the metric names carry per value anyway (``k`` of a k list): not in the tag."""

@@ -144,7 +144,7 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
             hint = f"; did you mean '{prefix}.{close[0]}'?" if close else ""
             if new := renamed_setting(class_path, match.group(1)):
                 hint = (f"; it is {prefix}.{new} since release 0.3 (a saved config: "
-                        "lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
+                        "lightning_mods.checkpointing.migration.upgrade_config rewrites it)")
             if not hint and "network" in known and network_takes(class_path, match.group(1)):  # the network's setting
                 hint = (f"; a setting of its network is {prefix}.network.init_args.{match.group(1)} (a config of "
                         "an earlier release: lightning_mods.checkpointing.migration.upgrade_model_config rewrites it)")
@@ -168,9 +168,12 @@ def explain_parse_error(err: BaseException, option_names: list[str]) -> str:
 def renamed_setting(recipe_path: str, key: str) -> Optional[str]:
     """The name a setting ``key`` of a recipe or network has had since release 0.3 (the classifier's
     ``backbone``: ``network``; the MAE network's ``image_size``: ``img_size``); None for any other key."""
-    from lightning_mods.checkpointing.migration import RENAMED_NETWORKS, RENAMED_RECIPE_SETTINGS, renamed_settings_of
+    from lightning_mods.checkpointing.migration import (PROBE_SETTINGS, RENAMED_NETWORKS, RENAMED_RECIPE_SETTINGS,
+                                                        renamed_settings_of)
 
     path = canonical_class_path(recipe_path)
+    if path.endswith(".OnlineLinearProbe"):
+        return PROBE_SETTINGS.get(key)
     if key in RENAMED_RECIPE_SETTINGS.get(path, {}):
         return RENAMED_RECIPE_SETTINGS[path][key]
     renamed = RENAMED_NETWORKS.get(path)

@@ -85,9 +85,18 @@ OVERRIDE_FLAG_NAME = Step(
     "override_flag_name", "0.2.0", "0.4.0",
     "the switch that builds with given settings where they disagree with the checkpoint was LinearProbe's "
     "allow_backbone_override and FineTuneClassifier's allow_network_override; it is allow_override everywhere")
+PROBE_PARTS = Step(
+    "online_probe_parts", "0.2.0", "0.4.0",
+    "OnlineLinearProbe took its heads' settings, replay_samples and blocks as its own arguments; they are its "
+    "heads, replay and depth (feature_dim went: the width comes from the features)")
 STEPS = (MAE_NETWORK_MEMBER, DIFFUSION_NETWORK_MEMBER, SHORTCUT_WEIGHTS, CALLBACK_STATE_BY_CLASS_NAME, ENTROPY_PROFILE,
          DATA_ORDER, CLASSIFIER_NETWORK_NAME, FINETUNE_NETWORK_NAME, MAE_IMG_SIZE, SPIRAL_NETWORK_MEMBER,
-         OVERRIDE_FLAG_NAME)
+         OVERRIDE_FLAG_NAME, PROBE_PARTS)
+# the online probe's settings of 0.2 and where they are now ("part.setting"; None: gone)
+PROBE_SETTINGS = {"num_classes": "heads.num_classes", "lr": "heads.lr", "optimizer": "heads.optimizer",
+                  "momentum": "heads.momentum", "batch_norm": "heads.batch_norm", "seed": "heads.seed",
+                  "replay_samples": "replay.samples", "head_batch": "replay.head_batch",
+                  "head_steps": "replay.head_steps", "blocks": "depth.blocks", "feature_dim": None}
 # an evaluation recipe's settings renamed: {recipe: {old: new}}
 RENAMED_RECIPE_SETTINGS = {"lightning_mods.linear_probe.LinearProbe": {"allow_backbone_override": "allow_override"},
                            "lightning_mods.finetune.FineTuneClassifier": {"allow_network_override": "allow_override"}}
@@ -226,6 +235,34 @@ def upgrade_model_config(model: dict[str, Any]) -> dict[str, Any]:
         return dict(model)
     network, own = split
     return {**model, "init_args": {"network": network, **own}}
+
+
+def probe_settings(init: dict[str, Any]) -> dict[str, Any]:
+    """:data:`PROBE_PARTS`: an ``OnlineLinearProbe``'s ``init_args`` of 0.2 in this release's layout
+    (``replay_samples: null`` is ``replay: null``; ``blocks: null`` no ``depth``)."""
+    new = {k: v for k, v in init.items() if k not in PROBE_SETTINGS}
+    if "replay_samples" in init and init["replay_samples"] is None:
+        new["replay"] = None
+    for old, path in PROBE_SETTINGS.items():
+        if old in init and path is not None and not (old == "blocks" and init[old] is None):
+            part, key = path.split(".")
+            if part not in new or new[part] is not None:
+                new.setdefault(part, {})[key] = init[old]
+    return new
+
+
+def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (``model``, ``trainer.callbacks``) of an earlier release in this release's
+    layout: the model by :func:`upgrade_model_config`, each online probe by :func:`probe_settings`."""
+    config = copy.deepcopy(config)
+    if isinstance(config.get("model"), dict):
+        config["model"] = upgrade_model_config(config["model"])
+    for callback in (config.get("trainer") or {}).get("callbacks") or []:
+        init = callback.get("init_args") if isinstance(callback, dict) else None
+        if str(callback.get("class_path", "")).endswith("OnlineLinearProbe") and isinstance(init, dict) \
+                and set(init) & set(PROBE_SETTINGS):
+            callback["init_args"] = probe_settings(init)
+    return config
 
 
 def uvit_settings(settings: dict[str, Any]) -> dict[str, Any]:

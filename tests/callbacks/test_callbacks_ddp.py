@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import DepthHeads, LinearHeads, OnlineLinearProbe
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def make_model():
 
 
 def make_callbacks() -> list:
-    return [OnlineLinearProbe(lr=1e-2, every_n_steps=2, max_samples=3, blocks="all"), KNNEvaluator(k=5),
+    return [OnlineLinearProbe(heads=LinearHeads(lr=1e-2), every_n_steps=2, max_samples=3, depth=DepthHeads("all")), KNNEvaluator(k=5),
             EffectiveRank(per_block=True)]
 
 
@@ -97,7 +97,7 @@ SCRIPT = textwrap.dedent("""
         "rank_profile": callbacks[2].last_profile["effective_rank"],
         "probe_head": {{k: v.tolist() for k, v in probe.head.state_dict().items()}},
         "block_heads": {{str(b): {{k: v.tolist() for k, v in heads[0].state_dict().items()}}
-                        for b, heads in probe.block_heads.items()}},
+                        for b, heads in probe.probe_heads.block_heads.items()}},
     }}
     (out / f"rank{{trainer.global_rank}}.json").write_text(json.dumps(seen))
     if trainer.is_global_zero:

@@ -21,7 +21,7 @@ from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.training.ema import EMA
 from callbacks.reliability.exact_resume import ExactResume
 from callbacks.measurement.knn import KNNEvaluator
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import DepthHeads, LinearHeads, OnlineLinearProbe
 from callbacks.settings_key import SettingsKeyed
 from callbacks.training.residual_droppath import ResidualDroppath
 from datamodules.digits import Digits
@@ -106,11 +106,11 @@ CASES: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], list]]] = {
     # two of every stateful evaluation callback, each with its own state and metric names
     "mae_two_of_each_evaluation": (lambda: tiny_mae("linear"), lambda: [
         KNNEvaluator(k=[1, 3]), KNNEvaluator(k=5, temperature=0.1),
-        OnlineLinearProbe(lr=[1e-2, 1e-3], every_n_steps=1), OnlineLinearProbe(optimizer="sgd", every_n_steps=2),
+        OnlineLinearProbe(heads=LinearHeads(lr=[1e-2, 1e-3]), every_n_steps=1), OnlineLinearProbe(heads=LinearHeads(optimizer="sgd"), every_n_steps=2),
         EffectiveRank(), EffectiveRank(source="features", per_block=True, draw_profile=False)]),
     # evaluation over depth: its eval_per_block.csv is rewritten whole from the restored states
     "mae_over_depth": (lambda: tiny_mae("linear"), lambda: [
-        KNNEvaluator(blocks="all"), OnlineLinearProbe(blocks=[1, -1], every_n_steps=1),
+        KNNEvaluator(blocks="all"), OnlineLinearProbe(every_n_steps=1, depth=DepthHeads([1, -1])),
         EffectiveRank(per_block=True, draw_profile=False)]),
 }
 

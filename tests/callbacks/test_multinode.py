@@ -30,12 +30,12 @@ SCRIPT = textwrap.dedent("""
     sys.path[:0] = {tests!r}
     warnings.filterwarnings("ignore")
     from lightning.pytorch import Trainer, seed_everything
-    from callbacks.measurement.online_probe import OnlineLinearProbe
+    from callbacks.measurement.online_probe import LinearHeads, OnlineLinearProbe
     from test_callbacks_ddp import ImageData, make_model
 
     out = Path(sys.argv[1])
     seed_everything(0)
-    model, probe = make_model(), OnlineLinearProbe(lr=1e-2, every_n_steps=1)
+    model, probe = make_model(), OnlineLinearProbe(heads=LinearHeads(lr=1e-2), every_n_steps=1)
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     trainer = Trainer(accelerator="cpu", devices=local, num_nodes=int(os.environ["WORLD_SIZE"]) // local,
                       strategy="ddp", max_epochs=1, limit_train_batches=2, callbacks=[probe], default_root_dir=out,

@@ -10,13 +10,13 @@ import torch
 from lightning.pytorch import seed_everything
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import LinearHeads, OnlineLinearProbe
 from helpers.tiny_runs import Passthrough, TinyData, metric, tiny_trainer
 
 
 def test_online_probe_learns_separable_data(tmp_path):
     seed_everything(0)
-    probe = OnlineLinearProbe(lr=0.05, every_n_steps=1, max_samples=None)
+    probe = OnlineLinearProbe(heads=LinearHeads(lr=0.05), every_n_steps=1, max_samples=None)
     data = TinyData(n_train=96, n_val=30, num_classes=4, spread=0.2)
     trainer = tiny_trainer(tmp_path, [probe], max_epochs=4)
     trainer.fit(Passthrough(), datamodule=data)
@@ -31,38 +31,38 @@ def test_online_probe_learns_separable_data(tmp_path):
 
 
 def test_online_probe_state_dict_round_trip():
-    probe = OnlineLinearProbe(num_classes=3, feature_dim=4, optimizer="sgd")
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, optimizer="sgd"))
     probe.build_heads(4)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     probe.probe_heads.learn(x, y, {})
     assert probe.steps == 1
     state = probe.state_dict()
-    other = OnlineLinearProbe(num_classes=3, feature_dim=4, optimizer="sgd", seed=7)
+    other = OnlineLinearProbe(heads=LinearHeads(num_classes=3, optimizer="sgd", seed=7))
     other.load_state_dict(state)  # before setup: applied when the head is built
     other.build_heads(4)
     for a, b in zip(probe.head.state_dict().values(), other.head.state_dict().values()):
         assert torch.equal(a, b)
     assert str(other.probe_heads.optimizers[0].state_dict()) == str(probe.probe_heads.optimizers[0].state_dict())
     with pytest.raises(ValueError, match="optimizer"):
-        OnlineLinearProbe(optimizer="lamb")
+        OnlineLinearProbe(heads=LinearHeads(optimizer="lamb"))
 
 
 def test_online_probe_refuses_a_head_trained_at_another_default_rate():
     """A single head's rate is in its state: when the default rate moves (1e-2 -> 2e-2), a
     checkpoint of the old default does not go on silently at the new one."""
-    probe = OnlineLinearProbe(num_classes=3, feature_dim=4, lr=0.01)
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, lr=0.01))
     probe.build_heads(4)
     state = probe.state_dict()
     assert [h["lr"] for h in state["heads"]] == [0.01]
-    default = OnlineLinearProbe(num_classes=3, feature_dim=4)
-    assert default.lr == 0.02
+    default = OnlineLinearProbe(heads=LinearHeads(num_classes=3))
+    assert default.lrs == [0.02]
     default.load_state_dict(state)
     with pytest.raises(ValueError, match=r"trained at lr \[0.01\], this probe's are \[0.02\]"):
         default.build_heads(4)
     # a single head's earlier layout, written before the rate was saved
     older = {**{k: v for k, v in state.items() if k != "heads"}, "head": state["heads"][0]["head"],
              "optimizer": state["heads"][0]["optimizer"]}
-    continued = OnlineLinearProbe(num_classes=3, feature_dim=4)
+    continued = OnlineLinearProbe(heads=LinearHeads(num_classes=3))
     continued.load_state_dict(older)
     continued.build_heads(4)  # no rate saved: taken to be this probe's
     assert torch.equal(continued.head.linear.weight, probe.head.linear.weight)
@@ -75,7 +75,7 @@ def test_online_probe_accuracies_on_a_hand_built_case():
     import contextlib
     from types import SimpleNamespace
 
-    probe = OnlineLinearProbe(num_classes=3, feature_dim=3, batch_norm=False, every_n_steps=1)
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, batch_norm=False), every_n_steps=1)
     probe.build_heads(3)
     with torch.no_grad():
         probe.head.linear.weight.copy_(torch.eye(3))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks.measurement.online_probe.replay import FeatureReplay, ReplaySweep
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe.replay import FeatureReplay
+from callbacks.measurement.online_probe import LinearHeads, OnlineLinearProbe, Replay
 
 
 def numbered(values: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,17 +54,16 @@ def test_state_round_trip_and_a_capacity_mismatch():
         FeatureReplay(1)
 
 
-@pytest.mark.parametrize("settings", [dict(head_batch=1), dict(head_batch=600), dict(head_steps=0),
-                                      dict(head_steps=2, replay_samples=None), dict(head_batch=8, replay_samples=None)])
+@pytest.mark.parametrize("settings", [dict(head_batch=1), dict(head_batch=600), dict(head_steps=0)])
 def test_head_batch_and_head_steps_are_checked(settings):
     with pytest.raises(ValueError, match="head_batch|head_steps"):
-        OnlineLinearProbe(**settings)
+        OnlineLinearProbe(replay=Replay(**settings))
 
 
 def test_head_batch_and_head_steps_sweep_the_replay_as_asked():
     """every_n_steps=4, replay of 8, head_batch 6, head_steps 2: the 8 samples added are swept by
     2 steps of 6 rows, ages 0-5 then 6, 7, 0, 1, 2, 3 (round the replay again)."""
-    sweep = ReplaySweep(8, 4, head_batch=6, head_steps=2)
+    sweep = Replay(8, head_batch=6, head_steps=2).sweep(4)
     batches = sweep.batches(sweep.new_replay(), *numbered(list(range(8))))
     assert [labels.tolist() for _, labels in batches] == [[7, 6, 5, 4, 3, 2], [1, 0, 7, 6, 5, 4]]
     assert [features.view(-1).long().tolist() for features, _ in batches] == [[7, 6, 5, 4, 3, 2], [1, 0, 7, 6, 5, 4]]
@@ -73,17 +72,17 @@ def test_head_batch_and_head_steps_sweep_the_replay_as_asked():
 def test_the_first_probes_sweep_all_there_is():
     """Defaults (head_batch 8 // 2 = 4, head_steps 2) with 3 samples held: each step takes the 3,
     the second from age 4 on (ages 4, 5, 6 modulo 3: samples 1, 0, 2)."""
-    sweep = ReplaySweep(8, 2)
+    sweep = Replay(8).sweep(2)
     assert (sweep.head_batch, sweep.head_steps) == (4, 2)
     batches = sweep.batches(sweep.new_replay(), *numbered([0, 1, 2]))
     assert [labels.tolist() for _, labels in batches] == [[2, 1, 0], [1, 0, 2]]
 
 
 def test_probe_settings_need_two_samples_per_replayed_step():
-    with pytest.raises(ValueError, match="replay_samples"):
-        OnlineLinearProbe(every_n_steps=4, replay_samples=7)
-    OnlineLinearProbe(every_n_steps=4, replay_samples=8)
-    OnlineLinearProbe(replay_samples=None)
+    with pytest.raises(ValueError, match=r"replay.samples must give at least 2 samples per head step"):
+        OnlineLinearProbe(every_n_steps=4, replay=Replay(samples=7))
+    OnlineLinearProbe(every_n_steps=4, replay=Replay(samples=8))
+    OnlineLinearProbe(replay=None)
 
 
 def softmax_cross_entropy_step(weight: np.ndarray, bias: np.ndarray, x: np.ndarray, y: np.ndarray,
@@ -108,8 +107,7 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     """every_n_steps=2, max_samples=3, replay_samples=6: each probe adds 3 samples, then takes 2
     steps of 3 samples (ages 0-2, then 3-5, wrapping over the samples held). Training batches
     0, 2 and 4 are probed. Reference: the same SGD steps in float64 on the rows those ages name."""
-    probe = OnlineLinearProbe(num_classes=3, feature_dim=4, batch_norm=False, optimizer="sgd", momentum=0.0,
-                              lr=0.5, every_n_steps=2, max_samples=3, replay_samples=6)
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, lr=0.5, optimizer="sgd", momentum=0.0, batch_norm=False), every_n_steps=2, max_samples=3, replay=Replay(samples=6))
     probe.build_heads(4)
     weight = probe.head.linear.weight.detach().double().numpy().copy()
     bias = probe.head.linear.bias.detach().double().numpy().copy()
@@ -145,7 +143,8 @@ def test_samples_waiting_for_their_check_survive_a_checkpoint():
 
     trainer = SimpleNamespace(sanity_checking=False,
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
-    settings = dict(num_classes=3, optimizer="sgd", every_n_steps=2, max_samples=4, replay_samples=8)
+    settings = dict(heads=LinearHeads(num_classes=3, optimizer="sgd"), every_n_steps=2, max_samples=4,
+                    replay=Replay(samples=8))
     probe, module = OnlineLinearProbe(**settings), FeaturesAsGiven()
     g = torch.Generator().manual_seed(0)
     for batch_idx in range(3):  # probes at batches 0 and 2: batch 0's samples stepped on, batch 2's wait
@@ -155,7 +154,7 @@ def test_samples_waiting_for_their_check_survive_a_checkpoint():
     state = copy.deepcopy(probe.state_dict())
     restored = OnlineLinearProbe(**settings)
     restored.load_state_dict(state)
-    assert not restored.heads
+    assert restored.head is None
     for p in (probe, restored):
         p.on_train_end(trainer, module)
     assert probe.steps == restored.steps == 2
@@ -172,8 +171,7 @@ def test_a_probe_with_a_non_finite_feature_is_skipped_with_a_warning(bad):
 
     trainer = SimpleNamespace(sanity_checking=False,
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
-    probe = OnlineLinearProbe(num_classes=3, optimizer="sgd", every_n_steps=1, max_samples=None,
-                              replay_samples=None)
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, optimizer="sgd"), every_n_steps=1, max_samples=None, replay=None)
     module = FeaturesAsGiven()
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)

@@ -14,7 +14,7 @@ import torch
 from callbacks.measurement import shared_features as shared
 from callbacks.measurement.effective_rank import EffectiveRank
 from callbacks.measurement.knn import KNNEvaluator
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import DepthHeads, OnlineLinearProbe
 from datamodules.digits import Digits
 from lightning_mods.backbone.masked_autoencoder import MaskedAutoencoderViT
 from lightning_mods.mae import MaskedAutoencoder
@@ -58,7 +58,7 @@ def fit_with(callbacks: list, tmp_path) -> tuple[CountingMAE, dict, Digits]:  # 
 
 
 def make_callbacks() -> list:
-    return [OnlineLinearProbe(every_n_steps=1, blocks="all"), KNNEvaluator(k=5, blocks="all"),
+    return [OnlineLinearProbe(every_n_steps=1, depth=DepthHeads("all")), KNNEvaluator(k=5, blocks="all"),
             EffectiveRank(per_block=True, draw_profile=False)]
 
 

@@ -25,6 +25,11 @@ def optimizer_of(kind: str, head: ProbeHead) -> torch.optim.Optimizer:
     return torch.optim.SGD(head.parameters(), lr=0.05, momentum=0.9, weight_decay=0.0)
 
 
+def onehot(labels: torch.Tensor) -> torch.Tensor:
+    """The step's target: one-hot columns times -1/N (built by hand here)."""
+    return F.one_hot(labels, CLASSES).float().t() / -len(labels)
+
+
 def heads_and_data(batch_norm: bool, heads: int = HEADS):
     generator = torch.Generator().manual_seed(0)
     made = [ProbeHead(WIDTH, CLASSES, batch_norm, generator=generator) for _ in range(heads)]
@@ -33,10 +38,6 @@ def heads_and_data(batch_norm: bool, heads: int = HEADS):
     data = [([torch.randn(SAMPLES, WIDTH, generator=generator) * (h + 1) + h for h in range(heads)],
              torch.randint(0, CLASSES, (SAMPLES,), generator=generator)) for _ in range(STEPS)]
     return made, data
-
-
-def onehot(labels: torch.Tensor) -> torch.Tensor:
-    return F.one_hot(labels, CLASSES).float()
 
 
 @pytest.mark.parametrize("batch_norm", [True, False], ids=["batch-norm", "linear-only"])
@@ -97,9 +98,9 @@ def test_a_step_dispatches_the_same_operations_for_one_head_and_for_twelve():
         heads, data = heads_and_data(batch_norm=True, heads=size)
         stacked = StackedHeads(heads, "adamw", 0.05, 0.9)
         features, labels = torch.cat(data[0][0], dim=1), data[0][1]
-        rows = onehot(labels)
-        stacked.step(features, labels, rows)  # the optimiser's state is made at the first step
+        target = onehot(labels)
+        stacked.step(features, labels, target)  # the optimiser's state is made at the first step
         with OpCounter() as counter:
-            stacked.step(features, labels, rows)
+            stacked.step(features, labels, target)
         counts.append(sum(counter.ops.values()))
-    assert counts[0] == counts[1] <= 20, counts
+    assert counts[0] == counts[1] <= 30, counts

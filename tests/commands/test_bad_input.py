@@ -141,6 +141,11 @@ CASES = {  # name: (arguments, words the one line must hold)
                                       ["model.init_args.allow_backbone_override: unknown key of "
                                        "lightning_mods.linear_probe.LinearProbe; it is "
                                        "model.init_args.allow_override since release 0.3"]),
+    "the online probe's flat settings": ([*CONFIG, "--trainer.callbacks+=OnlineLinearProbe",
+                                          "--trainer.callbacks.replay_samples=64"],
+                                         ["replay_samples: unknown key of "
+                                          "callbacks.measurement.online_probe.OnlineLinearProbe; it is "
+                                          "trainer.callbacks.init_args.replay.samples since release 0.3"]),
     "missing pre-trained file": ([f"--config={ROOT / 'configs' / 'finetune_digits.yaml'}",
                                   "--model.init_args.checkpoint={missing}"], ["checkpoint: no file at '{missing}'"]),
 }

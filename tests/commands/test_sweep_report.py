@@ -409,7 +409,7 @@ def test_a_rerun_skips_finished_runs_and_a_failed_run_fails_the_sweep(tmp_path, 
 
 
 def test_several_knn_k_and_probe_rates_are_columns_of_their_own(tmp_path):
-    """``KNNEvaluator(k=[10, 20])`` and ``OnlineLinearProbe(lr=[...])`` log ``knn/top1@k=10`` ...;
+    """``KNNEvaluator(k=[10, 20])`` and ``OnlineLinearProbe(heads=LinearHeads(lr=[...]))`` log ``knn/top1@k=10`` ...;
     each becomes a column, ordered by its value, with mean and std over seeds (numpy float64)."""
     finals = {0: (0.61, 0.72, 0.50, 0.55), 1: (0.63, 0.70, 0.52, 0.51)}  # k=10, k=100, lr=0.001, lr=0.01
     for seed, (k10, k100, slow, fast) in finals.items():

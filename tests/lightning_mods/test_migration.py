@@ -139,6 +139,27 @@ def test_a_saved_config_of_release_0_2_reads_as_this_release_s():
         assert migration.upgrade_model_config(saved)["init_args"] == {"checkpoint": "mae.ckpt", "allow_override": True}
 
 
+def test_an_online_probe_of_release_0_2_reads_in_its_parts():
+    probe = "callbacks.measurement.online_probe.OnlineLinearProbe"
+    saved = {"trainer": {"callbacks": [
+        {"class_path": probe, "init_args": {"num_classes": 10, "feature_dim": 64, "optimizer": "sgd", "lr": [0.1, 0.2],
+                                            "momentum": 0.8, "batch_norm": False, "seed": 3, "every_n_steps": 2,
+                                            "max_samples": 8, "replay_samples": 64, "head_batch": 16, "head_steps": 3,
+                                            "name": "mine", "blocks": [1, -1]}},
+        {"class_path": probe, "init_args": {"replay_samples": None, "blocks": None, "head_batch": None}},
+        {"class_path": "callbacks.measurement.knn.KNNEvaluator", "init_args": {"blocks": "all"}}]}}
+    upgraded = migration.upgrade_config(saved)
+    assert upgraded["trainer"]["callbacks"] == [
+        {"class_path": probe, "init_args": {
+            "every_n_steps": 2, "max_samples": 8, "name": "mine",
+            "heads": {"num_classes": 10, "lr": [0.1, 0.2], "optimizer": "sgd", "momentum": 0.8, "batch_norm": False,
+                      "seed": 3},
+            "replay": {"samples": 64, "head_batch": 16, "head_steps": 3}, "depth": {"blocks": [1, -1]}}},
+        {"class_path": probe, "init_args": {"replay": None}},
+        {"class_path": "callbacks.measurement.knn.KNNEvaluator", "init_args": {"blocks": "all"}}]
+    assert saved["trainer"]["callbacks"][1]["init_args"]["replay_samples"] is None  # the given config is kept
+
+
 def test_a_checkpoint_with_an_earlier_override_switch_loads_with_allow_override():
     """LinearProbe's allow_backbone_override and FineTuneClassifier's allow_network_override (a
     development build of 0.3) are allow_override in the checkpoint's settings."""

@@ -21,7 +21,7 @@ import yaml
 
 from callbacks._graveyard import SHIMS
 from commands import lightning_cli as cli
-from lightning_mods.checkpointing.migration import upgrade_model_config
+from lightning_mods.checkpointing.migration import upgrade_config
 from lightning_mods.mae import MaskedAutoencoder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_the_moved_map_names_real_modules_only():
 @pytest.mark.slow
 def test_a_run_written_before_the_move_resumes(tmp_path):
     config = yaml.safe_load((OLD_RUN / "config.yaml").read_text())
-    config["model"] = upgrade_model_config(config["model"])  # the MAE's network settings under model.network
+    config = upgrade_config(config)  # the MAE's network settings under model.network, the probe's in its parts
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

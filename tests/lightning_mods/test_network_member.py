@@ -102,8 +102,7 @@ def test_a_checkpoint_written_before_the_change_resumes_exactly(tmp_path, family
     rounding where the thread count or the CPU differ). The diffusion run's EMA keeps the training
     weights beside the averaged ones: both move."""
     written = BEFORE / family
-    config = yaml.safe_load((written / "config.yaml").read_text())
-    config["model"] = migration.upgrade_model_config(config["model"])
+    config = migration.upgrade_config(yaml.safe_load((written / "config.yaml").read_text()))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     upgraded = saved(written / "epoch0.ckpt")
     assert migration.upgrade(upgraded) == steps

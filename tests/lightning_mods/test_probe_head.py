@@ -10,7 +10,7 @@ import torch
 from timm.layers import trunc_normal_
 from torch import nn
 
-from callbacks.measurement.online_probe import OnlineLinearProbe
+from callbacks.measurement.online_probe import LinearHeads, OnlineLinearProbe
 from lightning_mods.linear_probe import LinearProbe
 from lightning_mods.evaluation._probe_head import ProbeHead
 
@@ -62,7 +62,7 @@ def test_the_head_is_mae_linprobe_s_head(batches):
 
 def test_every_probe_uses_that_head():
     """The online probe's heads and the offline probe's head are that class, seeded alike."""
-    online = OnlineLinearProbe(num_classes=C, feature_dim=D, seed=3)
+    online = OnlineLinearProbe(heads=LinearHeads(num_classes=C, seed=3))
     online.build_heads(D)
     with torch.random.fork_rng(devices=[]):
         expected = ProbeHead(D, C, generator=torch.Generator().manual_seed(3))

@@ -14,7 +14,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ._stacked_heads import StackedHeads
+from ._stacked_heads import StackedHeads, mean_loss_target
+from .linear_heads import LinearHeads
 from .replay import Batches, FeatureReplay, ReplaySweep
 from lightning_mods.evaluation._probe_head import ProbeHead
 
@@ -42,15 +43,16 @@ class OnlineProbeHeads:
     """The heads of one online probe (one per rate of ``lrs``, and per chosen block).
 
     Args:
-        num_classes, lrs, optimizer, momentum, batch_norm, seed: as the probe's settings.
+        num_classes: the heads' outputs.
+        settings: the heads' rates, optimiser, batch norm and seed (:class:`LinearHeads`).
         sweep: how fresh samples become head steps through a replay (``None``: one step on the
             fresh samples alone).
     """
 
-    def __init__(self, num_classes: int, lrs: list[float], optimizer: str, momentum: float, batch_norm: bool,
-                 seed: int, sweep: Optional[ReplaySweep] = None) -> None:
-        self.num_classes, self.lrs = int(num_classes), list(lrs)
-        self.optimizer_name, self.momentum, self.batch_norm, self.seed = optimizer, momentum, batch_norm, seed
+    def __init__(self, num_classes: int, settings: LinearHeads, sweep: Optional[ReplaySweep] = None) -> None:
+        self.num_classes, self.lrs = int(num_classes), settings.lrs
+        self.optimizer_name, self.momentum = settings.optimizer, settings.momentum
+        self.batch_norm, self.seed = settings.batch_norm, settings.seed
         self.sweep = sweep
         self.replay_samples = sweep.samples if sweep else None
         self.feature_dim: Optional[int] = None
@@ -166,6 +168,16 @@ class OnlineProbeHeads:
         if block_dims and not self.block_heads:
             self.build_blocks(block_dims)
 
+    def inputs(self, features: torch.Tensor, outputs: list[torch.Tensor],
+               depth: Any) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The final features (float, on the heads' device) and the blocks ``depth`` chooses from
+        ``outputs``; what is missing of the heads is built for their widths."""
+        if features.ndim != 2:
+            raise ValueError(f"{OWNER}: forward_features gave shape {tuple(features.shape)}, the head expects B x D")
+        blocks = depth.choose(outputs, self.block_heads.keys(), self.device) if depth else {}
+        self.ensure_built(features.shape[1], {b: f.shape[1] for b, f in blocks.items()})
+        return features.float().to(self.device), blocks
+
     # --- learning -------------------------------------------------------------------------------
     def learn(self, features: torch.Tensor, labels: torch.Tensor, blocks: dict[int, torch.Tensor]) -> torch.Tensor:
         """The heads' steps on one probe's samples; per head on the final features ``(loss x n,
@@ -187,17 +199,21 @@ class OnlineProbeHeads:
         self.steps += 1
         return torch.stack(sums)
 
-    def _steps(self, group: WidthGroup, batches: list[tuple[torch.Tensor, torch.Tensor]], scored: Optional[int],
-               fresh: int, sums: list[Optional[torch.Tensor]]) -> None:
+    @staticmethod
+    def _steps(group: WidthGroup, batches: Batches, scored: Optional[int], fresh: int,
+               sums: list[Optional[torch.Tensor]]) -> None:
         """Every rate's heads of ``group`` step on each batch in turn; the first batch's first
         ``fresh`` samples (the newest) are scored for the final features' heads."""
         labels = batches[0][1] if len(batches) == 1 else torch.cat([b[1] for b in batches])
-        onehots = torch.zeros(len(labels), self.num_classes, dtype=batches[0][0].dtype, device=labels.device) \
-            .scatter_(1, labels.view(-1, 1), 1.0).split([len(b[1]) for b in batches])  # F.one_hot reads back
-        for i, ((features, labels), onehot) in enumerate(zip(batches, onehots)):
+        classes = group.sets[0].heads[0].linear.out_features
+        if len({len(b[1]) for b in batches}) != 1:
+            raise ValueError(f"{OWNER}: a sweep's head batches differ in size: {[len(b[1]) for b in batches]}")
+        targets = mean_loss_target(labels, classes, batches[0][0].dtype).mul_(len(labels) / len(batches[0][1])) \
+            .split([len(b[1]) for b in batches], dim=1)
+        for i, ((features, labels), target) in enumerate(zip(batches, targets)):
             for rate, heads in enumerate(group.sets):
                 score = (scored, min(fresh, len(labels))) if scored is not None and i == 0 else None
-                result = heads.step(features, labels, onehot, score)
+                result = heads.step(features, labels, target, score)
                 if result is not None:
                     sums[rate] = result
 

@@ -1,24 +1,21 @@
 """Probe heads of one width and one learning rate held as one stacked set and stepped together.
 
-The online probe trains a head on the final features and, with ``blocks``, one per encoder
+The online probe trains a head on the final features and, with ``depth``, one per encoder
 block: on the quickstart 13 small heads, each a batch norm without affine parameters and a
-linear layer, stepped once per training batch. Stepped one by one, or stacked anew every step,
-that was some 140 dispatched operations a training step (on a GPU about 10 us of host time
-each). Here the heads' tensors live stacked from the start, ``H x C x D`` weights, ``H x C``
-biases and ``H x D`` running statistics, and a step is a fixed handful of calls whatever ``H``:
+linear layer. Their tensors are stacked once by ``torch.func.stack_module_state`` (``H x C x D``
+weights, ``H x C`` biases, ``H x D`` running statistics) and a step is the same few calls
+whatever ``H``: torch's ``batch_norm`` over the ``N x (H x D)`` features (per head and channel,
+the running statistics updated in the stacked buffers), one ``baddbmm`` for every head's logits,
+each head's mean cross-entropy, its gradients from autograd, and one optimiser step (AdamW fused
+where the kernel exists, else SGD with momentum) over the two stacked parameters: Adam and SGD
+are elementwise, so each head's update is its own. (``torch.func.vmap`` of the heads' own forward
+gives the same numbers with twice the operations a step, each a host-side dispatch on a GPU.)
 
-- one ``batch_norm`` over the ``N x (H x D)`` features (per-head, per-channel batch statistics;
-  the running statistics updated in place in the stacked buffers);
-- one ``baddbmm`` for the logits, the mean cross-entropy's slope ``(softmax - onehot) / N``
-  and one ``bmm`` for the weight gradients (the gradients written by hand: no autograd graph);
-- one optimiser step (AdamW fused where the kernel exists, else SGD with momentum) over the two
-  stacked parameters: Adam and SGD are elementwise, so each head's update is its own.
-
-Each member keeps a :class:`~lightning_mods.evaluation._probe_head.ProbeHead` whose parameters
+Each member keeps its :class:`~lightning_mods.evaluation._probe_head.ProbeHead`, whose parameters
 and buffers are views of the stacked tensors (what validation scores and ``state_dict`` read),
 and its optimiser state can be read and written in the layout of a per-head optimiser, so
 checkpoints keep the per-head layout. ``tests/callbacks/test_stacked_heads.py`` checks the steps
-against torch autograd on separate heads.
+against separate heads stepped by torch autograd and their own optimisers.
 """
 from __future__ import annotations
 
@@ -27,10 +24,14 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import stack_module_state
 
 from callbacks._utils.distributed import average_across_ranks_
 from lightning_mods.evaluation._probe_head import ProbeHead
 from lightning_mods.recipe.optim import adamw
+
+WEIGHT, BIAS = "linear.weight", "linear.bias"
+MEAN, VAR, TRACKED = "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"
 
 
 class StackedHeads:
@@ -43,99 +44,81 @@ class StackedHeads:
     """
 
     def __init__(self, heads: list[ProbeHead], optimizer: str, lr: float, momentum: float) -> None:
-        self.heads = heads
-        self.size = len(heads)
-        first = heads[0]
-        self.width, self.classes = first.linear.in_features, first.linear.out_features
-        self.batch_norm = isinstance(first.norm, nn.BatchNorm1d)
-        with torch.no_grad():
-            self.weight = nn.Parameter(torch.stack([h.linear.weight.detach() for h in heads]))
-            self.bias = nn.Parameter(torch.stack([h.linear.bias.detach() for h in heads]))
-            if self.batch_norm:
-                norms = [h.norm for h in heads]
-                if any((n.momentum, n.eps) != (first.norm.momentum, first.norm.eps) for n in norms):
-                    raise ValueError("StackedHeads: the heads' batch norms differ in momentum or eps")
-                self.momentum, self.eps = first.norm.momentum, first.norm.eps
-                self.running_mean = torch.stack([n.running_mean for n in norms])
-                self.running_var = torch.stack([n.running_var for n in norms])
-                self.batches_tracked = torch.stack([n.num_batches_tracked for n in norms])
+        self.heads, self.size = heads, len(heads)
+        self.width = heads[0].linear.in_features
+        self.norm = heads[0].norm if isinstance(heads[0].norm, nn.BatchNorm1d) else None
+        if self.norm is not None and any((h.norm.momentum, h.norm.eps) != (self.norm.momentum, self.norm.eps)
+                                         for h in heads):
+            raise ValueError("StackedHeads: the heads' batch norms differ in momentum or eps")
+        params, self.buffers = stack_module_state(heads)
+        self.weight, self.bias = (nn.Parameter(params[name].detach()) for name in (WEIGHT, BIAS))
         self._alias()
-        params = [self.weight, self.bias]
         if optimizer == "adamw":
-            self.optimizer: torch.optim.Optimizer = adamw(params, lr=lr, weight_decay=0.0)
+            self.optimizer: torch.optim.Optimizer = adamw([self.weight, self.bias], lr=lr, weight_decay=0.0)
         else:
-            self.optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=0.0)
+            self.optimizer = torch.optim.SGD([self.weight, self.bias], lr=lr, momentum=momentum, weight_decay=0.0)
         self._pending: list[Optional[dict[str, Any]]] = [None] * self.size  # member states to load
 
     def _alias(self) -> None:
-        """Point every member's tensors at its slice of the stack (and build the step's views)."""
+        """Point every member's tensors at its slice of the stack."""
         for i, head in enumerate(self.heads):
             head.linear.weight = nn.Parameter(self.weight.data[i])
             head.linear.bias = nn.Parameter(self.bias.data[i])
-            if self.batch_norm:
-                head.norm.running_mean = self.running_mean[i]
-                head.norm.running_var = self.running_var[i]
-                head.norm.num_batches_tracked = self.batches_tracked[i]
-        self._weight_t = self.weight.detach().transpose(1, 2)  # H x D x C, follows the in-place updates
-        self._bias_col = self.bias.detach().unsqueeze(1)  # H x 1 x C
-        if self.batch_norm:
-            self._mean_flat, self._var_flat = self.running_mean.view(-1), self.running_var.view(-1)
+            for name, value in self.buffers.items():
+                setattr(head.norm, name.split(".")[-1], value[i])
 
     def to(self, device: torch.device) -> "StackedHeads":
         with torch.no_grad():
-            self.weight.data = self.weight.data.to(device)
-            self.bias.data = self.bias.data.to(device)
-            if self.batch_norm:
-                self.running_mean, self.running_var = self.running_mean.to(device), self.running_var.to(device)
-                self.batches_tracked = self.batches_tracked.to(device)
+            for param in (self.weight, self.bias):
+                param.data = param.data.to(device)
+            self.buffers = {name: value.to(device) for name, value in self.buffers.items()}
+        fused = bool(self.optimizer.param_groups[0].get("fused"))
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if torch.is_tensor(value) and (key != "step" or self._fused):  # a fused step counts on the device
+                if torch.is_tensor(value) and (key != "step" or fused):  # a fused step counts on the device
                     state[key] = value.to(device)
         self._alias()
         return self
 
-    @property
-    def _fused(self) -> bool:
-        return bool(self.optimizer.param_groups[0].get("fused"))
-
     # --- the step ---------------------------------------------------------------------------------
-    def step(self, features: torch.Tensor, labels: torch.Tensor, onehot: torch.Tensor,
+    def step(self, features: torch.Tensor, labels: torch.Tensor, target: torch.Tensor,
              scored: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
         """One optimiser step of every head on the mean cross-entropy of its own slice of
-        ``features`` (``N x (H x D)``, member after member), ``onehot`` the labels' one-hot rows;
-        gradients averaged over ranks. With ``scored = (member, k)``: that member's ``(loss x k,
-        correct, k)`` over the first ``k`` samples, from the logits before the step."""
+        ``features`` (``N x (H x D)``, member after member), ``target`` the labels' one-hot columns
+        times ``-1 / N`` (:func:`mean_loss_target`); gradients averaged over ranks. With
+        ``scored = (member, k)``: that member's ``(loss x k, correct, k)`` over the first ``k``
+        samples, from the logits before the step."""
         self.apply_loaded_states()
         for head in self.heads:
             if not head.training:  # after a validation
                 head.train()
-        count = features.shape[0]
+        with torch.inference_mode(False), torch.enable_grad():  # the hooks may run under either
+            # H x C x N, so that the weights' gradient comes dense (torch's fused CPU AdamW misreads a strided one)
+            logits = torch.baddbmm(self.bias.unsqueeze(2), self.weight, self._normed(features))
+            loss = (F.log_softmax(logits, dim=1) * target).sum()  # the heads' mean losses, summed
+            self.weight.grad, self.bias.grad = torch.autograd.grad(loss, (self.weight, self.bias))
         sums = None
-        with torch.no_grad():
-            if self.batch_norm:
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.heads[0].norm.num_batches_tracked + 1)
-                normed = F.batch_norm(features, self._mean_flat, self._var_flat, training=True,
-                                      momentum=momentum, eps=self.eps)
-                self.batches_tracked.add_(1)
-            else:
-                normed = features
-            normed = normed.view(count, self.size, self.width).transpose(0, 1)  # H x N x D
-            logits = torch.baddbmm(self._bias_col, normed, self._weight_t)  # H x N x C
-            if scored is not None:
+        if scored is not None:
+            with torch.no_grad():
                 member, k = scored
-                chosen, chosen_labels = logits[member, :k], labels[:k]
-                losses = -F.log_softmax(chosen, dim=1).gather(1, chosen_labels.view(-1, 1))
-                sums = torch.stack([losses.double().sum(), (chosen.argmax(1) == chosen_labels).sum().double(),
+                chosen, chosen_labels = logits[member, :, :k].t(), labels[:k]
+                loss = F.cross_entropy(chosen.double(), chosen_labels, reduction="sum")
+                sums = torch.stack([loss, (chosen.argmax(1) == chosen_labels).sum().double(),
                                     torch.full((), float(k), dtype=torch.float64, device=logits.device)])
-            slope = torch.softmax(logits, dim=2).sub_(onehot).div_(count)
-            self.weight.grad = torch.bmm(slope.transpose(1, 2), normed)
-            self.bias.grad = slope.sum(1)
         average_across_ranks_((self.weight.grad, self.bias.grad))
         self.optimizer.step()
-        if self.batch_norm:
-            average_across_ranks_((self.running_mean, self.running_var))
+        average_across_ranks_((self.buffers[MEAN], self.buffers[VAR]) if self.norm is not None else ())
         return sums
+
+    def _normed(self, features: torch.Tensor) -> torch.Tensor:
+        """The features through every head's batch norm (training mode), ``H x D x N``."""
+        if self.norm is not None:
+            tracked = self.buffers[TRACKED]
+            momentum = self.norm.momentum if self.norm.momentum is not None else 1.0 / float(tracked[0] + 1)
+            features = F.batch_norm(features, self.buffers[MEAN].view(-1), self.buffers[VAR].view(-1),
+                                    training=True, momentum=momentum, eps=self.norm.eps)
+            tracked.add_(1)
+        return features.view(len(features), self.size, self.width).permute(1, 2, 0)
 
     # --- a member's optimiser state, in a per-head optimiser's layout ----------------------------
     def member_optimizer_state(self, member: int) -> dict[str, Any]:
@@ -182,3 +165,11 @@ class StackedHeads:
                                         else value) for key, value in entry.items()}
                           for index, entry in whole["state"].items()},
                 "param_groups": whole["param_groups"]}
+
+
+def mean_loss_target(labels: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """The labels' one-hot columns (``classes x N``) times ``-1 / N``: summed against
+    log-probabilities, the mean cross-entropy (one call; ``F.one_hot`` would read the largest label
+    back to the host)."""
+    return torch.zeros(classes, len(labels), dtype=dtype, device=labels.device) \
+        .scatter_(0, labels.view(1, -1), -1.0 / len(labels))

@@ -6,7 +6,7 @@ each handful leaves the head short of steps: after the quickstart's 100 epochs s
 the last ``samples`` probed samples' features and sweeping them once per probe (one head step
 per training batch, as the every-batch probe takes) gives the head the every-batch probe's
 number of steps and batch size while the network embeds a fraction of the images (the
-probe's defaults: 16 of 128 every 4th batch, 1/32). The features replayed are at most
+probe's defaults: 16 of 128 every 4th batch, 1/32, and ``replay: {samples: 512}``). The features replayed are at most
 ``samples / samples per probe`` probes old.
 
 The buffer lives on the heads' device and never reads back to the host: adding and choosing
@@ -14,10 +14,12 @@ rows are index kernels, the row counts are known on the host.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+OWNER = "OnlineLinearProbe"
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -87,32 +89,47 @@ def is_whole_number(value: Any, least: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
-class ReplaySweep:
-    """How a probe's fresh samples become its head steps: added to a :class:`FeatureReplay` of
-    ``samples`` rows, then ``head_steps`` steps of ``head_batch`` rows each, newest first, going
-    round the replay again where the steps ask for more rows than it holds.
+@dataclass(frozen=True)
+class Replay:
+    """Replay the last ``samples`` probed samples: per probe, ``head_steps`` head steps of
+    ``head_batch`` rows each, newest first, going round the replay again where the steps ask for
+    more rows than it holds.
 
     Args:
-        samples: the replay's rows.
-        every_n_steps: the probe's cadence; ``head_batch`` defaults to ``samples // every_n_steps``
-            (one sweep of the replay per probe) and ``head_steps`` to ``every_n_steps`` (one head
-            step per training batch).
+        samples: the replay's rows (at least 2 per head step: ``samples // every_n_steps >= 2``).
+        head_batch: rows a head step (default ``samples // every_n_steps``: one sweep a probe).
+        head_steps: head steps a probe (default ``every_n_steps``: one per training batch).
     """
 
-    def __init__(self, samples: int, every_n_steps: int, head_batch: Optional[int] = None,
-                 head_steps: Optional[int] = None, owner: str = "OnlineLinearProbe") -> None:
-        if not (is_whole_number(samples, 2) and samples // every_n_steps >= 2):
-            raise ValueError(f"{owner}: replay_samples must be None or an integer with at least 2 samples per head "
-                             f"step (replay_samples // every_n_steps >= 2), got {samples!r}")
-        if head_batch is not None and not (is_whole_number(head_batch, 2) and head_batch <= samples):
-            raise ValueError(f"{owner}: head_batch must be None or an integer from 2 to replay_samples "
-                             f"({samples}), got {head_batch!r}")
-        if head_steps is not None and not is_whole_number(head_steps, 1):
-            raise ValueError(f"{owner}: head_steps must be None or an integer >= 1 with a replay "
-                             f"(replay_samples {samples}), got {head_steps!r}")
-        self.samples = samples
-        self.head_batch = head_batch or samples // every_n_steps
-        self.head_steps = head_steps or every_n_steps
+    samples: int = 512
+    head_batch: Optional[int] = None
+    head_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not is_whole_number(self.samples, 2):
+            raise ValueError(f"{OWNER}: replay.samples must be an integer >= 2, got {self.samples!r}")
+        if self.head_batch is not None and not (is_whole_number(self.head_batch, 2) and self.head_batch <= self.samples):
+            raise ValueError(f"{OWNER}: replay.head_batch must be None or an integer from 2 to replay.samples "
+                             f"({self.samples}), got {self.head_batch!r}")
+        if self.head_steps is not None and not is_whole_number(self.head_steps, 1):
+            raise ValueError(f"{OWNER}: replay.head_steps must be None or an integer >= 1, got {self.head_steps!r}")
+
+    def sweep(self, every_n_steps: int) -> "ReplaySweep":
+        """How a probe of cadence ``every_n_steps`` steps its heads through this replay."""
+        if self.samples // every_n_steps < 2:
+            raise ValueError(f"{OWNER}: replay.samples must give at least 2 samples per head step "
+                             f"(samples // every_n_steps >= 2), got {self.samples} with every_n_steps {every_n_steps}")
+        return ReplaySweep(self.samples, self.head_batch or self.samples // every_n_steps,
+                           self.head_steps or every_n_steps)
+
+
+@dataclass(frozen=True)
+class ReplaySweep:
+    """A :class:`Replay` at a probe's cadence: ``head_steps`` batches of ``head_batch`` rows a probe."""
+
+    samples: int
+    head_batch: int
+    head_steps: int
 
     def new_replay(self) -> FeatureReplay:
         return FeatureReplay(self.samples)
@@ -127,16 +144,3 @@ class ReplaySweep:
         rows = replay.rows(0, size * self.head_steps, wrap=True)
         chosen, chosen_labels = replay.features.index_select(0, rows), replay.labels.index_select(0, rows)
         return list(zip(chosen.split(size), chosen_labels.split(size)))
-
-
-def replay_sweep(samples: Optional[int], every_n_steps: int, head_batch: Optional[int] = None,
-                 head_steps: Optional[int] = None, owner: str = "OnlineLinearProbe") -> Optional[ReplaySweep]:
-    """The sweep of a probe's settings; ``None`` without a replay (``samples`` None), where
-    ``head_batch`` and ``head_steps`` have nothing to sweep and are a one-line error."""
-    if samples is not None:
-        return ReplaySweep(samples, every_n_steps, head_batch, head_steps, owner)
-    if head_batch is not None:
-        raise ValueError(f"{owner}: head_batch must be None without a replay (replay_samples None), got {head_batch!r}")
-    if head_steps is not None:
-        raise ValueError(f"{owner}: head_steps must be None without a replay (replay_samples None), got {head_steps!r}")
-    return None
