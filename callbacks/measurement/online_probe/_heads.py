@@ -208,7 +208,7 @@ class OnlineProbeHeads:
         classes = group.sets[0].heads[0].linear.out_features
         if len({len(b[1]) for b in batches}) != 1:
             raise ValueError(f"{OWNER}: a sweep's head batches differ in size: {[len(b[1]) for b in batches]}")
-        targets = mean_loss_target(labels, classes, batches[0][0].dtype).mul_(len(labels) / len(batches[0][1])) \
+        targets = mean_loss_target(labels, classes, batches[0][0].dtype, len(batches[0][1])) \
             .split([len(b[1]) for b in batches], dim=1)
         for i, ((features, labels), target) in enumerate(zip(batches, targets)):
             for rate, heads in enumerate(group.sets):

@@ -167,9 +167,9 @@ class StackedHeads:
                 "param_groups": whole["param_groups"]}
 
 
-def mean_loss_target(labels: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Tensor:
-    """The labels' one-hot columns (``classes x N``) times ``-1 / N``: summed against
-    log-probabilities, the mean cross-entropy (one call; ``F.one_hot`` would read the largest label
-    back to the host)."""
+def mean_loss_target(labels: torch.Tensor, classes: int, dtype: torch.dtype, batch: int) -> torch.Tensor:
+    """The labels' one-hot columns (``classes x N``) times ``-1 / batch``: summed against the
+    log-probabilities of a batch of ``batch`` of them, its mean cross-entropy (one call for all the
+    batches of a sweep; ``F.one_hot`` would read the largest label back to the host)."""
     return torch.zeros(classes, len(labels), dtype=dtype, device=labels.device) \
-        .scatter_(0, labels.view(1, -1), -1.0 / len(labels))
+        .scatter_(0, labels.view(1, -1), -1.0 / batch)
