@@ -41,7 +41,8 @@ def run(settings: Settings) -> list[Row]:
         callbacks = clocked(pairs, one=UnsharedKNN(every_n_epochs=1),
                             every=UnsharedKNN(every_n_epochs=1, blocks="all", name="blocks"),
                             one_head=OnlineLinearProbe(every_n_steps=1, max_samples=32),
-                            block_heads=OnlineLinearProbe(every_n_steps=1, max_samples=32, depth=DepthHeads("all"), name="blocks"))
+                            block_heads=OnlineLinearProbe(every_n_steps=1, max_samples=32, depth=DepthHeads("all"),
+                                                          name="blocks"))
         seed_everything(0, verbose=False)
         tr = trainer(settings, root, callbacks, epochs + 1, 1, logger=False)
         tr.fit(vit_tiny_mae(settings), datamodule=quickstart_data(settings))

@@ -272,7 +272,8 @@ def quickstart_evaluations(blocks: Optional[str] = None) -> dict[str, object]:
     """The evaluation callbacks at every validation, in the order of configs/digits_mae.yaml (the
     pictures are the module's own): at their defaults, or with ``blocks="all"`` a probe head and
     a kNN per encoder block as that config sets them."""
-    return {"online probe": OnlineLinearProbe(depth=DepthHeads(blocks) if blocks else None), "kNN": KNNEvaluator(k=20, every_n_epochs=1, blocks=blocks),
+    return {"online probe": OnlineLinearProbe(depth=DepthHeads(blocks) if blocks else None),
+            "kNN": KNNEvaluator(k=20, every_n_epochs=1, blocks=blocks),
             "effective rank": EffectiveRank(every_n_epochs=1, per_block=True), "run summary": RunSummary()}
 
 

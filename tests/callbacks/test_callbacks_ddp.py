@@ -43,7 +43,8 @@ def make_model():
 
 
 def make_callbacks() -> list:
-    return [OnlineLinearProbe(heads=LinearHeads(lr=1e-2), every_n_steps=2, max_samples=3, depth=DepthHeads("all")), KNNEvaluator(k=5),
+    return [OnlineLinearProbe(heads=LinearHeads(lr=1e-2), every_n_steps=2, max_samples=3, depth=DepthHeads("all")),
+            KNNEvaluator(k=5),
             EffectiveRank(per_block=True)]
 
 

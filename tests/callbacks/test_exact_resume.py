@@ -106,7 +106,8 @@ CASES: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], list]]] = {
     # two of every stateful evaluation callback, each with its own state and metric names
     "mae_two_of_each_evaluation": (lambda: tiny_mae("linear"), lambda: [
         KNNEvaluator(k=[1, 3]), KNNEvaluator(k=5, temperature=0.1),
-        OnlineLinearProbe(heads=LinearHeads(lr=[1e-2, 1e-3]), every_n_steps=1), OnlineLinearProbe(heads=LinearHeads(optimizer="sgd"), every_n_steps=2),
+        OnlineLinearProbe(heads=LinearHeads(lr=[1e-2, 1e-3]), every_n_steps=1),
+        OnlineLinearProbe(heads=LinearHeads(optimizer="sgd"), every_n_steps=2),
         EffectiveRank(), EffectiveRank(source="features", per_block=True, draw_profile=False)]),
     # evaluation over depth: its eval_per_block.csv is rewritten whole from the restored states
     "mae_over_depth": (lambda: tiny_mae("linear"), lambda: [

@@ -52,7 +52,8 @@ def test_per_block_online_heads_equal_probes_of_each_block_alone(tmp_path):
         norms = np.linalg.norm(val_blocks[block - 1].double().numpy(), axis=1)
         assert all_rows[block]["feature/norm"] == pytest.approx(float(norms.mean()), rel=1e-12), block
     for block in (1, 2):
-        alone = OnlineLinearProbe(heads=LinearHeads(lr=0.05), every_n_steps=1, max_samples=None, depth=DepthHeads([block]))
+        alone = OnlineLinearProbe(heads=LinearHeads(lr=0.05), every_n_steps=1, max_samples=None,
+                                  depth=DepthHeads([block]))
         fit_blocks(tmp_path / f"b{block}", [alone], data=data, max_epochs=3)
         row = rows_by_block(tmp_path / f"b{block}" / DEPTH_FILE, epoch=2)[block]
         assert row["online_probe/val_top1"] == all_rows[block]["online_probe/val_top1"], block

@@ -107,7 +107,8 @@ def test_probe_sweeps_the_replay_newest_first_one_step_per_training_batch():
     """every_n_steps=2, max_samples=3, replay_samples=6: each probe adds 3 samples, then takes 2
     steps of 3 samples (ages 0-2, then 3-5, wrapping over the samples held). Training batches
     0, 2 and 4 are probed. Reference: the same SGD steps in float64 on the rows those ages name."""
-    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, lr=0.5, optimizer="sgd", momentum=0.0, batch_norm=False), every_n_steps=2, max_samples=3, replay=Replay(samples=6))
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, lr=0.5, optimizer="sgd", momentum=0.0, batch_norm=False),
+                              every_n_steps=2, max_samples=3, replay=Replay(samples=6))
     probe.build_heads(4)
     weight = probe.head.linear.weight.detach().double().numpy().copy()
     bias = probe.head.linear.bias.detach().double().numpy().copy()
@@ -171,7 +172,8 @@ def test_a_probe_with_a_non_finite_feature_is_skipped_with_a_warning(bad):
 
     trainer = SimpleNamespace(sanity_checking=False,
                               precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext))
-    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, optimizer="sgd"), every_n_steps=1, max_samples=None, replay=None)
+    probe = OnlineLinearProbe(heads=LinearHeads(num_classes=3, optimizer="sgd"), every_n_steps=1, max_samples=None,
+                              replay=None)
     module = FeaturesAsGiven()
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)

@@ -66,7 +66,8 @@ def test_knn_list_of_k_logs_the_values_of_the_single_k_runs(tmp_path):
 
 def test_two_of_each_callback_share_a_trainer_with_their_own_keys_and_names(tmp_path):
     callbacks = [KNNEvaluator(), KNNEvaluator(k=5, temperature=0.1), OnlineLinearProbe(),
-                 OnlineLinearProbe(heads=LinearHeads(lr=0.001), name="slow"), EffectiveRank(), EffectiveRank(source="features")]
+                 OnlineLinearProbe(heads=LinearHeads(lr=0.001), name="slow"), EffectiveRank(),
+                 EffectiveRank(source="features")]
     logged = fit_tiny_with(tmp_path, callbacks).callback_metrics
     assert len({cb.state_key for cb in callbacks}) == len(callbacks)
     # the instance at the defaults keeps the plain names: a second kNN leaves the first's column as it was
