@@ -199,16 +199,14 @@ class OnlineProbeHeads:
         self.steps += 1
         return torch.stack(sums)
 
-    @staticmethod
-    def _steps(group: WidthGroup, batches: Batches, scored: Optional[int], fresh: int,
+    def _steps(self, group: WidthGroup, batches: Batches, scored: Optional[int], fresh: int,
                sums: list[Optional[torch.Tensor]]) -> None:
         """Every rate's heads of ``group`` step on each batch in turn; the first batch's first
         ``fresh`` samples (the newest) are scored for the final features' heads."""
         labels = batches[0][1] if len(batches) == 1 else torch.cat([b[1] for b in batches])
-        classes = group.sets[0].heads[0].linear.out_features
         if len({len(b[1]) for b in batches}) != 1:
             raise ValueError(f"{OWNER}: a sweep's head batches differ in size: {[len(b[1]) for b in batches]}")
-        targets = mean_loss_target(labels, classes, batches[0][0].dtype, len(batches[0][1])) \
+        targets = mean_loss_target(labels, self.num_classes, batches[0][0].dtype, len(batches[0][1])) \
             .split([len(b[1]) for b in batches], dim=1)
         for i, ((features, labels), target) in enumerate(zip(batches, targets)):
             for rate, heads in enumerate(group.sets):

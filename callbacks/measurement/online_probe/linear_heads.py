@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from callbacks.settings_key import format_setting
+from .replay import is_whole_number
 
 DEFAULT_LR = {"adamw": 2e-2, "sgd": 0.1}
 OWNER = "OnlineLinearProbe"
@@ -37,8 +38,7 @@ class LinearHeads:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_classes is not None and (isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int)
-                                             or self.num_classes < 2):
+        if self.num_classes is not None and not is_whole_number(self.num_classes, 2):
             raise ValueError(f"{OWNER}: num_classes must be >= 2 or None, got {self.num_classes!r}")
         if self.optimizer not in DEFAULT_LR:
             raise ValueError(f"{OWNER}: optimizer must be one of {tuple(DEFAULT_LR)}, got {self.optimizer!r}")
